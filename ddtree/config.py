@@ -1,0 +1,81 @@
+"""EngineConfig: every engine knob, built once from the deployment's parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+MODES = ("ar", "dflash", "ddtree")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    target_path: str
+    drafter_path: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    default_mode: str = "ddtree"
+    default_tree_budget: int = 16
+    max_tree_budget: int = 1024
+    max_model_len: int = 2048          # prompt + generated tokens per request
+    max_tokens_limit: int = 2048       # upper bound a request may ask for
+    default_max_tokens: int = 256
+    num_threads: int = 0               # torch CPU threads; 0 keeps torch's default
+    seed: int = 0                      # seed for requests that give none
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.default_mode not in MODES:
+            raise ValueError(f"default_mode must be one of {MODES}, got {self.default_mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 1 <= self.max_tree_budget <= 4096:
+            raise ValueError(f"max_tree_budget must be in [1, 4096], got {self.max_tree_budget}")
+        if not 1 <= self.default_tree_budget <= self.max_tree_budget:
+            raise ValueError(
+                f"default_tree_budget must be in [1, {self.max_tree_budget}], got {self.default_tree_budget}"
+            )
+        if self.default_mode != "ar" and not self.drafter_path:
+            raise ValueError(f"default_mode {self.default_mode!r} needs drafter_path")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], base_dir: str | Path | None = None) -> "EngineConfig":
+        """Build from string-valued parameters (Triton config.pbtxt); unknown keys are an error."""
+        known = {f.name: f for f in fields(cls) if f.name != "extra"}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(known)}")
+        kwargs: dict[str, Any] = {}
+        for name, raw in values.items():
+            if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+                continue
+            kind = known[name].type
+            if "int" in str(kind) and "str" not in str(kind):
+                kwargs[name] = int(raw)
+            elif "bool" in str(kind):
+                kwargs[name] = _as_bool(raw)
+            else:
+                kwargs[name] = str(raw)
+        for key in ("target_path", "drafter_path"):
+            if kwargs.get(key) and base_dir is not None and not Path(kwargs[key]).is_absolute():
+                kwargs[key] = str((Path(base_dir) / kwargs[key]).resolve())
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

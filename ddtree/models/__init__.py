@@ -1,0 +1,1 @@
+"""Serving forwards: dense targets (Llama, Qwen3) and the DFlash drafter."""

@@ -1,0 +1,204 @@
+"""DenseTarget: serving forward for Llama- and Qwen3-family HF checkpoints.
+
+A static KV cache holds the committed prefix; a forward takes query tokens with their own
+positions and an ancestor mask among themselves (a tree, a chain, or a prompt), appends their
+K/V after the prefix, and returns logits and the hidden states the drafter taps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
+from ddtree.models.loader import load_state_dict, read_config, rope_scaling, rope_theta
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class DenseConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DenseConfig":
+        model_type = hf.get("model_type", "")
+        if model_type not in SUPPORTED_TYPES:
+            raise ValueError(f"target model_type {model_type!r} is not a supported dense type {SUPPORTED_TYPES}")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        return cls(
+            model_type=model_type, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=rope_theta(hf),
+            rope_scaling=rope_scaling(hf), tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            mlp_bias=hf.get("mlp_bias", False), qk_norm=model_type == "qwen3", eos_token_ids=eos_ids,
+        )
+
+
+class KVCache:
+    """Static per-layer K/V for one sequence: [num_layers, max_len, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.k = torch.zeros(num_layers, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.max_len = max_len
+
+    def compact(self, start: int, accepted: list[int]) -> None:
+        """Move the K/V of accepted tree rows to start + 0..len-1 (accepted[i] >= i, so in place is safe)."""
+        if accepted == list(range(len(accepted))):
+            return
+        src = torch.tensor(accepted, dtype=torch.long, device=self.k.device) + start
+        self.k[:, start : start + len(accepted)] = self.k[:, src]
+        self.v[:, start : start + len(accepted)] = self.v[:, src]
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DenseConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                layer: int, start: int, mask: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        cache.k[layer, start : start + n] = k
+        cache.v[layer, start : start + n] = v
+        keys, values = cache.k[layer, : start + n], cache.v[layer, : start + n]
+        out = attend(q, keys, values, mask, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DenseConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                layer: int, start: int, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layer, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseTarget(nn.Module):
+    """Target model; `forward` is one prefill or one tree verify over the static cache."""
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def new_cache(self, max_len: int) -> KVCache:
+        c, p = self.config, self.embed_tokens.weight
+        return KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden  # [n, hidden] after the final norm -> [n, vocab]"""
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
+                visibility: torch.Tensor, tap_layers: list[int] | None = None,
+                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run n query tokens after `start` committed cache entries.
+
+        input_ids, positions  # [n]; visibility  # [n, n] bool among the queries (causal for a prompt)
+        Returns logits  # [rows, vocab] and taps  # [n, len(tap_layers) * hidden] (outputs of
+        decoder layers `tap_layers`, i.e. HF hidden_states[L + 1]).
+        """
+        n = input_ids.shape[0]
+        assert start + n <= cache.max_len, f"cache overflow: {start} + {n} > {cache.max_len}"
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=input_ids.device)
+        mask[:, start:] = visibility
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        taps = []
+        wanted = set(tap_layers or ())
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache, i, start, mask)
+            if i in wanted:
+                taps.append(x)
+        if tap_layers:
+            order = {layer: t for layer, t in zip(sorted(wanted), taps)}
+            tapped = torch.cat([order[layer] for layer in tap_layers], dim=-1)
+        else:
+            tapped = None
+        h = x if logit_rows is None else x[logit_rows]
+        return self.lm_head(self.norm(h)), tapped
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str = "cpu") -> "DenseTarget":
+        config = DenseConfig.from_hf(read_config(path))
+        with torch.device("meta"):
+            model = cls(config)
+        state = load_state_dict(path, desc=f"loading target {Path(path).name}")
+        remapped = {}
+        for key, tensor in state.items():
+            name = key.removeprefix("model.")
+            if name.startswith("lm_head.") or key.startswith("lm_head."):
+                name = key
+            remapped[name] = tensor
+        if config.tie_word_embeddings or "lm_head.weight" not in remapped:
+            remapped["lm_head.weight"] = remapped["embed_tokens.weight"]
+        missing = set(model.state_dict()) - set(remapped)
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:8]}")
+        unexpected = sorted(k for k in set(remapped) - set(model.state_dict()) if "rotary" not in k)
+        if unexpected:
+            logger.warning("ignoring %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:4])
+        model.load_state_dict({k: remapped[k] for k in model.state_dict()}, assign=True, strict=True)
+        model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        logger.info("target %s: %s, %d layers, hidden %d, vocab %d", Path(path).name, config.model_type,
+                    config.num_hidden_layers, config.hidden_size, config.vocab_size)
+        return model.to(device=device, dtype=dtype).eval()

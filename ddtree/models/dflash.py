@@ -1,0 +1,241 @@
+"""DFlash drafter: loads z-lab DFlash checkpoints as published and drafts one block per call.
+
+The drafter has no embedding and no lm_head: it reads the target's embedding of
+[root, MASK, ..., MASK] and the target's lm_head turns its outputs into draft logits.
+Context K/V come from the target's tapped hidden states (fc -> hidden_norm, shared by every
+layer) and persist in the drafter's cache; block K/V are never stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
+from ddtree.models.loader import load_state_dict, read_config, rope_scaling, rope_theta
+
+logger = logging.getLogger(__name__)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's default taps: evenly spaced between layer 1 and num_target_layers - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True, slots=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    attention_bias: bool
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    sliding_windows: tuple[int | None, ...]   # per layer; None = full attention
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DFlashConfig":
+        dflash = hf.get("dflash_config") or {}
+        if "block_size" not in hf:
+            raise ValueError("DFlash config.json lacks block_size")
+        if dflash.get("mask_token_id") is None:
+            raise ValueError("DFlash config.json lacks dflash_config.mask_token_id")
+        layers = hf["num_hidden_layers"]
+        ids = dflash.get("target_layer_ids") or default_target_layer_ids(hf["num_target_layers"], layers)
+        types = hf.get("layer_types") or ["full_attention"] * layers
+        windows = tuple(hf.get("sliding_window") if t == "sliding_attention" else None for t in types)
+        heads = hf["num_attention_heads"]
+        return cls(
+            hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"], num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta(hf), rope_scaling=rope_scaling(hf),
+            attention_bias=hf.get("attention_bias", False), block_size=int(hf["block_size"]),
+            mask_token_id=int(dflash["mask_token_id"]), target_layer_ids=tuple(int(i) for i in ids),
+            sliding_windows=windows,
+        )
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DFlashConfig, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.window = window
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        return apply_rotary(k, *rope), self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DFlashConfig, window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DraftAttention(c, window)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+
+
+class DraftCache:
+    """Context K/V per draft layer: [num_layers, max_len, kv_heads, head_dim]; length = context tokens."""
+
+    def __init__(self, c: DFlashConfig, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.k = torch.zeros(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DraftLayer(config, w) for w in config.sliding_windows)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def new_cache(self, max_len: int) -> DraftCache:
+        p = self.fc.weight
+        return DraftCache(self.config, max_len, p.dtype, p.device)
+
+    def add_context(self, cache: DraftCache, taps: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append context tokens: taps  # [m, len(target_layer_ids) * hidden], positions  # [m]."""
+        m = taps.shape[0]
+        ctx = self.hidden_norm(self.fc(taps))
+        rope = self.rotary(positions, ctx.dtype)
+        end = cache.length + m
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, rope)
+            cache.k[i, cache.length : end] = k
+            cache.v[i, cache.length : end] = v
+        cache.length = end
+
+    def forward(self, cache: DraftCache, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
+        """Hidden states of the block after the final norm.
+
+        block_embeds  # [block_size, hidden] = target embedding of [root, MASK, ...]; the root sits
+        at position `start` and every context token before it is in `cache`. Attention is
+        bidirectional within the block and unrestricted over the context (except sliding windows).
+        """
+        b = block_embeds.shape[0]
+        positions = torch.arange(start, start + b, device=block_embeds.device)
+        rope = self.rotary(positions, block_embeds.dtype)
+        key_pos = torch.arange(cache.length + b, device=block_embeds.device)
+        key_pos[cache.length :] = positions
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_norm(attn.q_proj(x).view(b, attn.num_heads, attn.head_dim))
+            q = apply_rotary(q, *rope)
+            k_block, v_block = attn.project_kv(x, rope)
+            keys = torch.cat([cache.k[i, : cache.length], k_block])
+            values = torch.cat([cache.v[i, : cache.length], v_block])
+            mask = None
+            if attn.window is not None:
+                mask = (positions[:, None] - key_pos[None, :]) < attn.window
+            out = attend(q, keys, values, mask, attn.head_dim**-0.5)
+            h = h + attn.o_proj(out.reshape(b, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str = "cpu") -> "DFlashDrafter":
+        config = DFlashConfig.from_hf(read_config(path))
+        with torch.device("meta"):
+            model = cls(config)
+        state = {k.removeprefix("model."): v for k, v in load_state_dict(path, desc="loading drafter").items()}
+        expected = set(model.state_dict())
+        missing = expected - set(state)
+        if missing:
+            raise ValueError(f"DFlash checkpoint {path} lacks tensors {sorted(missing)[:8]}")
+        extra = sorted(set(state) - expected)
+        if extra:
+            logger.info("drafter: ignoring tensors not used here (e.g. shared embeddings): %s", extra[:4])
+        model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+        model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        logger.info("drafter %s: %d layers, block %d, taps %s, mask id %d", Path(path).name,
+                    config.num_hidden_layers, config.block_size, list(config.target_layer_ids), config.mask_token_id)
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def dflash_hf_config(target_hf: dict, num_layers: int, block_size: int, mask_token_id: int,
+                     target_layer_ids: list[int] | None = None, layer_types: list[str] | None = None,
+                     sliding_window: int | None = None) -> dict:
+    """A config.json in the published z-lab layout for a drafter of `target_hf`."""
+    heads = target_hf["num_attention_heads"]
+    ids = target_layer_ids or default_target_layer_ids(target_hf["num_hidden_layers"], num_layers)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "hidden_size": target_hf["hidden_size"],
+        "intermediate_size": target_hf["intermediate_size"],
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target_hf.get("num_key_value_heads", heads),
+        "head_dim": target_hf.get("head_dim") or target_hf["hidden_size"] // heads,
+        "rms_norm_eps": target_hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope_theta(target_hf),
+        "max_position_embeddings": target_hf.get("max_position_embeddings", 8192),
+        "vocab_size": target_hf["vocab_size"],
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "num_target_layers": target_hf["num_hidden_layers"],
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids},
+        "layer_types": layer_types or ["full_attention"] * num_layers,
+        "sliding_window": sliding_window,
+        "torch_dtype": "float32",
+    }
+
+
+def init_random_drafter(hf_config: dict, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random weights keyed as the published checkpoint (layers.N.*, fc, hidden_norm, norm)."""
+    config = DFlashConfig.from_hf(hf_config)
+    generator = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(config)
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if key.endswith("norm.weight"):
+            state[key] = torch.ones_like(tensor)
+        elif key.endswith(".bias"):
+            state[key] = torch.zeros_like(tensor)
+        else:
+            state[key] = torch.randn(tensor.shape, generator=generator) * std
+    return state
+
+
+def save_drafter(path: str | Path, hf_config: dict, state: dict[str, torch.Tensor]) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))

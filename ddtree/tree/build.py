@@ -1,0 +1,82 @@
+"""build_tree(draft log-probs, budget) -> DraftTree, DDTree's best-first rule."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class DraftTree:
+    """Nodes 1..num_nodes in pop order (node 0 is the root, which holds no draft token)."""
+    tokens: list[int]                 # [num_nodes + 1]; tokens[0] is a placeholder for the root
+    parents: list[int]                # [num_nodes + 1]; parents[0] = -1, parents[i] < i
+    depths: list[int]                 # [num_nodes + 1]; depths[0] = 0
+    children: list[dict[int, int]]    # per node: token -> child node index
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens) - 1
+
+
+def _empty_tree() -> DraftTree:
+    return DraftTree(tokens=[-1], parents=[-1], depths=[0], children=[{}])
+
+
+def _add_node(tree: DraftTree, token: int, parent: int, depth: int) -> int:
+    index = len(tree.tokens)
+    assert parent < index, f"node {index} precedes parent {parent}"
+    tree.tokens.append(token)
+    tree.parents.append(parent)
+    tree.depths.append(depth)
+    tree.children.append({})
+    tree.children[parent][token] = index
+    return index
+
+
+def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k log-probabilities and token ids per depth, ranks sorted descending.
+
+    draft_logits  # [depth_limit, vocab]
+    """
+    logits = draft_logits.float()
+    k = min(k, logits.shape[-1])
+    top_logits, top_ids = torch.topk(logits, k=k, dim=-1)
+    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+    return (top_logits - log_z).cpu().double().numpy(), top_ids.cpu().numpy()
+
+
+def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> DraftTree:
+    """The `budget` prefixes of highest draft probability, popped best-first.
+
+    log_probs, token_ids  # [depth_limit, k], ranks sorted descending per depth.
+    A path's weight is the product of its per-depth draft marginals; ties break on the
+    lexicographic rank tuple, as in the reference implementation.
+    """
+    tree = _empty_tree()
+    depth_limit, k = log_probs.shape
+    if budget <= 0 or depth_limit == 0 or k == 0:
+        return tree
+    first = float(log_probs[0, 0])
+    heap = [(-first, (0,), 0, 1, 0, first)]  # (-log w, ranks, parent, depth, rank, log w)
+    while heap and tree.num_nodes < budget:
+        _, ranks, parent, depth, rank, log_w = heapq.heappop(heap)
+        node = _add_node(tree, int(token_ids[depth - 1, rank]), parent, depth)
+        if rank + 1 < k:
+            sibling_w = log_w - float(log_probs[depth - 1, rank]) + float(log_probs[depth - 1, rank + 1])
+            heapq.heappush(heap, (-sibling_w, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling_w))
+        if depth < depth_limit:
+            child_w = log_w + float(log_probs[depth, 0])
+            heapq.heappush(heap, (-child_w, ranks + (0,), node, depth + 1, 0, child_w))
+    return tree
+
+
+def build_chain(token_ids: list[int]) -> DraftTree:
+    """A linear chain (linear DFlash): node d holds the depth-d draft token."""
+    tree = _empty_tree()
+    for depth, token in enumerate(token_ids, start=1):
+        _add_node(tree, int(token), depth - 1, depth)
+    return tree

@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Run the real tritonserver unpacked by scripts/setup_tritonserver.sh (standard library only).
+
+As a module::
+
+    from triton_env import TritonServer
+    with TritonServer("model_repository") as server:       # start() + wait_ready()
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+
+As a command::
+
+    python scripts/triton_env.py serve --model-repository model_repository [--http-port 8000 ...] [-- EXTRA ARGS]
+    python scripts/triton_env.py command --model-repository model_repository   # print the shell line only
+
+The Python backend runs model.py in ``triton_python_backend_stub``, which embeds libpython3.X: the stub must
+match the interpreter whose packages model.py imports (``python=``, default: this interpreter). That
+interpreter decides LD_LIBRARY_PATH (its libpython), PYTHONPATH (its site-packages + the repository root)
+and which stub is used. Set TRITON_HOME to use an unpacked server somewhere else than .deps/tritonserver.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRITON_HOME = Path(os.environ.get("TRITON_HOME", REPO_ROOT / ".deps" / "tritonserver"))
+SERVER_DIR = TRITON_HOME / "pytriton" / "tritonserver"  # the wheel's layout; its RPATHs rely on it
+LIBS_DIR = TRITON_HOME / "nvidia_pytriton.libs"
+STUB = "triton_python_backend_stub"
+
+_QUERY = r"""
+import json, sys, sysconfig
+v = sysconfig.get_config_var
+paths = sysconfig.get_paths()
+print(json.dumps({
+    "version": "%d.%d" % sys.version_info[:2],
+    "executable": sys.executable,
+    "libdirs": [d for d in (v("LIBDIR"), v("LIBPL"), sys.base_prefix + "/lib") if d],
+    "soname": v("INSTSONAME") or "libpython%d.%d.so.1.0" % sys.version_info[:2],
+    "shared": bool(v("Py_ENABLE_SHARED")),
+    "site_packages": list(dict.fromkeys([paths["purelib"], paths["platlib"]])),
+}))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def python_info(python: str = sys.executable) -> dict:
+    """Version, libpython directory and site-packages of the interpreter ``python`` (asked by running it)."""
+    out = subprocess.run([python, "-c", _QUERY], check=True, capture_output=True, text=True).stdout
+    info = json.loads(out)
+    soname = info["soname"]
+    for d in info["libdirs"] + ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"]:
+        if (Path(d) / soname).exists():
+            info["libpython_dir"] = d
+            break
+    else:
+        raise RuntimeError(
+            f"{python} (Python {info['version']}) has no {soname} in {info['libdirs']}: the Python backend "
+            "stub needs a shared libpython (Python built with --enable-shared)."
+        )
+    return info
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_directory(version: str) -> Path:
+    """A --backend-directory whose python/ holds the stub for Python ``version``.
+
+    The default backends/ is used when its stub already matches (setup_tritonserver.sh put $PYTHON's there);
+    otherwise backends-py<version>/python/ is made with links to the shared files, so that servers for
+    different Python versions never overwrite each other's stub.
+    """
+    stub = SERVER_DIR / "python_backend_stubs" / version / STUB
+    if not stub.exists():
+        have = sorted(p.name for p in (SERVER_DIR / "python_backend_stubs").glob("3.*"))
+        raise FileNotFoundError(
+            f"no Python {version} backend stub in {TRITON_HOME} (have: {have}); run "
+            f"scripts/setup_tritonserver.sh --stubs {','.join(have + [version])}"
+        )
+    default = SERVER_DIR / "backends"
+    if (default / "python" / STUB).read_bytes() == stub.read_bytes():
+        return default
+    per_version = SERVER_DIR / f"backends-py{version}"
+    py = per_version / "python"
+    if not (py / STUB).exists():
+        py.mkdir(parents=True, exist_ok=True)
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            if not (py / name).exists():
+                (py / name).symlink_to(Path("..", "..", "backends", "python", name))
+        tmp = py / f".{STUB}.{os.getpid()}"
+        tmp.symlink_to(Path("..", "..", "python_backend_stubs", version, STUB))
+        os.replace(tmp, py / STUB)
+    return per_version
+
+
+def server_command(
+    model_repository: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    python: str = sys.executable,
+    log_verbose: int = 0,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> tuple[list[str], dict[str, str]]:
+    """argv and the full environment that run tritonserver with model.py executed by ``python``'s version."""
+    server = SERVER_DIR / "bin" / "tritonserver"
+    if not server.exists():
+        raise FileNotFoundError(f"{server} is missing: run scripts/setup_tritonserver.sh")
+    info = python_info(python)
+    env = dict(os.environ)
+    ld = [str(LIBS_DIR), info["libpython_dir"]] + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
+    env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(ld))
+    pp = [str(REPO_ROOT)] + info["site_packages"] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    env["PYTHONPATH"] = ":".join(dict.fromkeys(pp))
+    argv = [
+        str(server),
+        f"--model-repository={Path(model_repository).resolve()}",
+        f"--backend-directory={backend_directory(info['version'])}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        f"--log-verbose={log_verbose}",
+        *extra_args,
+    ]
+    return argv, env
+
+
+def shell_line(argv: list[str], env: dict[str, str]) -> str:
+    """A copy-pasteable shell line: the variables server_command sets, then argv."""
+    pre = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("LD_LIBRARY_PATH", "PYTHONPATH"))
+    return f"{pre} {shlex.join(argv)}"
+
+
+class TritonServer:
+    """tritonserver as a child process; a context manager that starts it and waits until it is ready.
+
+    Ports left as None are picked with free_port(). The server's output goes to ``log_path``.
+    """
+
+    def __init__(
+        self,
+        model_repository: str,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        python: str = sys.executable,
+        log_verbose: int = 0,
+        extra_args: list[str] | tuple[str, ...] = (),
+        log_path: str | None = None,
+    ):
+        self.model_repository = model_repository
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.python = python
+        self.log_verbose = log_verbose
+        self.extra_args = list(extra_args)
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    http_url = property(lambda self: f"127.0.0.1:{self.http_port}")  # tritonclient.http's url
+    grpc_url = property(lambda self: f"127.0.0.1:{self.grpc_port}")  # tritonclient.grpc's url
+    metrics_url = property(lambda self: f"http://127.0.0.1:{self.metrics_port}/metrics")
+
+    def start(self) -> "TritonServer":
+        argv, env = server_command(
+            self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
+            self.python, self.log_verbose, self.extra_args,
+        )
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {shell_line(argv, env)}\n".encode())
+            log.flush()
+            # Own process group: stop() can also kill the stub processes if the server hangs.
+            self.process = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        atexit.register(self.stop)
+        return self
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def is_ready(self) -> bool:
+        try:
+            url = f"http://{self.http_url}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 120.0) -> "TritonServer":
+        """Poll /v2/health/ready until 200; raise with the log's tail if the server exits or time runs out."""
+        if self.process is None:
+            raise RuntimeError("start() first")
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready():
+            rc = self.process.poll()
+            if rc is not None:
+                raise RuntimeError(f"tritonserver exited with {rc}; {self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tritonserver not ready after {timeout_s}s; {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.25)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL to the whole process group after ``timeout_s``. Returns the exit status."""
+        atexit.unregister(self.stop)
+        p = self.process
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the server, and any stub it left behind
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return p.wait()
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("serve", "run tritonserver in the foreground (exec)"), ("command", "print the command")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--model-repository", required=True)
+        p.add_argument("--http-port", type=int, default=8000)
+        p.add_argument("--grpc-port", type=int, default=8001)
+        p.add_argument("--metrics-port", type=int, default=8002)
+        p.add_argument("--python", default=sys.executable, help="interpreter whose version/packages run model.py")
+        p.add_argument("--log-verbose", type=int, default=0)
+        p.add_argument("extra", nargs="*", help="more tritonserver arguments, after --")
+    args = ap.parse_args(argv)
+    cmd, env = server_command(
+        args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
+        args.python, args.log_verbose, args.extra,
+    )
+    print(shell_line(cmd, env), flush=True)
+    if args.cmd == "serve":
+        os.execve(cmd[0], cmd, env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
