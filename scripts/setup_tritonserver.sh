@@ -62,7 +62,7 @@ else
   log "unpacking $(basename "$WHEEL") -> $DEST (stubs: $STUBS; default stub: $PYVER)"
   rm -rf "$DEST.tmp"
   # zipfile does not keep permissions; restore the mode bits stored in the wheel.
-  "$PYTHON" - "$WHEEL" "$DEST.tmp" "$STUBS" <<'EOF'
+  SCRIPTS="$ROOT/scripts" "$PYTHON" - "$WHEEL" "$DEST.tmp" "$STUBS" <<'EOF'
 import os, sys, zipfile
 wheel, dest, stubs = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 keep = ("pytriton/tritonserver/bin/", "pytriton/tritonserver/backends/python/", "nvidia_pytriton.libs/")
@@ -77,6 +77,12 @@ with zipfile.ZipFile(wheel) as z:
         path = z.extract(info, dest)
         os.chmod(path, 0o755 if (info.external_attr >> 16) & 0o111 else 0o644)
         n += 1
+# The stubs (pybind11 2.10) start Python >= 3.11 with an isolated config that ignores PYTHONPATH.
+# triton_python_backend_utils is imported before model.py (and before numpy): honour PYTHONPATH there.
+utils = f"{dest}/pytriton/tritonserver/backends/python/triton_python_backend_utils.py"
+shim = open(os.path.join(os.environ["SCRIPTS"], "stub_pythonpath_shim.py")).read()
+code = open(utils).read()
+open(utils, "w").write(shim + "\n" + code)
 missing = [v for v in stubs if not os.path.exists(f"{dest}/pytriton/tritonserver/python_backend_stubs/{v}")]
 if missing:
     sys.exit(f"no backend stub for Python {missing} in {wheel}")

@@ -1,0 +1,105 @@
+"""Triton adapter for the DDTree engine: validate, submit, stream; nothing else lives here."""
+
+import logging
+import sys
+from pathlib import Path
+
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from ddtree import api  # noqa: E402
+from ddtree.config import EngineConfig  # noqa: E402
+from ddtree.engine import Engine  # noqa: E402
+from ddtree.errors import InvalidRequest  # noqa: E402
+from ddtree.serving import GenerationService  # noqa: E402
+from ddtree.triton_common import (TritonLogHandler, load_tokenizer, model_parameters,  # noqa: E402
+                                  output_tensors, plain_inputs, project_root)
+
+INPUTS = {api.INPUT_IDS: "ids", api.TEXT_INPUT: "bytes", api.STREAM: "bool", api.SAMPLING_PARAMETERS: "bytes",
+          api.EXCLUDE_INPUT_IN_OUTPUT: "bool", **{name: "bool" for name in api.RETURN_FLAGS}}
+ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "internal": "INTERNAL",
+               "unavailable": "UNAVAILABLE"}
+
+
+class TritonSink:
+    """A Triton response sender seen as a ddtree.serving.ResponseSink."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+    def send(self, outputs, final):
+        response = pb_utils.InferenceResponse(output_tensors(pb_utils, outputs))
+        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def send_error(self, message, kind, final=True):
+        error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, ERROR_CODES[kind]))
+        self.sender.send(pb_utils.InferenceResponse(error=error),
+                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        package_logger = logging.getLogger("ddtree")
+        package_logger.setLevel(logging.INFO)
+        package_logger.addHandler(TritonLogHandler(pb_utils))
+        self.config = EngineConfig.from_dict(model_parameters(args), base_dir=project_root(args))
+        package_logger.info("engine config: %s", self.config)
+        engine = Engine(self.config)
+        self.metrics = _Metrics(args["model_name"])
+        self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update)
+        self.num_requests = 0
+
+    def execute(self, requests):
+        for request in requests:
+            self.num_requests += 1
+            request_id = request.request_id() or f"req-{self.num_requests}"
+            sink = TritonSink(request.get_response_sender())
+            try:
+                parsed = api.parse_generate(plain_inputs(pb_utils, request, INPUTS), self.config)
+            except InvalidRequest as e:
+                logging.getLogger("ddtree").info("[%s] rejected: %s", request_id, e)
+                sink.send_error(str(e), "invalid")
+                continue
+            self.service.submit(request_id, parsed, sink)
+        return None
+
+    def is_ready(self):
+        return self.service.is_healthy
+
+    def finalize(self):
+        self.service.shutdown()
+
+
+class _Metrics:
+    """Prometheus gauges/counters through Triton's custom-metrics API (skipped if metrics are off)."""
+
+    def __init__(self, model_name):
+        labels = {"model": model_name}
+        self.last = {}
+        try:
+            gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
+            self.families = [
+                pb_utils.MetricFamily("ddtree_active_requests", "Requests being decoded", gauge),
+                pb_utils.MetricFamily("ddtree_waiting_requests", "Requests waiting for the engine", gauge),
+                pb_utils.MetricFamily("ddtree_output_tokens_total", "Tokens generated", counter),
+                pb_utils.MetricFamily("ddtree_rounds_total", "Decoding rounds of finished requests", counter),
+                pb_utils.MetricFamily("ddtree_requests_cancelled_total", "Requests cancelled", counter),
+            ]
+            self.metrics = [family.Metric(labels=labels) for family in self.families]
+        except Exception:  # metrics disabled on the server
+            self.metrics = []
+
+    def update(self, stats):
+        if not self.metrics:
+            return
+        active, waiting, tokens, rounds, cancelled = self.metrics
+        active.set(stats.num_active)
+        waiting.set(stats.num_waiting)
+        for metric, name in ((tokens, "num_output_tokens"), (rounds, "num_rounds"), (cancelled, "num_cancelled")):
+            value = getattr(stats, name)
+            metric.increment(value - self.last.get(name, 0))
+            self.last[name] = value
