@@ -54,14 +54,17 @@ class GenerationService:
         self.stats = ServiceStats()
         self.on_stats = on_stats          # called after each change of stats (metrics)
         self.is_healthy = True
+        self._lock = threading.Lock()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._worker.start()
 
     def submit(self, request_id: str, request: api.GenerateRequest, sink: ResponseSink) -> None:
-        self.stats.num_waiting += 1
+        # Stats are reported from the worker thread only: Triton's metric calls are IPC round-trips
+        # that must not race with the engine thread's own.
+        with self._lock:
+            self.stats.num_waiting += 1
         self._jobs.put(Job(request_id, request, sink, time.perf_counter()))
-        self._report()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._jobs.put(None)
@@ -73,8 +76,9 @@ class GenerationService:
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            self.stats.num_waiting -= 1
-            self.stats.num_active += 1
+            with self._lock:
+                self.stats.num_waiting -= 1
+                self.stats.num_active += 1
             self._report()
             try:
                 self._run(job)

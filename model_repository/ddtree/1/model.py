@@ -2,6 +2,7 @@
 
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -18,6 +19,9 @@ from ddtree.triton_common import (TritonLogHandler, load_tokenizer, model_parame
 
 INPUTS = {api.INPUT_IDS: "ids", api.TEXT_INPUT: "bytes", api.STREAM: "bool", api.SAMPLING_PARAMETERS: "bytes",
           api.EXCLUDE_INPUT_IN_OUTPUT: "bool", **{name: "bool" for name in api.RETURN_FLAGS}}
+# The stub's IPC with the server is not safe to enter from two threads at once (a metric update
+# racing a send crashed the backend): every pb_utils call after initialize goes through this lock.
+IPC_LOCK = threading.Lock()
 ERROR_CODES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED", "internal": "INTERNAL",
                "unavailable": "UNAVAILABLE"}
 
@@ -29,16 +33,19 @@ class TritonSink:
         self.sender = sender
 
     def is_cancelled(self):
-        return self.sender.is_cancelled()
+        with IPC_LOCK:
+            return self.sender.is_cancelled()
 
     def send(self, outputs, final):
         response = pb_utils.InferenceResponse(output_tensors(pb_utils, outputs))
-        self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        with IPC_LOCK:
+            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
     def send_error(self, message, kind, final=True):
         error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, ERROR_CODES[kind]))
-        self.sender.send(pb_utils.InferenceResponse(error=error),
-                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        with IPC_LOCK:
+            self.sender.send(pb_utils.InferenceResponse(error=error),
+                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
 
 class TritonPythonModel:
@@ -96,6 +103,10 @@ class _Metrics:
     def update(self, stats):
         if not self.metrics:
             return
+        with IPC_LOCK:
+            self._update(stats)
+
+    def _update(self, stats):
         active, waiting, tokens, rounds, cancelled = self.metrics
         active.set(stats.num_active)
         waiting.set(stats.num_waiting)

@@ -1,0 +1,40 @@
+# Every target is one line calling a script; `make help` lists them.
+PY := .venv/bin/python
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+
+.PHONY: help setup serve test test-unit test-server bench perf-tools lint image tiny
+
+help:            ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+setup:           ## install everything: .venv, tritonserver, embedded default model
+	bash scripts/setup.sh
+
+serve: setup     ## serve the embedded default (SmolLM2-135M-Instruct + DFlash) with a real tritonserver
+	$(PY) scripts/triton_env.py serve --model-repository model_repository --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: setup      ## all tests: unit (CPU) and end-to-end through a tritonserver the tests start
+	$(PY) -m pytest -q tests
+
+test-unit: setup ## unit tests only
+	$(PY) -m pytest -q tests/unit
+
+test-server: setup ## end-to-end server tests only
+	$(PY) -m pytest -q tests/server
+
+perf-tools: setup ## perf_analyzer (+ a newer C runtime for it on glibc < 2.38)
+	bash scripts/setup_perf_analyzer.sh
+
+bench: perf-tools ## benchmark ar / dflash / ddtree in process and through Triton; writes perf/results/
+	$(PY) perf/bench.py --out perf/results
+
+lint:            ## style check
+	$(PY) -m ruff check ddtree client perf scripts tests model_repository
+
+image:           ## build the Blackwell deployment image (needs Docker)
+	docker build -f docker/Dockerfile -t ddtree-triton:latest .
+
+tiny:            ## tiny random checkpoints for experiments (tests make their own)
+	$(PY) scripts/make_tiny_models.py --out models/tiny

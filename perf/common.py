@@ -1,0 +1,49 @@
+"""What every benchmark result records: machine, commit, command."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict:
+    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "num_cpus": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def header() -> dict:
+    return {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "commit": commit(),
+            "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    meta = result["header"]
+    md = (f"# {name}\n\n- command: `{meta['command']}`\n- commit: `{meta['commit']}`\n"
+          f"- machine: `{json.dumps(meta['machine'])}`\n- date: {meta['date']}\n\n{table}\n")
+    (out_dir / f"{name}.md").write_text(md)
+    print(md)

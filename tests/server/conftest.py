@@ -1,0 +1,51 @@
+"""One real tritonserver per test session, serving a copy of model_repository/ with the embedded default."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from triton_env import TritonServer  # noqa: E402
+
+DEFAULT_TARGET = ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
+MAX_MODEL_LEN = 1024
+MAX_TOKENS_LIMIT = 1000
+
+
+def set_parameter(config: Path, key: str, value: str) -> None:
+    text = config.read_text()
+    pattern = rf'(key: "{key}", value: {{ string_value: )"[^"]*"'
+    assert re.search(pattern, text), f"{key} not in {config}"
+    config.write_text(re.sub(pattern, rf'\1"{value}"', text))
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory) -> Path:
+    if not (DEFAULT_TARGET / "config.json").exists():
+        pytest.fail("the embedded default is missing: run `make setup`")
+    repo = tmp_path_factory.mktemp("server") / "model_repository"
+    shutil.copytree(ROOT / "model_repository", repo)
+    for model in ("preprocessing", "postprocessing"):
+        set_parameter(repo / model / "config.pbtxt", "tokenizer_path", str(DEFAULT_TARGET))
+    config = repo / "ddtree" / "config.pbtxt"
+    set_parameter(config, "target_path", str(DEFAULT_TARGET))
+    set_parameter(config, "drafter_path", str(DEFAULT_DRAFTER))
+    set_parameter(config, "max_model_len", str(MAX_MODEL_LEN))
+    set_parameter(config, "max_tokens_limit", str(MAX_TOKENS_LIMIT))
+    set_parameter(config, "max_tree_budget", "64")
+    return repo
+
+
+@pytest.fixture(scope="session")
+def server(model_repository, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server-log") / "tritonserver.log"
+    with TritonServer(str(model_repository), log_path=str(log)) as running:
+        yield running

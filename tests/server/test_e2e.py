@@ -1,0 +1,198 @@
+"""End to end through a real tritonserver: streaming exactness, HTTP, cancellation, bad input."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+from transformers import AutoTokenizer
+
+from client.chat import bool_tensor, build_inputs, stream_chat, string_tensor
+from client.http_generate_stream import generate_stream
+from ddtree.config import EngineConfig
+from ddtree.detokenize import decode
+from ddtree.engine import Engine
+from ddtree.sampling_params import SamplingParams
+from tests.server.conftest import DEFAULT_DRAFTER, DEFAULT_TARGET, MAX_MODEL_LEN, MAX_TOKENS_LIMIT
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "user", "content": "请用中文写一句关于春天的话，并加上表情符号🌸。"}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEFAULT_TARGET)
+
+
+def run_stream(server, messages, sampling, stream=True):
+    texts, finals = [], []
+    for text, outputs in stream_chat(server.grpc_url, "ensemble", build_inputs(messages, sampling, stream=stream)):
+        texts.append(text)
+        finals.append(outputs)
+    return texts, finals[-1]
+
+
+def generate_ids_direct(server, prompt_ids, sampling):
+    """Ask the ddtree model itself (no ensemble) for the output ids of a non-streamed request."""
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    ids = grpcclient.InferInput("input_ids", [len(prompt_ids)], "INT32")
+    ids.set_data_from_numpy(np.array(prompt_ids, dtype=np.int32))
+    inputs = [ids, string_tensor("sampling_parameters", json.dumps(sampling)), bool_tensor("stream", False),
+              bool_tensor("exclude_input_in_output", True)]
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer("ddtree", inputs)
+        result, error = responses.get(timeout=300)
+        assert error is None, error
+        assert int(result.as_numpy("prefix_length")[0]) == 0
+        return result.as_numpy("output_ids").tolist()
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+@pytest.mark.parametrize("chat", range(len(CHATS)))
+def test_streamed_equals_nonstreamed_equals_decode(server, tokenizer, mode, chat):
+    messages = CHATS[chat]
+    sampling = {"max_tokens": 48, "temperature": 0, "mode": mode, "tree_budget": 8}
+    pieces, final = run_stream(server, messages, sampling, stream=True)
+    whole, final_whole = run_stream(server, messages, sampling, stream=False)
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    output_ids = generate_ids_direct(server, prompt_ids, sampling)
+    streamed = "".join(pieces)
+    assert len(whole) == 1
+    assert streamed == whole[0] == decode(tokenizer, output_ids), f"mode {mode} chat {chat}"
+    assert len(pieces) > 2, "the stream should arrive in several responses"
+    assert final["finish_reason"][0] in (b"stop", b"length")
+    assert sum(1 for p in pieces if "\ufffd" in p) == 0
+    assert final_whole["num_input_tokens"][0] == len(prompt_ids)
+
+
+def test_served_output_equals_in_process_engine(server, tokenizer):
+    """Served greedy ids == the engine run in this process on the same prompt (and == ar)."""
+    engine = Engine(EngineConfig(target_path=str(DEFAULT_TARGET), drafter_path=str(DEFAULT_DRAFTER)))
+    prompt_ids = tokenizer.apply_chat_template(CHATS[2], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+    for mode in ("ar", "dflash", "ddtree"):
+        sampling = {"max_tokens": 32, "temperature": 0, "mode": mode, "tree_budget": 16}
+        local = engine.generate_ids(prompt_ids, SamplingParams(max_tokens=32, mode=mode, tree_budget=16)).output_ids
+        assert generate_ids_direct(server, prompt_ids, sampling) == local, mode
+
+
+def test_http_generate_stream_and_generate(server):
+    sampling = json.dumps({"max_tokens": 40, "temperature": 0})
+    payload = {"text_input": "", "messages": json.dumps(CHATS[1]), "stream": True, "sampling_parameters": sampling,
+               "return_finish_reason": True, "return_num_output_tokens": True}
+    events = list(generate_stream(f"http://{server.http_url}", "ensemble", payload))
+    streamed = "".join(e["text_output"] if isinstance(e["text_output"], str) else "".join(e["text_output"])
+                       for e in events)
+    pieces, _ = run_stream(server, CHATS[1], {"max_tokens": 40, "temperature": 0})
+    assert streamed == "".join(pieces)
+    assert sum(e["num_output_tokens"] for e in events) <= 40
+    assert events[-1]["finish_reason"] in ("stop", "length")
+    # non-streaming HTTP generate: exactly one response
+    payload["stream"] = False
+    reply = requests.post(f"http://{server.http_url}/v2/models/ensemble/generate", json=payload, timeout=300)
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["text_output"]
+    assert (text if isinstance(text, str) else "".join(text)) == streamed
+
+
+def test_raw_text_input_with_echo(server):
+    """vLLM contract: non-streamed output echoes the prompt unless exclude_input_in_output."""
+    inputs = [string_tensor("text_input", "Once upon a time"), bool_tensor("stream", False),
+              string_tensor("sampling_parameters", json.dumps({"max_tokens": 8, "temperature": 0}))]
+    texts = [t for t, _ in stream_chat(server.grpc_url, "ensemble", inputs)]
+    assert len(texts) == 1 and texts[0].startswith("Once upon a time") and len(texts[0]) > len("Once upon a time")
+
+
+def metric(server, name: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    return sum(values)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "ddtree"])
+def test_cancelled_stream_frees_its_request(server, tokenizer, model):
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    sampling = {"max_tokens": MAX_TOKENS_LIMIT, "temperature": 0, "ignore_eos": True, "mode": "ar"}
+    if model == "ensemble":
+        inputs = build_inputs(CHATS[0], sampling)
+    else:
+        ids = tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=True, return_dict=False)
+        tensor = grpcclient.InferInput("input_ids", [len(ids)], "INT32")
+        tensor.set_data_from_numpy(np.array(ids, dtype=np.int32))
+        inputs = [tensor, string_tensor("sampling_parameters", json.dumps(sampling)), bool_tensor("stream", True)]
+    cancelled_before = metric(server, "ddtree_requests_cancelled_total")
+    client.async_stream_infer(model, inputs)
+    for _ in range(3):   # the stream is flowing
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.time() + 60
+    while time.time() < deadline and (metric(server, "ddtree_active_requests") > 0
+                                      or metric(server, "ddtree_requests_cancelled_total") <= cancelled_before):
+        time.sleep(0.2)
+    assert metric(server, "ddtree_active_requests") == 0, "the cancelled request still holds the engine"
+    assert metric(server, "ddtree_requests_cancelled_total") == cancelled_before + 1
+    assert "cancelled after" in open(server.log_path).read()
+    # and the engine serves the next request right away
+    pieces, final = run_stream(server, CHATS[0], {"max_tokens": 8, "temperature": 0})
+    assert final["num_output_tokens"] is not None
+
+
+BAD_REQUESTS = [
+    ("empty prompt", dict(text=""), "text_input is empty"),
+    ("prompt longer than the context", dict(text="hello " * (MAX_MODEL_LEN + 10)), "shorter than the context"),
+    ("max_tokens zero", dict(sampling='{"max_tokens": 0}'), "max_tokens must be in"),
+    ("max_tokens above limit", dict(sampling=json.dumps({"max_tokens": MAX_TOKENS_LIMIT + 1})), "max_tokens must be in"),
+    ("malformed sampling JSON", dict(sampling='{"max_tokens": 5'), "not valid JSON"),
+    ("unknown mode", dict(sampling='{"mode": "beam"}'), "mode must be one of"),
+    ("budget too large", dict(sampling='{"tree_budget": 65}'), "tree_budget must be in"),
+    ("budget zero", dict(sampling='{"tree_budget": 0}'), "tree_budget must be in"),
+    ("invalid UTF-8 prompt", dict(raw_text=b"caf\xc3\x28 bad"), "not valid UTF-8"),
+    ("invalid UTF-8 sampling", dict(raw_sampling=b'{"max_tokens": "\xff"}'), "not valid UTF-8"),
+    ("bad messages", dict(messages='[{"role": 1}]'), "messages[0]"),
+    ("stream with echo", dict(echo=True), "exclude_input_in_output=false is not allowed"),
+]
+
+
+def raw_string(name: str, value: bytes) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([value], dtype=np.object_))
+    return tensor
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_clear_error_and_server_keeps_serving(server, case):
+    _, spec, expected = case
+    inputs = [raw_string("text_input", spec.get("raw_text", spec.get("text", "Hi").encode()))]
+    sampling = spec.get("raw_sampling", spec.get("sampling", '{"max_tokens": 4}').encode() if isinstance(
+        spec.get("sampling", ""), str) else b"")
+    inputs.append(raw_string("sampling_parameters", sampling))
+    if "messages" in spec:
+        inputs.append(string_tensor("messages", spec["messages"]))
+    inputs.append(bool_tensor("stream", True))
+    if spec.get("echo"):
+        inputs.append(bool_tensor("exclude_input_in_output", False))
+    start = time.time()
+    with pytest.raises(RuntimeError) as info:
+        list(stream_chat(server.grpc_url, "ensemble", inputs, timeout_s=60))
+    assert expected in str(info.value), str(info.value)
+    assert time.time() - start < 30
+    pieces, final = run_stream(server, CHATS[0], {"max_tokens": 4, "temperature": 0})
+    assert "".join(pieces) and final["finish_reason"][0] == b"length"
