@@ -35,6 +35,8 @@ INPUT_IDS = "input_ids"
 OUTPUT_IDS = "output_ids"          # window: prefix_length context ids, then new ids
 PREFIX_LENGTH = "prefix_length"
 PROMPT_TEXT = "prompt_text"        # prepended to the text when the input is echoed
+REQUEST_KEY = "request_key"        # names a running request; a stop request carries it back
+STOP_REQUEST_KEY = "stop_request_key"
 
 MAX_REQUEST_BYTES = 1 << 20
 

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +35,8 @@ class Job:
     request: api.GenerateRequest
     sink: ResponseSink
     arrival_s: float
+    key: str
+    is_stopped: bool = False    # set by stop(key): a cancellation that reached us by another route
 
 
 @dataclass(slots=True)
@@ -55,16 +58,29 @@ class GenerationService:
         self.on_stats = on_stats          # called after each change of stats (metrics)
         self.is_healthy = True
         self._lock = threading.Lock()
+        self._by_key: dict[str, Job] = {}
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._worker.start()
 
     def submit(self, request_id: str, request: api.GenerateRequest, sink: ResponseSink) -> None:
+        key = uuid.uuid4().hex
         # Stats are reported from the worker thread only: Triton's metric calls are IPC round-trips
         # that must not race with the engine thread's own.
+        job = Job(request_id, request, sink, time.perf_counter(), key)
         with self._lock:
             self.stats.num_waiting += 1
-        self._jobs.put(Job(request_id, request, sink, time.perf_counter()))
+            self._by_key[key] = job
+        self._jobs.put(job)
+
+    def stop(self, key: str) -> bool:
+        """Stop the request with this key at its next round (Triton ensembles do not pass a
+        client's cancellation to a running step; the postprocessing step relays it here)."""
+        with self._lock:
+            job = self._by_key.get(key)
+        if job is not None:
+            job.is_stopped = True
+        return job is not None
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._jobs.put(None)
@@ -83,7 +99,9 @@ class GenerationService:
             try:
                 self._run(job)
             finally:
-                self.stats.num_active -= 1
+                with self._lock:
+                    self.stats.num_active -= 1
+                    self._by_key.pop(job.key, None)
                 self._report()
 
     def _run(self, job: Job) -> None:
@@ -94,14 +112,15 @@ class GenerationService:
         request = Request(request_id=rid, prompt_ids=req.prompt_ids, params=params)
         stream = _Stream(self.tokenizer, req)
         try:
-            if sink.is_cancelled():
+            if job.is_stopped or sink.is_cancelled():
                 raise _Cancelled
             for output in self.engine.generate(request):
                 self.stats.num_output_tokens += len(output.new_token_ids)
-                if sink.is_cancelled():
+                if job.is_stopped or sink.is_cancelled():
                     raise _Cancelled
                 chunk = stream.add(output)
                 if chunk is not None:
+                    chunk[api.REQUEST_KEY] = job.key
                     sink.send(chunk, final=output.is_finished)
             self.stats.num_finished += 1
             self.stats.num_rounds += len(request.acceptance_lengths)

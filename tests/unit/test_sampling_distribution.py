@@ -8,7 +8,6 @@ Seeds are fixed, so the test is deterministic.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest

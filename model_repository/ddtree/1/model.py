@@ -14,11 +14,18 @@ from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.errors import InvalidRequest  # noqa: E402
 from ddtree.serving import GenerationService  # noqa: E402
-from ddtree.triton_common import (TritonLogHandler, load_tokenizer, model_parameters,  # noqa: E402
-                                  output_tensors, plain_inputs, project_root)
+from ddtree.triton_common import (  # noqa: E402
+    TritonLogHandler,
+    load_tokenizer,
+    model_parameters,
+    output_tensors,
+    plain_inputs,
+    project_root,
+)
 
-INPUTS = {api.INPUT_IDS: "ids", api.TEXT_INPUT: "bytes", api.STREAM: "bool", api.SAMPLING_PARAMETERS: "bytes",
-          api.EXCLUDE_INPUT_IN_OUTPUT: "bool", **{name: "bool" for name in api.RETURN_FLAGS}}
+INPUTS = {api.INPUT_IDS: "ids", api.STOP_REQUEST_KEY: "bytes", api.TEXT_INPUT: "bytes", api.STREAM: "bool",
+          api.SAMPLING_PARAMETERS: "bytes", api.EXCLUDE_INPUT_IN_OUTPUT: "bool",
+          **{name: "bool" for name in api.RETURN_FLAGS}}
 # The stub's IPC with the server is not safe to enter from two threads at once (a metric update
 # racing a send crashed the backend): every pb_utils call after initialize goes through this lock.
 IPC_LOCK = threading.Lock()
@@ -65,8 +72,15 @@ class TritonPythonModel:
             self.num_requests += 1
             request_id = request.request_id() or f"req-{self.num_requests}"
             sink = TritonSink(request.get_response_sender())
+            inputs = plain_inputs(pb_utils, request, INPUTS)
+            if api.STOP_REQUEST_KEY in inputs:
+                found = self.service.stop(inputs[api.STOP_REQUEST_KEY].decode("utf-8", "replace"))
+                with IPC_LOCK:
+                    sink.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                logging.getLogger("ddtree").info("[%s] stop request: %s", request_id, "found" if found else "no such key")
+                continue
             try:
-                parsed = api.parse_generate(plain_inputs(pb_utils, request, INPUTS), self.config)
+                parsed = api.parse_generate(inputs, self.config)
             except InvalidRequest as e:
                 logging.getLogger("ddtree").info("[%s] rejected: %s", request_id, e)
                 sink.send_error(str(e), "invalid")

@@ -17,10 +17,16 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         self.tokenizer = load_tokenizer(resolve_path(params["tokenizer_path"], args))
+        self.generation_model = params.get("generation_model", "ddtree")
 
     def execute(self, requests):
         responses = []
         for request in requests:
+            if request.is_cancelled():
+                self.relay_cancellation(string_input(pb_utils, request, api.REQUEST_KEY))
+                error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                responses.append(pb_utils.InferenceResponse(error=error))
+                continue
             window = pb_utils.get_input_tensor_by_name(request, api.OUTPUT_IDS).as_numpy().tolist()
             prefix_length = int(pb_utils.get_input_tensor_by_name(request, api.PREFIX_LENGTH).as_numpy()[0])
             prompt_text = (string_input(pb_utils, request, api.PROMPT_TEXT) or b"").decode("utf-8")
@@ -28,3 +34,12 @@ class TritonPythonModel:
             out = pb_utils.Tensor(api.TEXT_OUTPUT, np.array([text.encode("utf-8")], dtype=np.object_))
             responses.append(pb_utils.InferenceResponse([out]))
         return responses
+
+    def relay_cancellation(self, key):
+        if not key:
+            return
+        stop = pb_utils.InferenceRequest(
+            model_name=self.generation_model, requested_output_names=[],
+            inputs=[pb_utils.Tensor(api.STOP_REQUEST_KEY, np.array([key], dtype=np.object_))])
+        for _ in stop.exec(decoupled=True):
+            pass

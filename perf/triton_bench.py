@@ -1,0 +1,92 @@
+"""Through the Triton stream: perf_analyzer over gRPC streaming against the ensemble, concurrency 1.
+
+Every request asks for exactly max_tokens tokens (ignore_eos), so tokens/s of a request is
+max_tokens / (last response - request start), read from perf_analyzer's profile export.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ddtree.config import EngineConfig
+from perf.common import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from triton_env import TritonServer  # noqa: E402
+
+PERF_ANALYZER = ROOT / ".deps" / "bin" / "perf_analyzer"
+
+
+def set_parameter(config: Path, key: str, value: str) -> None:
+    pattern = rf'(key: "{key}", value: {{ string_value: )"[^"]*"'
+    config.write_text(re.sub(pattern, rf'\1"{value}"', config.read_text()))
+
+
+def make_repository(config: EngineConfig, workdir: Path) -> Path:
+    repo = workdir / "model_repository"
+    shutil.copytree(ROOT / "model_repository", repo)
+    for model in ("preprocessing", "postprocessing"):
+        set_parameter(repo / model / "config.pbtxt", "tokenizer_path", config.target_path)
+    ddtree = repo / "ddtree" / "config.pbtxt"
+    for key in ("target_path", "drafter_path", "device", "dtype"):
+        set_parameter(ddtree, key, str(getattr(config, key)))
+    set_parameter(ddtree, "max_tree_budget", str(config.max_tree_budget))
+    return repo
+
+
+def input_data(prompts: list[str], sampling: dict) -> dict:
+    rows = []
+    for prompt in prompts:
+        rows.append({"text_input": [""], "messages": [json.dumps([{"role": "user", "content": prompt}])],
+                     "stream": [True], "exclude_input_in_output": [True],
+                     "sampling_parameters": [json.dumps(sampling)]})
+    return {"data": rows}
+
+
+def run_perf_analyzer(server: TritonServer, data: dict, workdir: Path, num_requests: int) -> list[dict]:
+    data_file, export = workdir / "input.json", workdir / "profile.json"
+    data_file.write_text(json.dumps(data))
+    export.unlink(missing_ok=True)
+    cmd = [str(PERF_ANALYZER), "-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming",
+           "--input-data", str(data_file), "--concurrency-range", "1", "--measurement-mode", "count_windows",
+           "--measurement-request-count", str(num_requests), "--stability-percentage", "999",
+           "--max-trials", "1", "--profile-export-file", str(export)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}")
+    profile = json.loads(export.read_text())
+    return [r for experiment in profile["experiments"] for r in experiment["requests"]]
+
+
+def bench_triton(config: EngineConfig, prompts: list[str], methods: list[tuple[str, int, str]], max_tokens: int,
+                 temperature: float, num_requests: int | None = None) -> dict:
+    if not PERF_ANALYZER.exists():
+        raise FileNotFoundError(f"{PERF_ANALYZER} is missing: run `make perf-tools`")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        repo = make_repository(config, workdir)
+        with TritonServer(str(repo), log_path=str(workdir / "server.log")) as server:
+            for mode, budget, name in methods:
+                sampling = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature,
+                            "mode": mode, "tree_budget": budget, "seed": 0}
+                requests = run_perf_analyzer(server, input_data(prompts, sampling), workdir,
+                                             num_requests or len(prompts))
+                rates, ttfts = [], []
+                for r in requests:
+                    times = r["response_timestamps"]
+                    if not times:
+                        continue
+                    rates.append(max_tokens / ((times[-1] - r["timestamp"]) / 1e9))
+                    ttfts.append((times[0] - r["timestamp"]) / 1e6)
+                results[name] = {"tokens_per_s": statistics.mean(rates), "ttft_ms": statistics.median(ttfts),
+                                 "num_requests": len(rates)}
+                print(f"triton {name}: {results[name]}", flush=True)
+    return results
