@@ -112,12 +112,12 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest("this model's tokenizer has no chat template; send text_input instead")
         try:
-            ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False, **prompt.chat_template_kwargs)
+            ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                                **prompt.chat_template_kwargs)
         except Exception as e:  # template errors are the client's (bad roles, kwargs)
             raise InvalidRequest(f"chat template failed: {e}") from None
     else:
-        ids = tokenizer(prompt.text, add_special_tokens=True)["input_ids"]
+        ids = tokenizer.encode(prompt.text, add_special_tokens=True)
     if not ids:
         raise InvalidRequest("prompt is empty after tokenization")
     return list(ids)

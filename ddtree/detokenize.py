@@ -17,7 +17,7 @@ REPLACEMENT = "\ufffd"
 
 def decode(tokenizer, ids: list[int]) -> str:
     """The one-shot decode every text in the stream is compared against."""
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def decode_delta(tokenizer, window: list[int], prefix_length: int) -> str:

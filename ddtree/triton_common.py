@@ -25,11 +25,9 @@ def resolve_path(path: str, args: dict) -> str:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from ddtree.tokenizer import Tokenizer
 
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"tokenizer directory {path} does not exist (run `make setup` first)")
-    return AutoTokenizer.from_pretrained(path)
+    return Tokenizer(path)
 
 
 def string_input(pb_utils, request, name: str) -> bytes | None:

@@ -69,9 +69,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--skip-triton", action="store_true")
+    parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="bench_cpu")
     args = parser.parse_args()
+    args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
 
     from transformers import AutoTokenizer
 
@@ -82,9 +84,11 @@ def main() -> None:
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature,
               "prompts": prompts}
-    engine = Engine(config)
-    result["in_process"] = bench_in_process(engine, prompt_ids, args.max_tokens, args.temperature)
-    del engine
+    if not args.skip_in_process:
+        engine = Engine(config)
+        result["in_process"] = bench_in_process(engine, prompt_ids, args.max_tokens, args.temperature)
+        del engine
+    write_results(Path(args.out), args.name, result, table(result))   # kept if the Triton part fails
     if not args.skip_triton:
         from perf.triton_bench import bench_triton
 
@@ -96,8 +100,10 @@ def main() -> None:
 def table(result: dict) -> str:
     rows = ["| method | in-process tok/s | mean acceptance length | Triton tok/s (perf_analyzer) | Triton / in-process |",
             "|---|---|---|---|---|"]
-    ar = result["in_process"]["ar"]["tokens_per_s"]
-    for name, r in result["in_process"].items():
+    in_process = result.get("in_process") or {n: {"tokens_per_s": float("nan"), "mean_acceptance_length": float("nan")}
+                                               for n in result.get("triton", {})}
+    ar = in_process.get("ar", {}).get("tokens_per_s", float("nan"))
+    for name, r in in_process.items():
         t = result.get("triton", {}).get(name, {}).get("tokens_per_s")
         tps = r["tokens_per_s"]
         triton = "-" if t is None else f"{t:.1f}"

@@ -57,7 +57,7 @@ def run_perf_analyzer(server: TritonServer, data: dict, workdir: Path, num_reque
     cmd = [str(PERF_ANALYZER), "-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming",
            "--input-data", str(data_file), "--concurrency-range", "1", "--measurement-mode", "count_windows",
            "--measurement-request-count", str(num_requests), "--stability-percentage", "999",
-           "--max-trials", "1", "--profile-export-file", str(export)]
+           "--profile-export-file", str(export)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"perf_analyzer failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}")

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from ddtree.tokenizer import Tokenizer
 
 from ddtree.detokenize import IncrementalDetokenizer, decode, decode_delta
 
@@ -20,10 +20,10 @@ TEXTS = [
 
 
 def tokenizers(tiny_models):
-    found = [AutoTokenizer.from_pretrained(tiny_models / "qwen3-target")]
+    found = [Tokenizer(tiny_models / "qwen3-target")]
     default = ROOT / "models" / "smollm2-135m-instruct"
     if (default / "tokenizer.json").exists():
-        found.append(AutoTokenizer.from_pretrained(default))
+        found.append(Tokenizer(default))
     return found
 
 
@@ -46,7 +46,7 @@ def test_stream_concatenates_to_one_shot_decode(tiny_models, seed):
     rng = random.Random(seed)
     for tokenizer in tokenizers(tiny_models):
         for text in TEXTS:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = tokenizer.encode(text, add_special_tokens=False)
             pieces = stream(tokenizer, ids, rng)
             assert "".join(pieces) == decode(tokenizer, ids) == text, (type(tokenizer).__name__, text)
             assert all("\ufffd" not in p for p in pieces), pieces
@@ -61,10 +61,10 @@ def test_random_ids_including_broken_utf8(tiny_models, seed):
 
 
 def test_split_multibyte_character_is_held_back(tiny_models):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_models / "qwen3-target")
-    ids = tokenizer("🚀", add_special_tokens=False)["input_ids"]
-    byte_ids = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.convert_ids_to_tokens(ids)]
+    tokenizer = Tokenizer(tiny_models / "qwen3-target")
+    # the single byte tokens of the 4-byte emoji: one round ends in the middle of the character
+    byte_ids = [tokenizer.backend.token_to_id(t) for t in ("ð", "Ł", "ļ", "Ģ")]
+    assert decode(tokenizer, byte_ids) == "🚀"
     detok = IncrementalDetokenizer(tokenizer)
-    if len(byte_ids) > 1:
-        assert detok.push(byte_ids[:1], is_final=False).text == ""
-        assert detok.push(byte_ids[1:], is_final=True).text == "🚀"
+    assert detok.push(byte_ids[:2], is_final=False).text == ""
+    assert detok.push(byte_ids[2:], is_final=True).text == "🚀"
