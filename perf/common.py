@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -31,7 +32,8 @@ def commit() -> str:
                                capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # the GPU machine gets a copy of the working tree without .git: perf/run_gpu.sh passes it
+        return os.environ.get("DDTREE_COMMIT", "unknown")
 
 
 def header() -> dict:

@@ -4,6 +4,7 @@
 # The SmolLM2-135M weights (98 MB as GGUF) cannot travel, so the target there has SmolLM2's exact
 # shapes and tokenizer with random weights (scripts/make_shaped_model.py): every request decodes
 # a fixed number of tokens, so tokens/s depends on the shapes alone.
+# Record the commit: the device copy has no .git, so call it as `DDTREE_COMMIT=<sha> bash perf/run_gpu.sh`.
 set -euo pipefail
 OUT="${OUT:-perf/results}"
 mkdir -p .deps "$OUT"
