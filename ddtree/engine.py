@@ -14,6 +14,7 @@ from ddtree.errors import InvalidRequest
 from ddtree.models.dense import DenseTarget
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import dtype_of
+from ddtree.models.target import load_target
 from ddtree.request import Request, RequestOutput
 from ddtree.sampling import probabilities, sample, suppress_tokens
 from ddtree.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         dtype, device = dtype_of(config.dtype), torch.device(config.device)
         self.device = device
-        self.target = target or DenseTarget.from_pretrained(config.target_path, dtype, config.device)
+        self.target = target or load_target(config.target_path, dtype, config.device)
         if drafter is None and config.drafter_path:
             drafter = DFlashDrafter.from_pretrained(config.drafter_path, dtype, config.device)
         self.drafter = drafter
@@ -107,6 +108,7 @@ class Engine:
                                    self.tap_layers, logit_rows=torch.tensor([n - 1], device=self.device))
         logits = suppress_tokens(logits, suppressed, torch.tensor([params.min_tokens > 0], device=self.device))
         first = self._choose(logits[0], params, generator)
+        self.cache.compact(0, list(range(n)))   # the prompt is committed whole (hybrid targets commit recurrent state here)
         self._sync()
         self.stage_times.prefill += time.perf_counter() - t0
         if self.draft_cache is not None:

@@ -6,9 +6,9 @@ import random
 from pathlib import Path
 
 import pytest
-from ddtree.tokenizer import Tokenizer
 
 from ddtree.detokenize import IncrementalDetokenizer, decode, decode_delta
+from ddtree.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [

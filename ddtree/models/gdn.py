@@ -1,0 +1,291 @@
+"""Gated DeltaNet over a tree of query tokens: per-node reference, ancestor-masked WY form, state rebuild, tree conv.
+
+Plain torch (no fla / triton imports). Node order is topological: parents[i] < i, parents[i] == -1 means the node
+continues directly from the committed state. Per value head the recurrence is (transformers' torch_recurrent_gated_delta_rule,
+use_qk_l2norm_in_kernel=True):
+
+    q <- l2norm(q) / sqrt(dk);  k <- l2norm(k);  S <- e^g S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+
+The tree form is exact: S(node) = step(S(parent), node). `gdn_tree` evaluates it with the chunked UT/WY form in which the
+causal mask is replaced by the ancestor-or-self mask A and the cumulative decay by the decay summed along the root path
+(hybrid_gdn.md §2.2):
+
+    c_i = sum_{j in anc-or-self(i)} g_j;   Gamma[i, j] = e^{c_i - c_j} A[i, j]
+    T = I + strictly-lower(diag(beta) K K^T * Gamma);  U = T^-1 diag(beta) V;  W = T^-1 diag(beta e^c) K;  V_new = U - W S0
+    O = diag(e^c) Q S0 + (Q K^T * Gamma) V_new;       S(n) = e^{c_n} S0 + sum_{j in anc-or-self(n)} e^{c_n - c_j} k_j v_new_j^T
+
+so no per-node [HV, dk, dv] state is ever materialised; the state of the accepted node is rebuilt from a small stash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+L2_EPS = 1e-6                    # l2norm eps of use_qk_l2norm_in_kernel (fla / transformers)
+AUTO_HEAD_ELEMENTS = 1 << 24     # head_chunk=None: heads per group so that one [heads, N, N] buffer has <= this many elements
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# tree structure
+
+
+def _check_parents(parents: Sequence[int], n: int) -> None:
+    """Raise ValueError unless parents has n entries with -1 <= parents[i] < i."""
+    if len(parents) != n:
+        raise ValueError(f"parents has {len(parents)} entries for {n} nodes")
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"parents[{i}] = {p}: need -1 <= parent < node (topological order)")
+
+
+def _depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node (0 for nodes whose parent is -1)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def _root_path(parents: Sequence[int], node: int) -> list[int]:
+    """Ancestors-or-self of `node`, oldest first (empty for node == -1)."""
+    path: list[int] = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _path_reduce(x: Tensor, parents: Sequence[int], combine, fill) -> Tensor:
+    """Reduce x [N, ...] over each node's root path (anc-or-self) by pointer doubling: log2(depth) vectorised steps."""
+    n = len(parents)
+    steps = max(_depths(parents), default=0).bit_length()      # 2**steps >= max path length
+    ptr = torch.tensor([p if p >= 0 else n for p in parents], dtype=torch.long, device=x.device)  # [N]; n = none
+    sentinel = torch.full((1,), n, dtype=torch.long, device=x.device)
+    pad = torch.full_like(x[:1], fill)
+    for _ in range(steps):
+        # invariant: x[i] covers the nodes at distance [0, 2**s) above i, ptr[i] is the ancestor at distance 2**s (or n)
+        x = combine(x, torch.cat([x, pad])[ptr])
+        ptr = torch.cat([ptr, sentinel])[ptr]
+    return x
+
+
+def _ancestor_mask(parents: Sequence[int], device: torch.device) -> Tensor:
+    """[N, N] bool, mask[i, j] = j is i or an ancestor of i."""
+    eye = torch.eye(len(parents), dtype=torch.bool, device=device)
+    return _path_reduce(eye, parents, torch.logical_or, False)
+
+
+def _path_sum(x: Tensor, parents: Sequence[int]) -> Tensor:
+    """x [N, ...] summed over each node's root path (anc-or-self)."""
+    return _path_reduce(x, parents, torch.add, 0.0)
+
+
+def parents_from_visibility(visibility: Tensor) -> list[int]:
+    """Parent list from an [N, N] bool ancestor-or-self matrix: the largest ancestor index < i, or -1."""
+    n = visibility.shape[0]
+    if n == 0:
+        return []
+    idx = torch.arange(n, device=visibility.device)
+    strict = visibility.bool() & (idx[None, :] < idx[:, None])               # [N, N] strict ancestors
+    cand = torch.where(strict, idx[None, :].expand(n, n), torch.full_like(idx, -1)[None, :].expand(n, n))
+    return cand.max(dim=1).values.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# gated delta rule
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 stays float64, everything else computes in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    """x * rsqrt(sum(x^2) + 1e-6) over the last dim (fla / transformers l2norm)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def _normalize_qk(q: Tensor, k: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """l2-normalised q / sqrt(dk) and l2-normalised k, in `dtype`."""
+    q = _l2norm(q.to(dtype))
+    return q / (q.shape[-1] ** 0.5), _l2norm(k.to(dtype))
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Sequence[int], initial_state: Tensor) -> None:
+    """Raise ValueError on inconsistent shapes."""
+    n, hv, dk = q.shape
+    dv = v.shape[-1]
+    if k.shape != q.shape or v.shape[:2] != (n, hv) or g.shape != (n, hv) or beta.shape != (n, hv):
+        raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    if initial_state.shape != (hv, dk, dv):
+        raise ValueError(f"initial_state {tuple(initial_state.shape)} != {(hv, dk, dv)}")
+    _check_parents(parents, n)
+
+
+def gdn_sequential(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Sequence[int],
+                   initial_state: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference: per-node recurrence, node i starts from its parent's state (parents[i] == -1: from initial_state).
+
+    q, k  # [N, HV, dk] raw (l2-normalised here, q also scaled by dk**-0.5, like use_qk_l2norm_in_kernel)
+    v     # [N, HV, dv];  g, beta  # [N, HV] (g = log decay <= 0, beta in (0, 1));  initial_state  # [HV, dk, dv]
+    returns o [N, HV, dv] and states [N, HV, dk, dv] (state after each node), computed in the dtype of the inputs.
+    """
+    _check_shapes(q, k, v, g, beta, parents, initial_state)
+    n, hv, dk = q.shape
+    dtype = q.dtype
+    qn, kn = _normalize_qk(q, k, dtype)                                       # [N, HV, dk]
+    v, g, beta, s0 = v.to(dtype), g.to(dtype), beta.to(dtype), initial_state.to(dtype)
+    states = torch.empty(n, hv, dk, v.shape[-1], dtype=dtype, device=q.device)  # [N, HV, dk, dv]
+    o = torch.empty_like(v)                                                   # [N, HV, dv]
+    for i, p in enumerate(parents):
+        s = (s0 if p < 0 else states[p]) * g[i].exp()[:, None, None]          # decay
+        kv_mem = (s * kn[i].unsqueeze(-1)).sum(dim=-2)                        # [HV, dv] = S^T k
+        delta = (v[i] - kv_mem) * beta[i].unsqueeze(-1)                       # [HV, dv]
+        s = s + kn[i].unsqueeze(-1) * delta.unsqueeze(-2)                     # rank-1 write
+        states[i] = s
+        o[i] = (s * qn[i].unsqueeze(-1)).sum(dim=-2)                          # [HV, dv] = S^T q
+    return o, states
+
+
+@dataclass(slots=True)
+class GDNStash:
+    """Per-node data from which gdn_state_at rebuilds any node's state: O(N * HV * (dk + dv)) values."""
+    k: Tensor                  # [N, HV, dk] l2-normalised keys (compute dtype)
+    v_new: Tensor              # [N, HV, dv] delta-rule corrected values v_new (compute dtype)
+    log_decay: Tensor          # [N, HV] float64, c_n = sum of g over anc-or-self(n)
+    parents: tuple[int, ...]   # [N]
+
+    def nbytes(self) -> int:
+        """Bytes held by the stash tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v_new, self.log_decay))
+
+
+def _decay_matrix(c: Tensor, hidden: Tensor, dtype: torch.dtype) -> Tensor:
+    """Gamma [h, N, N] = exp(c_i - c_j) on ancestor-or-self pairs, 0 elsewhere; c [h, N] float64, hidden = ~ancestor mask."""
+    d = c.unsqueeze(-1) - c.unsqueeze(-2)                                    # [h, N, N] float64, <= 0 on ancestors
+    return d.masked_fill_(hidden, float("-inf")).exp_().to(dtype)
+
+
+def _tree_heads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, c: Tensor, hidden: Tensor, s0: Tensor) -> tuple[Tensor, Tensor]:
+    """WY form for h heads: q, k [h, N, dk], v [h, N, dv], beta [h, N], c [h, N] float64, s0 [h, dk, dv] -> o, v_new [h, N, dv]."""
+    dv = v.shape[-1]
+    gamma = _decay_matrix(c, hidden, q.dtype)                                 # [h, N, N]
+    ec = c.exp().to(q.dtype)                                                  # [h, N] e^{c}
+    t = (k @ k.transpose(-1, -2)).mul_(gamma).mul_(beta.unsqueeze(-1))       # [h, N, N]; diagonal/upper ignored below
+    rhs = torch.cat([v * beta.unsqueeze(-1), k * (beta * ec).unsqueeze(-1)], dim=-1)  # [h, N, dv + dk]
+    x = torch.linalg.solve_triangular(t, rhs, upper=False, unitriangular=True)        # T^-1 rhs
+    del t, rhs
+    v_new = torch.baddbmm(x[..., :dv], x[..., dv:], s0, alpha=-1.0)           # [h, N, dv] = U - W S0
+    del x
+    att = (q @ k.transpose(-1, -2)).mul_(gamma)                               # [h, N, N]
+    del gamma
+    o = torch.baddbmm(att @ v_new, q * ec.unsqueeze(-1), s0)                  # [h, N, dv]
+    return o, v_new
+
+
+def gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Sequence[int], initial_state: Tensor,
+             head_chunk: int | None = None) -> tuple[Tensor, GDNStash]:
+    """Outputs of every node with the ancestor-masked chunked (WY/UT) form of hybrid_gdn.md §2.2; same input conventions.
+
+    Computes internally in float32 (float64 if q is float64; cumulative decays always in float64) and returns o [N, HV, dv]
+    in q's dtype, plus the stash for gdn_state_at. Memory: O(N^2 * heads_in_flight + N * HV * (dk + dv)); value heads are
+    processed in groups of head_chunk (None: as many as keep one [heads, N, N] buffer <= AUTO_HEAD_ELEMENTS elements).
+    """
+    _check_shapes(q, k, v, g, beta, parents, initial_state)
+    n, hv, dk = q.shape
+    dv = v.shape[-1]
+    dtype = _compute_dtype(q)
+    if head_chunk is None:
+        head_chunk = max(1, AUTO_HEAD_ELEMENTS // max(1, n * n))
+    if head_chunk < 1:
+        raise ValueError(f"head_chunk = {head_chunk} must be >= 1")
+    qn, kn = _normalize_qk(q, k, dtype)                                       # [N, HV, dk]
+    c = _path_sum(g.to(torch.float64), parents)                               # [N, HV] float64
+    hidden = ~_ancestor_mask(parents, q.device)                               # [N, N] bool, True = not anc-or-self
+    s0 = initial_state.to(dtype)                                              # [HV, dk, dv]
+    o = torch.empty(n, hv, dv, dtype=q.dtype, device=q.device)                # [N, HV, dv]
+    v_new = torch.empty(n, hv, dv, dtype=dtype, device=q.device)              # [N, HV, dv]
+    for h0 in range(0, hv, head_chunk):
+        hs = slice(h0, min(h0 + head_chunk, hv))
+        o_h, v_new_h = _tree_heads(
+            qn[:, hs].transpose(0, 1), kn[:, hs].transpose(0, 1),               # [h, N, dk]
+            v[:, hs].transpose(0, 1).to(dtype), beta[:, hs].transpose(0, 1).to(dtype),
+            c[:, hs].transpose(0, 1), hidden, s0[hs])
+        o[:, hs] = o_h.transpose(0, 1)
+        v_new[:, hs] = v_new_h.transpose(0, 1)
+    return o, GDNStash(k=kn, v_new=v_new, log_decay=c, parents=tuple(parents))
+
+
+def gdn_state_at(stash: GDNStash, node: int, initial_state: Tensor) -> Tensor:
+    """State [HV, dk, dv] after `node` (its root path), from the stash: e^{c_n} S0 + sum_{j in anc-or-self(n)} e^{c_n-c_j} k_j v_new_j^T.
+
+    Returned in the stash's compute dtype (float32, or float64 when gdn_tree ran in float64); node == -1 gives S0.
+    """
+    dtype = stash.k.dtype
+    s0 = initial_state.to(dtype)
+    if node < 0:
+        return s0.clone()
+    path = torch.tensor(_root_path(stash.parents, node), dtype=torch.long, device=stash.k.device)  # [P]
+    c = stash.log_decay                                                       # [N, HV] float64
+    w = (c[node].unsqueeze(0) - c[path]).exp().to(dtype)                      # [P, HV] e^{c_n - c_j}
+    kw = (stash.k[path] * w.unsqueeze(-1)).permute(1, 2, 0)                   # [HV, dk, P]
+    vv = stash.v_new[path].transpose(0, 1)                                    # [HV, P, dv]
+    return torch.baddbmm(s0 * c[node].exp().to(dtype)[:, None, None], kw, vv)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# depthwise causal conv along ancestors
+
+
+def _conv_window_index(parents: Sequence[int], kernel: int) -> Tensor:
+    """[N, K] long indices into cat(conv_state.T [K, C], x [N, C]): node n's window, oldest first."""
+    n = len(parents)
+    par = torch.tensor(list(parents), dtype=torch.long)                       # [N]
+    cur = torch.arange(n)                                                     # walking node (or -1 once past the root)
+    used = torch.zeros(n, dtype=torch.long)                                   # committed inputs consumed so far
+    idx = torch.empty(n, kernel, dtype=torch.long)
+    for t in range(kernel - 1, -1, -1):
+        inside = cur >= 0
+        idx[:, t] = torch.where(inside, kernel + cur, kernel - 1 - used)
+        used += (~inside).long()
+        cur = torch.where(inside, par[cur.clamp(min=0)], torch.full_like(cur, -1))
+    return idx
+
+
+def conv_tree(x: Tensor, parents: Sequence[int], conv_state: Tensor, weight: Tensor) -> Tensor:
+    """Depthwise causal conv (kernel K) + SiLU along each node's ancestors, continuing into the committed inputs.
+
+    x  # [N, C] pre-conv inputs of the tree nodes;  conv_state  # [C, K] last K committed pre-conv inputs, oldest first
+    weight  # [C, K] (conv1d.weight.squeeze(1)); node n's window = [x(a_{K-1}), ..., x(parent), x(n)], continuing into
+    conv_state's last columns. Accumulates in float32 (float64 for float64 x); returns [N, C] in x's dtype.
+    """
+    n, ch = x.shape
+    kernel = weight.shape[-1]
+    if conv_state.shape != (ch, kernel) or weight.shape != (ch, kernel):
+        raise ValueError(f"x {tuple(x.shape)} conv_state {tuple(conv_state.shape)} weight {tuple(weight.shape)}")
+    _check_parents(parents, n)
+    dtype = _compute_dtype(x)
+    idx = _conv_window_index(parents, kernel).to(x.device)                    # [N, K]
+    src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])     # [K + N, C]
+    w = weight.to(dtype)                                                      # [C, K]
+    acc = src[idx[:, 0]] * w[:, 0]                                            # [N, C]
+    for t in range(1, kernel):
+        acc.addcmul_(src[idx[:, t]], w[:, t])
+    return F.silu(acc).to(x.dtype)
+
+
+def conv_state_after(x: Tensor, parents: Sequence[int], node: int, conv_state: Tensor) -> Tensor:
+    """The conv_state [C, K] after committing the root path ending at `node` (its last K pre-conv inputs, continuing into conv_state)."""
+    _check_parents(parents, x.shape[0])
+    kernel = conv_state.shape[-1]
+    path = _root_path(parents, node)[-kernel:]                                # at most K nodes, oldest first
+    tail = x[torch.tensor(path, dtype=torch.long, device=x.device)].transpose(0, 1).to(conv_state.dtype)  # [C, len]
+    return torch.cat([conv_state[:, len(path):], tail], dim=1)               # [C, K]
+
+
+__all__ = ["GDNStash", "conv_state_after", "conv_tree", "gdn_sequential", "gdn_state_at", "gdn_tree", "parents_from_visibility"]

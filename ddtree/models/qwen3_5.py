@@ -1,0 +1,300 @@
+"""HybridTarget: serving forward for Qwen3.5 / Qwen3.6 text models (Gated DeltaNet + gated attention).
+
+Same contract as DenseTarget.forward (query tokens with positions and an ancestor mask among
+themselves), plus: every Gated DeltaNet node starts from its parent's recurrent state and conv
+window (ancestors, then the committed state), computed by ddtree.models.gdn without per-node
+state copies; `HybridCache.compact(start, accepted)` then commits the accepted path's recurrent
+and conv state from the verify pass's stash (no replay).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.models.dense import KVCache
+from ddtree.models.gdn import conv_state_after, conv_tree, gdn_state_at, gdn_tree, parents_from_visibility
+from ddtree.models.layers import GatedMLP, Rotary, attend
+from ddtree.models.loader import load_state_dict, read_config, rope_theta
+
+logger = logging.getLogger(__name__)
+
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+@dataclass(frozen=True, slots=True)
+class HybridConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "HybridConfig":
+        text = hf.get("text_config") or hf
+        if hf.get("model_type") not in HYBRID_TYPES:
+            raise ValueError(f"model_type {hf.get('model_type')!r} is not a Qwen3.5 hybrid {HYBRID_TYPES}")
+        layers = text["num_hidden_layers"]
+        interval = text.get("full_attention_interval", 4)
+        types = text.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                            for i in range(layers)]
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        eos = text.get("eos_token_id", hf.get("eos_token_id"))
+        return cls(
+            vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], intermediate_size=text["intermediate_size"],
+            layer_types=tuple(types), num_attention_heads=text["num_attention_heads"],
+            num_key_value_heads=text["num_key_value_heads"], head_dim=head_dim, rotary_dim=int(head_dim * factor),
+            rope_theta=rope_theta(text), rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            linear_num_key_heads=text["linear_num_key_heads"], linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"], linear_value_head_dim=text["linear_value_head_dim"],
+            conv_kernel=text.get("linear_conv_kernel_dim", 4),
+            tie_word_embeddings=hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+        )
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """out = norm(x) * (1 + weight), in float32 (Qwen3.5's RMSNorm; weights start at 0)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(o) * weight * silu(z) over each value head."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        o32 = o.float()
+        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * o32.to(o.dtype)) * F.silu(z.float())).to(o.dtype)
+
+
+class HybridCache:
+    """Attention K/V for the full-attention layers, conv windows and recurrent states for the GDN layers."""
+
+    def __init__(self, c: HybridConfig, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.attention_layers = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+        self.gdn_layers = [i for i, t in enumerate(c.layer_types) if t != "full_attention"]
+        self.kv = KVCache(len(self.attention_layers), max_len, c.num_key_value_heads, c.head_dim, dtype, device)
+        self.max_len = max_len
+        n = len(self.gdn_layers)
+        self.conv = torch.zeros(n, c.conv_dim, c.conv_kernel, dtype=dtype, device=device)
+        self.state = torch.zeros(n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                                 dtype=torch.float32, device=device)
+        self.pending: dict[int, tuple] = {}    # gdn slot -> (pre-conv inputs, stash, parents) of the last forward
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.state.zero_()
+        self.pending.clear()
+
+    def compact(self, start: int, accepted: list[int]) -> None:
+        """Commit the accepted root path of the last forward: attention K/V rows, GDN state and conv window."""
+        self.kv.compact(start, accepted)
+        last = accepted[-1]
+        for slot, (x, stash, parents) in self.pending.items():
+            self.state[slot] = gdn_state_at(stash, last, self.state[slot])
+            self.conv[slot] = conv_state_after(x, parents, last, self.conv[slot])
+        self.pending.clear()
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, c: HybridConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.rotary_dim = c.rotary_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rotary_dim
+        rot, keep = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos[:, None] + rotated * sin[:, None], keep], dim=-1)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache, slot: int,
+                start: int, mask: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self._rotate(self.q_norm(q), *rope)
+        k = self._rotate(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), *rope)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        kv.k[slot, start : start + n] = k
+        kv.v[slot, start : start + n] = v
+        out = attend(q, kv.k[slot, : start + n], kv.v[slot, : start + n], mask, self.head_dim**-0.5)
+        out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+        return self.o_proj(out)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c: HybridConfig) -> None:
+        super().__init__()
+        self.c = c
+        key_dim, value_dim = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.in_proj_qkv = nn.Linear(c.hidden_size, 2 * key_dim + value_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.conv_kernel, groups=c.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(c.linear_num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(c.linear_num_value_heads))
+        self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, parents: list[int]) -> torch.Tensor:
+        c, n = self.c, x.shape[0]
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        mixed = self.in_proj_qkv(x)                                          # [n, conv_dim] pre-conv
+        conv = conv_tree(mixed, parents, cache.conv[slot], self.conv1d.weight.squeeze(1))
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        repeat = hv // c.linear_num_key_heads
+        q = q.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
+        k = k.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
+        v = v.reshape(n, hv, dv)
+        beta = torch.sigmoid(self.in_proj_b(x))                                # [n, hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        o, stash = gdn_tree(q, k, v, g, beta, parents, cache.state[slot])
+        cache.pending[slot] = (mixed, stash, parents)
+        z = self.in_proj_z(x).reshape(n, hv, dv)
+        o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
+        return self.out_proj(o.reshape(n, hv * dv))
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, c: HybridConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "full_attention":
+            self.self_attn = GatedAttention(c)
+        else:
+            self.linear_attn = GatedDeltaNet(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class HybridTarget(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(config, kind) for kind in config.layer_types)
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config.rotary_dim, config.rope_theta)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.config.eos_token_ids
+
+    def new_cache(self, max_len: int) -> HybridCache:
+        p = self.embed_tokens.weight
+        return HybridCache(self.config, max_len, p.dtype, p.device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: HybridCache, start: int,
+                visibility: torch.Tensor, tap_layers: list[int] | None = None,
+                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As DenseTarget.forward; GDN layers follow the parents implied by `visibility`."""
+        n = input_ids.shape[0]
+        assert start + n <= cache.max_len, f"cache overflow: {start} + {n} > {cache.max_len}"
+        if start == 0:
+            cache.reset()   # a new sequence: no committed recurrent state
+        parents = parents_from_visibility(visibility.cpu())
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=input_ids.device)
+        mask[:, start:] = visibility
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        taps, wanted = {}, set(tap_layers or ())
+        attn_slot = gdn_slot = 0
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            if layer.kind == "full_attention":
+                h = layer.self_attn(h, rope, cache.kv, attn_slot, start, mask)
+                attn_slot += 1
+            else:
+                h = layer.linear_attn(h, cache, gdn_slot, parents)
+                gdn_slot += 1
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in wanted:
+                taps[i] = x
+        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
+        h = x if logit_rows is None else x[logit_rows]
+        return self.lm_head(self.norm(h)), tapped
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str = "cpu") -> "HybridTarget":
+        config = HybridConfig.from_hf(read_config(path))
+        with torch.device("meta"):
+            model = cls(config)
+        state = {}
+        for key, tensor in load_state_dict(path, desc=f"loading target {Path(path).name}").items():
+            if key.startswith(("mtp.", "model.visual.")):
+                continue
+            name = key.removeprefix("model.language_model.").removeprefix("model.")
+            state[name] = tensor
+        if "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        expected = model.state_dict()
+        missing = set(expected) - set(state)
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:8]}")
+        model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+        model.rotary = Rotary(config.rotary_dim, config.rope_theta)
+        logger.info("target %s: qwen3_5 hybrid, %d layers (%d GDN), hidden %d, vocab %d", Path(path).name,
+                    config.num_hidden_layers, sum(t != "full_attention" for t in config.layer_types),
+                    config.hidden_size, config.vocab_size)
+        return model.to(device=device, dtype=dtype).eval()
