@@ -160,6 +160,10 @@ class DFlashDrafter(nn.Module):
             values = torch.cat([cache.v[i, : cache.length], v_block])
             mask = None
             if attn.window is not None:
+                # Sliding-window layer (Qwen3.6 drafters): a key is visible when it lies less than
+                # `window` positions behind the query, as in HF's sliding-window rule; the block's own
+                # keys stay visible in both directions. (Assumed from the published description;
+                # only a trained Qwen3.6 drafter's acceptance can confirm it.)
                 mask = (positions[:, None] - key_pos[None, :]) < attn.window
             out = attend(q, keys, values, mask, attn.head_dim**-0.5)
             h = h + attn.o_proj(out.reshape(b, -1))

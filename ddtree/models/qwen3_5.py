@@ -25,6 +25,17 @@ from ddtree.models.loader import load_state_dict, read_config, rope_theta
 logger = logging.getLogger(__name__)
 
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
+# A long chain (a prompt) goes through the GDN core in pieces of this many tokens: the tree form
+# costs O(N^2) memory and O(N^3) for the solve, a chain needs neither beyond a chunk.
+PREFILL_CHUNK = 128
+
+
+@dataclass(slots=True)
+class CommittedState:
+    """A chunked prefill's result: the state after its last token (commit must accept all of it)."""
+    state: torch.Tensor
+    conv: torch.Tensor
+    last: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +143,12 @@ class HybridCache:
         """Commit the accepted root path of the last forward: attention K/V rows, GDN state and conv window."""
         self.kv.compact(start, accepted)
         last = accepted[-1]
-        for slot, (x, stash, parents) in self.pending.items():
+        for slot, pending in self.pending.items():
+            if isinstance(pending, CommittedState):
+                assert last == pending.last, f"a chunked prefill commits whole: accepted ends at {last}"
+                self.state[slot], self.conv[slot] = pending.state, pending.conv
+                continue
+            x, stash, parents = pending
             self.state[slot] = gdn_state_at(stash, last, self.state[slot])
             self.conv[slot] = conv_state_after(x, parents, last, self.conv[slot])
         self.pending.clear()
@@ -199,11 +215,29 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(n, hv, dv)
         beta = torch.sigmoid(self.in_proj_b(x))                                # [n, hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        o, stash = gdn_tree(q, k, v, g, beta, parents, cache.state[slot])
-        cache.pending[slot] = (mixed, stash, parents)
+        if n > PREFILL_CHUNK and parents == list(range(-1, n - 1)):
+            o, state = self._chunked_chain(q, k, v, g, beta, cache.state[slot])
+            conv_state = conv_state_after(mixed, parents, n - 1, cache.conv[slot])
+            cache.pending[slot] = CommittedState(state=state, conv=conv_state, last=n - 1)
+        else:
+            o, stash = gdn_tree(q, k, v, g, beta, parents, cache.state[slot])
+            cache.pending[slot] = (mixed, stash, parents)
         z = self.in_proj_z(x).reshape(n, hv, dv)
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
+
+
+    @staticmethod
+    def _chunked_chain(q, k, v, g, beta, state):
+        """A chain in PREFILL_CHUNK pieces, each starting from the previous piece's final state."""
+        outputs = []
+        for s in range(0, q.shape[0], PREFILL_CHUNK):
+            e = min(s + PREFILL_CHUNK, q.shape[0])
+            chain = list(range(-1, e - s - 1))
+            o, stash = gdn_tree(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], chain, state)
+            state = gdn_state_at(stash, e - s - 1, state)
+            outputs.append(o)
+        return torch.cat(outputs), state
 
 
 class HybridLayer(nn.Module):

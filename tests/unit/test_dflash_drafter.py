@@ -18,7 +18,7 @@ PUBLISHED_KEYS = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_at
                   "input_layernorm.weight", "post_attention_layernorm.weight"]
 
 
-def write_published_checkpoint(path, taps: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+def write_published_checkpoint(path, taps: list[int], seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
     """A checkpoint laid out as z-lab publishes it: Qwen3 config + dflash_config, 58 tensors."""
     config = {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
@@ -30,6 +30,7 @@ def write_published_checkpoint(path, taps: list[int], seed: int = 0) -> dict[str
         "max_position_embeddings": 40960, "attention_bias": False, "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * LAYERS, "torch_dtype": "bfloat16",
     }
+    config.update(overrides)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(seed)
@@ -71,7 +72,7 @@ def rope(x, pos, theta=1000000.0):
     return x * cos[:, None] + rot * sin[:, None]
 
 
-def reference_draft(state, taps_all, noise, start):
+def reference_draft(state, taps_all, noise, start, windows=(None,) * LAYERS):
     """Straight from the published description: all context recomputed, no cache."""
     ctx = rms(taps_all @ state["fc.weight"].T, state["hidden_norm.weight"])
     h = noise
@@ -85,7 +86,11 @@ def reference_draft(state, taps_all, noise, start):
         v = (kv_in @ p("self_attn.v_proj.weight").T).view(-1, KV_HEADS, HEAD_DIM)
         q, k = rope(q, pos[-BLOCK:]), rope(k, pos)
         k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5, -1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+        if windows[i] is not None:   # sliding-window layer: keys within `window` positions behind the query
+            visible = (pos[-BLOCK:, None] - pos[None, :]) < windows[i]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        att = torch.softmax(scores, -1)
         out = torch.einsum("hqk,khd->qhd", att, v).reshape(BLOCK, -1)
         h = h + out @ p("self_attn.o_proj.weight").T
         y = rms(h, p("post_attention_layernorm.weight"))
@@ -129,3 +134,28 @@ def test_missing_tensor_is_a_clear_error(tmp_path):
     (tmp_path / "d" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="lacks tensors"):
         DFlashDrafter.from_pretrained(tmp_path / "d")
+
+
+def test_qwen36_drafter_format(tmp_path):
+    """The Qwen3.6-27B drafter's format: mask 248070, taps [1,16,31,46,61], sliding-window layers [S,S,S,S,F]."""
+    taps = [1, 16, 31, 46, 61]
+    window = 6   # 2048 in the published config; small here so that the window really cuts the context
+    state = write_published_checkpoint(
+        tmp_path / "d", taps, seed=3, num_target_layers=64, sliding_window=window,
+        dflash_config={"mask_token_id": 248070, "target_layer_ids": taps}, vocab_size=248320,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
+    assert drafter.config.mask_token_id == 248070 and list(drafter.config.target_layer_ids) == taps
+    assert drafter.config.sliding_windows == (window,) * 4 + (None,)
+    gen = torch.Generator().manual_seed(2)
+    start = 21
+    taps_all = torch.randn(start, HIDDEN * len(taps), generator=gen)
+    noise = torch.randn(BLOCK, HIDDEN, generator=gen)
+    cache = drafter.new_cache(64)
+    with torch.no_grad():
+        drafter.add_context(cache, taps_all, torch.arange(start))
+        ours = drafter(cache, noise, start)
+    expected = reference_draft(state, taps_all, noise, start, windows=(window,) * 4 + (None,))
+    torch.testing.assert_close(ours, expected, rtol=2e-4, atol=2e-4)
+    unwindowed = reference_draft(state, taps_all, noise, start)
+    assert not torch.allclose(ours, unwindowed, atol=1e-3), "the window changed nothing: the test is vacuous"

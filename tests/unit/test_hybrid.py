@@ -52,6 +52,25 @@ def test_prefill_logits_match_transformers(hybrid):
     torch.testing.assert_close(taps[:, 64:], expected.hidden_states[3][0], rtol=1e-4, atol=1e-4)
 
 
+def test_long_prompt_prefill_in_chunks_matches_transformers(hybrid):
+    """A prompt longer than PREFILL_CHUNK goes through the GDN core in pieces; logits and the state
+    committed after it (checked through the next token's logits) match transformers."""
+    from ddtree.models.qwen3_5 import PREFILL_CHUNK
+
+    root, reference = hybrid
+    model = HybridTarget.from_pretrained(root / "target")
+    n = 2 * PREFILL_CHUNK + 37
+    ids = torch.randint(0, VOCAB, (n + 1,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+        cache = model.new_cache(n + 8)
+        logits, _ = model(ids[:n], torch.arange(n), cache, 0, torch.ones(n, n, dtype=torch.bool).tril())
+        cache.compact(0, list(range(n)))
+        step, _ = model(ids[n:], torch.tensor([n]), cache, n, torch.ones(1, 1, dtype=torch.bool))
+    torch.testing.assert_close(logits, expected[:n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step[0], expected[n], rtol=1e-4, atol=1e-4)
+
+
 def test_published_multimodal_layout_loads(hybrid, tmp_path):
     """Qwen3_5ForConditionalGeneration keys (model.language_model.*) with mtp.* and vision weights ignored."""
     root, reference = hybrid
