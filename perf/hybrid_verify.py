@@ -1,0 +1,157 @@
+"""Hybrid verify cost: a Qwen3.6-27B-shaped target (random weights, real dimensions) and a 5-layer drafter.
+
+Measures one `ar` step, then verify time and peak memory of one tree verify at each budget, and
+the bf16-vs-fp32 gap of the tree Gated DeltaNet outputs against a float64 reference.
+Writes perf/results/<name>.{json,md}.
+
+    python perf/hybrid_verify.py --device cuda --dtype bfloat16            # H200
+    python perf/hybrid_verify.py --shape tiny --budgets 16,64 --name hybrid_verify_cpu_tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.models.gdn import gdn_sequential, gdn_tree  # noqa: E402
+from ddtree.models.qwen3_5 import HybridConfig, HybridTarget  # noqa: E402
+from ddtree.tree import build_tree, compile_tree, top_log_probs  # noqa: E402
+from perf.common import ROOT, header, write_results  # noqa: E402
+
+SHAPES = {
+    # Qwen3.6-27B text decoder (hybrid_gdn.md §1.2): 64 layers = 16 x (3 GDN + 1 gated attention)
+    "qwen36-27b": dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                       num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                       linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128),
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+                 linear_key_head_dim=16, linear_value_head_dim=16),
+}
+
+
+def random_target(shape: str, dtype: torch.dtype, device: str) -> HybridTarget:
+    hf = {"model_type": "qwen3_5_text", "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+          "eos_token_id": 248046, **SHAPES[shape]}
+    with torch.device("meta"):
+        model = HybridTarget(HybridConfig.from_hf(hf))
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "A_log")):
+                p.zero_()
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=generator)
+    model.rotary = type(model.rotary)(model.config.rotary_dim, model.config.rope_theta)
+    return model.to(dtype).eval()
+
+
+def timed(fn, device: str, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+@torch.inference_mode()
+def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_len: int, repeats: int) -> dict:
+    c = model.config
+    cache = model.new_cache(prompt_len + max(budgets) + 2)
+    ids = torch.randint(0, c.vocab_size, (prompt_len,), device=device)
+    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
+    model(ids, torch.arange(prompt_len, device=device), cache, 0, causal)
+    cache.compact(0, list(range(prompt_len)))
+    one = torch.ones(1, 1, dtype=torch.bool, device=device)
+    root = ids[-1:]
+    pos = torch.tensor([prompt_len], device=device)
+    ar = timed(lambda: model(root, pos, cache, prompt_len, one), device, repeats + 1)[1:]
+    results = {"ar_step_ms": statistics.median(ar), "budgets": {}}
+    gen = torch.Generator().manual_seed(0)
+    for budget in budgets:
+        log_probs, token_ids = top_log_probs(torch.randn(15, c.vocab_size, generator=gen), budget)
+        tree = build_tree(log_probs, token_ids, budget)
+        batch = compile_tree(tree, root_token=int(root[0]), start=prompt_len)
+        args = (batch.input_ids.to(device), batch.positions.to(device), cache, prompt_len, batch.visibility.to(device))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        times = timed(lambda: model(*args), device, repeats + 1)[1:]
+        entry = {"num_nodes": tree.num_nodes + 1, "verify_ms": statistics.median(times),
+                 "verify_over_ar": statistics.median(times) / results["ar_step_ms"]}
+        if device.startswith("cuda"):
+            entry["verify_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        cache.pending.clear()
+        results["budgets"][budget] = entry
+        print(f"budget {budget}: {entry}", flush=True)
+    return results
+
+
+def gdn_precision_gap(shape: str, device: str, num_nodes: int = 1025) -> dict:
+    """Tree GDN outputs in bf16 / fp32 inputs against a float64 per-path recurrence (one layer's dims)."""
+    s = SHAPES[shape]
+    hv, dk, dv = s["linear_num_value_heads"], s["linear_key_head_dim"], s["linear_value_head_dim"]
+    gen = torch.Generator().manual_seed(1)
+    log_probs, token_ids = top_log_probs(torch.randn(15, 4096, generator=gen), num_nodes - 1)
+    parents = [p if i else -1 for i, p in enumerate(build_tree(log_probs, token_ids, num_nodes - 1).parents)]
+    q, k = torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64), torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64)
+    v = torch.randn(num_nodes, hv, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(num_nodes, hv, generator=gen, dtype=torch.float64) * 0.5
+    beta = torch.rand(num_nodes, hv, generator=gen, dtype=torch.float64)
+    s0 = torch.randn(hv, dk, dv, generator=gen, dtype=torch.float64) * 0.1
+    reference, _ = gdn_sequential(q, k, v, g, beta, parents, s0)
+    gaps = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        args = [t.to(device=device, dtype=dtype) for t in (q, k, v)] + [g.to(device).float(), beta.to(device).float()]
+        out, _ = gdn_tree(*args, parents, s0.to(device).float())
+        diff = (out.double().cpu() - reference).abs()
+        gaps[name] = {"max_abs": diff.max().item(), "mean_abs": diff.mean().item(),
+                      "max_ref": reference.abs().max().item()}
+    return gaps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen36-27b")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--budgets", default="16,32,64,128,256,512,1024")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="hybrid_verify")
+    args = parser.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    model = random_target(args.shape, getattr(torch, args.dtype), args.device)
+    result = {"header": header(), "shape": args.shape, "dtype": args.dtype, "device": args.device,
+              "prompt_len": args.prompt_len, **measure_verify(model, args.device, budgets, args.prompt_len, args.repeats)}
+    del model
+    result["gdn_precision_gap"] = gdn_precision_gap(args.shape, args.device)
+    rows = [f"one ar step: {result['ar_step_ms']:.2f} ms", "",
+            "| budget | nodes | verify ms | verify / ar | peak extra GiB |", "|---|---|---|---|---|"]
+    for budget, e in result["budgets"].items():
+        rows.append(f"| {budget} | {e['num_nodes']} | {e['verify_ms']:.2f} | {e['verify_over_ar']:.2f} | "
+                    f"{e.get('verify_peak_extra_gib', float('nan')):.3f} |")
+    rows += ["", "| tree GDN inputs | max abs error vs fp64 | mean abs error | max abs output |", "|---|---|---|---|"]
+    for name, gap in result["gdn_precision_gap"].items():
+        rows.append(f"| {name} | {gap['max_abs']:.2e} | {gap['mean_abs']:.2e} | {gap['max_ref']:.2e} |")
+    write_results(Path(args.out), args.name, result, "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
