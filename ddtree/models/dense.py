@@ -79,6 +79,23 @@ class KVCache:
         self.v[:, start : start + len(accepted)] = self.v[:, src]
 
 
+@dataclass(slots=True)
+class Segment:
+    """One sequence's rows in a packed forward: its cache, committed length and query mask."""
+    cache: KVCache
+    start: int
+    length: int
+    mask: torch.Tensor     # [length, start + length] bool: the prefix, then ancestors among the queries
+
+    @classmethod
+    def of(cls, cache: KVCache, start: int, visibility: torch.Tensor) -> "Segment":
+        n = visibility.shape[0]
+        assert start + n <= cache.max_len, f"cache overflow: {start} + {n} > {cache.max_len}"
+        mask = torch.ones(n, start + n, dtype=torch.bool, device=visibility.device)
+        mask[:, start:] = visibility
+        return cls(cache=cache, start=start, length=n, mask=mask)
+
+
 class Attention(nn.Module):
     def __init__(self, c: DenseConfig) -> None:
         super().__init__()
@@ -90,8 +107,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                layer: int, start: int, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
+                layer: int) -> torch.Tensor:
+        """Projections for all packed rows at once; attention per segment over its own cache."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
@@ -99,10 +117,16 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        cache.k[layer, start : start + n] = k
-        cache.v[layer, start : start + n] = v
-        keys, values = cache.k[layer, : start + n], cache.v[layer, : start + n]
-        out = attend(q, keys, values, mask, self.head_dim**-0.5)
+        outputs, row = [], 0
+        for seg in segments:
+            rows = slice(row, row + seg.length)
+            end = seg.start + seg.length
+            seg.cache.k[layer, seg.start : end] = k[rows]
+            seg.cache.v[layer, seg.start : end] = v[rows]
+            outputs.append(attend(q[rows], seg.cache.k[layer, :end], seg.cache.v[layer, :end], seg.mask,
+                                  self.head_dim**-0.5))
+            row += seg.length
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self.o_proj(out.reshape(n, -1))
 
 
@@ -114,9 +138,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-                layer: int, start: int, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layer, start, mask)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
+                layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -156,23 +180,22 @@ class DenseTarget(nn.Module):
         Returns logits  # [rows, vocab] and taps  # [n, len(tap_layers) * hidden] (outputs of
         decoder layers `tap_layers`, i.e. HF hidden_states[L + 1]).
         """
-        n = input_ids.shape[0]
-        assert start + n <= cache.max_len, f"cache overflow: {start} + {n} > {cache.max_len}"
-        mask = torch.ones(n, start + n, dtype=torch.bool, device=input_ids.device)
-        mask[:, start:] = visibility
+        return self.forward_packed(input_ids, positions, [Segment.of(cache, start, visibility)], tap_layers,
+                                   logit_rows)
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                       tap_layers: list[int] | None = None,
+                       logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences' query rows packed in one pass (continuous batching); rows follow `segments`."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
-        taps = []
+        taps = {}
         wanted = set(tap_layers or ())
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, i, start, mask)
+            x = layer(x, rope, segments, i)
             if i in wanted:
-                taps.append(x)
-        if tap_layers:
-            order = {layer: t for layer, t in zip(sorted(wanted), taps)}
-            tapped = torch.cat([order[layer] for layer in tap_layers], dim=-1)
-        else:
-            tapped = None
+                taps[i] = x
+        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         h = x if logit_rows is None else x[logit_rows]
         return self.lm_head(self.norm(h)), tapped
 

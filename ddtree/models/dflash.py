@@ -144,31 +144,42 @@ class DFlashDrafter(nn.Module):
         at position `start` and every context token before it is in `cache`. Attention is
         bidirectional within the block and unrestricted over the context (except sliding windows).
         """
-        b = block_embeds.shape[0]
-        positions = torch.arange(start, start + b, device=block_embeds.device)
-        rope = self.rotary(positions, block_embeds.dtype)
-        key_pos = torch.arange(cache.length + b, device=block_embeds.device)
-        key_pos[cache.length :] = positions
-        h = block_embeds
+        return self.forward_packed([cache], block_embeds[None], [start])[0]
+
+    def forward_packed(self, caches: list[DraftCache], block_embeds: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        """Blocks of several requests at once: block_embeds  # [R, block_size, hidden] -> same shape."""
+        r, b, _ = block_embeds.shape
+        device = block_embeds.device
+        positions = [torch.arange(s, s + b, device=device) for s in starts]
+        ropes = [self.rotary(p, block_embeds.dtype) for p in positions]
+        rope = (torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes]))
+        h = block_embeds.reshape(r * b, -1)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(x).view(b, attn.num_heads, attn.head_dim))
-            q = apply_rotary(q, *rope)
+            q = apply_rotary(attn.q_norm(attn.q_proj(x).view(r * b, attn.num_heads, attn.head_dim)), *rope)
             k_block, v_block = attn.project_kv(x, rope)
-            keys = torch.cat([cache.k[i, : cache.length], k_block])
-            values = torch.cat([cache.v[i, : cache.length], v_block])
-            mask = None
-            if attn.window is not None:
-                # Sliding-window layer (Qwen3.6 drafters): a key is visible when it lies less than
-                # `window` positions behind the query, as in HF's sliding-window rule; the block's own
-                # keys stay visible in both directions. (Assumed from the published description;
-                # only a trained Qwen3.6 drafter's acceptance can confirm it.)
-                mask = (positions[:, None] - key_pos[None, :]) < attn.window
-            out = attend(q, keys, values, mask, attn.head_dim**-0.5)
-            h = h + attn.o_proj(out.reshape(b, -1))
+            outputs = []
+            for j, cache in enumerate(caches):
+                rows = slice(j * b, (j + 1) * b)
+                keys = torch.cat([cache.k[i, : cache.length], k_block[rows]])
+                values = torch.cat([cache.v[i, : cache.length], v_block[rows]])
+                outputs.append(attend(q[rows], keys, values, self._window_mask(attn, cache, positions[j]),
+                                      attn.head_dim**-0.5))
+            h = h + attn.o_proj(torch.cat(outputs).reshape(r * b, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
+        return self.norm(h).reshape(r, b, -1)
+
+    @staticmethod
+    def _window_mask(attn: DraftAttention, cache: DraftCache, positions: torch.Tensor) -> torch.Tensor | None:
+        if attn.window is None:
+            return None
+        # Sliding-window layer (Qwen3.6 drafters): a key is visible when it lies less than `window`
+        # positions behind the query, as in HF's sliding-window rule; the block's own keys stay
+        # visible in both directions. (Assumed from the published description; only a trained
+        # Qwen3.6 drafter's acceptance can confirm it.)
+        key_pos = torch.cat([torch.arange(cache.length, device=positions.device), positions])
+        return (positions[:, None] - key_pos[None, :]) < attn.window
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
