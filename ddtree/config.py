@@ -34,6 +34,8 @@ class EngineConfig:
     max_model_len: int = 2048          # prompt + generated tokens per request
     max_tokens_limit: int = 2048       # upper bound a request may ask for
     default_max_tokens: int = 256
+    max_num_seqs: int = 1              # requests decoded together (one cache slot each)
+    max_queue_size: int = 256          # requests waiting for a slot; beyond it: an overload error
     num_threads: int = 0               # torch CPU threads; 0 keeps torch's default
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
@@ -51,6 +53,10 @@ class EngineConfig:
             )
         if self.default_mode != "ar" and not self.drafter_path:
             raise ValueError(f"default_mode {self.default_mode!r} needs drafter_path")
+        if self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
+        if not 1 <= self.max_num_seqs <= 1024:
+            raise ValueError(f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -1,9 +1,15 @@
-"""Engine: one request at a time through draft -> build -> compile -> verify -> accept -> commit."""
+"""Engine: continuous batching of requests through draft -> build -> compile -> verify -> accept -> commit.
+
+Every step admits waiting requests into free cache slots (their prompts prefilled together),
+then runs one decoding round for every running request: one packed drafter pass, one tree per
+request, one packed target verify, and per request the acceptance walk and the commit.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -11,7 +17,7 @@ import torch
 
 from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
-from ddtree.models.dense import DenseTarget
+from ddtree.models.dense import Segment
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.loader import dtype_of
 from ddtree.models.target import load_target
@@ -37,41 +43,64 @@ class StageTimes:
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
 
 
-class Engine:
-    """Owns the target, the drafter, their caches and the decoding loop."""
+@dataclass(slots=True)
+class Sequence:
+    """A request's decoding state while it holds a cache slot."""
+    request: Request
+    max_tokens: int
+    stop_ids: set[int]
+    generator: torch.Generator | None
+    slot: int = -1
+    root: int = -1                           # last committed token, not yet in the cache
+    start: int = 0                           # its position = committed cache length
+    pending_taps: torch.Tensor | None = None  # target features of tokens the drafter has not seen
 
-    def __init__(self, config: EngineConfig, target: DenseTarget | None = None,
-                 drafter: DFlashDrafter | None = None) -> None:
+    @property
+    def depth_limit(self) -> int:
+        """Deeper drafts can never be used: the bonus token always adds one."""
+        return self.max_tokens - self.request.num_output_tokens - 1
+
+
+class Engine:
+    """Owns the target, the drafter, one cache slot per running request, and the decoding loop."""
+
+    def __init__(self, config: EngineConfig, target=None, drafter: DFlashDrafter | None = None) -> None:
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        dtype, device = dtype_of(config.dtype), torch.device(config.device)
-        self.device = device
+        dtype, self.device = dtype_of(config.dtype), torch.device(config.device)
         self.target = target or load_target(config.target_path, dtype, config.device)
         if drafter is None and config.drafter_path:
             drafter = DFlashDrafter.from_pretrained(config.drafter_path, dtype, config.device)
         self.drafter = drafter
         self.tap_layers = list(drafter.config.target_layer_ids) if drafter else []
         if drafter is not None:
-            num_target_layers = self.target.config.num_hidden_layers
-            if max(self.tap_layers) >= num_target_layers:
-                raise ValueError(f"drafter taps {self.tap_layers} but the target has {num_target_layers} layers")
+            if max(self.tap_layers) >= self.target.config.num_hidden_layers:
+                raise ValueError(f"drafter taps {self.tap_layers} but the target has "
+                                 f"{self.target.config.num_hidden_layers} layers")
             if drafter.config.hidden_size != self.target.config.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")
         cache_len = config.max_model_len + config.max_tree_budget + 1
-        self.cache = self.target.new_cache(cache_len)
-        self.draft_cache = drafter.new_cache(cache_len) if drafter else None
+        self.caches = [self.target.new_cache(cache_len) for _ in range(config.max_num_seqs)]
+        self.draft_caches = [drafter.new_cache(cache_len) for _ in range(config.max_num_seqs)] if drafter else []
+        self.free_slots = list(range(config.max_num_seqs))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
         self.stage_times = StageTimes()
         self._num_requests = 0
 
-    # -- request checks ---------------------------------------------------------------
+    @property
+    def cache(self):
+        """Slot 0's cache (single-request tools and tests)."""
+        return self.caches[0]
+
+    # -- requests -----------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise InvalidRequest("prompt is empty after tokenization")
         if len(prompt_ids) >= self.config.max_model_len:
-            raise InvalidRequest(
-                f"prompt has {len(prompt_ids)} tokens; it must be shorter than the context "
-                f"max_model_len={self.config.max_model_len}")
+            raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; it must be shorter than the context "
+                                 f"max_model_len={self.config.max_model_len}")
         vocab = self.target.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -83,10 +112,8 @@ class Engine:
             ids.update(self.target.eos_token_ids)
         return ids
 
-    # -- decoding ---------------------------------------------------------------------
-    @torch.inference_mode()
-    def generate(self, request: Request) -> Iterator[RequestOutput]:
-        """Yield one RequestOutput per round until the request finishes."""
+    def add(self, request: Request) -> None:
+        """Queue a request; raises InvalidRequest for a prompt or mode this deployment cannot serve."""
         self.check_prompt(request.prompt_ids)
         params = request.params
         if params.mode != "ar" and self.drafter is None:
@@ -97,95 +124,168 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         self._num_requests += 1
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(request.prompt_ids))
-        stop_ids = self.stop_ids(params)
-        suppressed = sorted(self.target.eos_token_ids) if params.min_tokens else []
+        self.waiting.append(Sequence(request, max_tokens, self.stop_ids(params), generator))
 
-        prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
+    def abort(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its slot."""
+        for seq in list(self.waiting):
+            if seq.request.request_id == request_id:
+                self.waiting.remove(seq)
+                return True
+        for seq in self.running:
+            if seq.request.request_id == request_id:
+                self._release(seq)
+                return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests (prefill), then one decoding round for the others."""
+        decoding = list(self.running)
+        outputs = self._prefill(self._admit())
+        if decoding:
+            outputs += self._round(decoding)
+        for seq in [s for s in self.running if s.request.finish_reason is not None]:
+            self._release(seq)
+        return outputs
+
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        self.free_slots.sort()
+
+    def _prefill(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        if not seqs:
+            return []
         t0 = time.perf_counter()
-        n = prompt.shape[0]
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        logits, taps = self.target(prompt, torch.arange(n, device=self.device), self.cache, 0, causal,
-                                   self.tap_layers, logit_rows=torch.tensor([n - 1], device=self.device))
-        logits = suppress_tokens(logits, suppressed, torch.tensor([params.min_tokens > 0], device=self.device))
-        first = self._choose(logits[0], params, generator)
-        self.cache.compact(0, list(range(n)))   # the prompt is committed whole (hybrid targets commit recurrent state here)
+        ids, positions, segments, last_rows = [], [], [], []
+        for seq in seqs:
+            n = len(seq.request.prompt_ids)
+            ids.append(torch.tensor(seq.request.prompt_ids, dtype=torch.long, device=self.device))
+            positions.append(torch.arange(n, device=self.device))
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            segments.append(Segment.of(self.caches[seq.slot], 0, causal))
+            last_rows.append(sum(s.length for s in segments) - 1)
+        logits, taps = self.target.forward_packed(torch.cat(ids), torch.cat(positions), segments, self.tap_layers,
+                                                  logit_rows=torch.tensor(last_rows, device=self.device))
+        outputs, row = [], 0
+        for i, seq in enumerate(seqs):
+            n = segments[i].length
+            self.caches[seq.slot].compact(0, list(range(n)))   # commits the whole prompt (recurrent state too)
+            params = seq.request.params
+            row_logits = suppress_tokens(logits[i : i + 1], self._suppressed(params),
+                                         torch.tensor([params.min_tokens > 0], device=self.device))
+            seq.root = self._choose(row_logits[0], params, seq.generator)
+            seq.start = n
+            seq.pending_taps = taps[row : row + n] if taps is not None else None
+            row += n
+            if self.draft_caches:
+                self.draft_caches[seq.slot].length = 0
+            outputs.append(self._commit(seq, [seq.root], accepted_length=None))
         self._sync()
         self.stage_times.prefill += time.perf_counter() - t0
-        if self.draft_cache is not None:
-            self.draft_cache.length = 0
-        pending_taps, start, root = taps, n, first
-        yield self._commit(request, [first], stop_ids, max_tokens, accepted_length=None)
+        return outputs
 
-        while request.finish_reason is None:
-            tree = self._draft(request, params, root, start, pending_taps, max_tokens)
-            t_verify = time.perf_counter()
-            batch = compile_tree(tree, root, start)
-            logits, taps = self.target(batch.input_ids.to(self.device), batch.positions.to(self.device),
-                                       self.cache, start, batch.visibility.to(self.device), self.tap_layers)
-            if suppressed:
-                depth = torch.tensor(tree.depths, device=self.device)
-                logits = suppress_tokens(logits, suppressed, request.num_output_tokens + depth < params.min_tokens)
-            acceptance = accept(tree, logits, params, generator)
-            self._sync()
-            t_commit = time.perf_counter()
-            self.stage_times.verify += t_commit - t_verify
-            self.cache.compact(start, acceptance.accepted)
-            rows = torch.tensor(acceptance.accepted, device=self.device)
-            pending_taps = taps[rows] if taps is not None else None
-            new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
-            start += len(acceptance.accepted)
-            root = acceptance.bonus_token
-            output = self._commit(request, new_tokens, stop_ids, max_tokens, len(acceptance.accepted))
-            self.stage_times.commit += time.perf_counter() - t_commit
-            yield output
+    def _round(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        trees = self._draft(seqs)
+        t_verify = time.perf_counter()
+        batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
+        segments = [Segment.of(self.caches[seq.slot], seq.start, b.visibility.to(self.device))
+                    for seq, b in zip(seqs, batches)]
+        logits, taps = self.target.forward_packed(torch.cat([b.input_ids for b in batches]).to(self.device),
+                                                  torch.cat([b.positions for b in batches]).to(self.device),
+                                                  segments, self.tap_layers)
+        outputs, row = [], 0
+        for seq, tree, seg in zip(seqs, trees, segments):
+            rows = slice(row, row + seg.length)
+            row += seg.length
+            outputs.append(self._accept_and_commit(seq, tree, logits[rows], None if taps is None else taps[rows]))
+        self._sync()
+        self.stage_times.verify += time.perf_counter() - t_verify
+        return outputs
 
-    def _draft(self, request: Request, params: SamplingParams, root: int, start: int,
-               pending_taps: torch.Tensor | None, max_tokens: int) -> DraftTree:
-        """Draft one block and build this round's tree (empty in `ar` mode)."""
-        # The bonus token always adds one, so deeper drafts than this can never be used.
-        depth_limit = max_tokens - request.num_output_tokens - 1
-        if params.mode == "ar" or depth_limit <= 0:
-            return _empty_tree()
+    def _accept_and_commit(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor,
+                           taps: torch.Tensor | None) -> RequestOutput:
+        params = seq.request.params
+        suppressed = self._suppressed(params)
+        if suppressed:
+            depth = torch.tensor(tree.depths, device=self.device)
+            logits = suppress_tokens(logits, suppressed, seq.request.num_output_tokens + depth < params.min_tokens)
+        acceptance = accept(tree, logits, params, seq.generator)
+        self.caches[seq.slot].compact(seq.start, acceptance.accepted)
+        if taps is not None:
+            seq.pending_taps = taps[torch.tensor(acceptance.accepted, device=self.device)]
+        new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
+        seq.start += len(acceptance.accepted)
+        seq.root = acceptance.bonus_token
+        return self._commit(seq, new_tokens, len(acceptance.accepted))
+
+    def _draft(self, seqs: list[Sequence]) -> list[DraftTree]:
+        """One packed drafter pass for the requests that speculate; their trees (empty for the others)."""
+        trees = [_empty_tree() for _ in seqs]
+        drafting = [i for i, s in enumerate(seqs) if s.request.params.mode != "ar" and s.depth_limit > 0]
+        if not drafting:
+            return trees
         t0 = time.perf_counter()
-        drafter, cache = self.drafter, self.draft_cache
-        positions = torch.arange(cache.length, start, device=self.device)
-        drafter.add_context(cache, pending_taps, positions)
-        block = torch.full((drafter.block_size,), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-        block[0] = root
-        hidden = drafter(cache, self.target.embed(block), start)
-        draft_logits = self.draft_logits(hidden[1 : 1 + depth_limit])   # [depth, vocab]
+        drafter, block = self.drafter, self.drafter.block_size
+        blocks = torch.full((len(drafting), block), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+        for j, i in enumerate(drafting):
+            seq, cache = seqs[i], self.draft_caches[seqs[i].slot]
+            drafter.add_context(cache, seq.pending_taps, torch.arange(cache.length, seq.start, device=self.device))
+            blocks[j, 0] = seq.root
+        hidden = drafter.forward_packed([self.draft_caches[seqs[i].slot] for i in drafting], self.target.embed(blocks),
+                                        [seqs[i].start for i in drafting])
         t1 = time.perf_counter()
-        if params.mode == "dflash":
-            tree = build_chain(draft_logits.argmax(dim=-1).tolist())
-        else:
-            log_probs, token_ids = top_log_probs(draft_logits, params.tree_budget)
-            tree = build_tree(log_probs, token_ids, params.tree_budget)
-        t2 = time.perf_counter()
+        for j, i in enumerate(drafting):
+            seq = seqs[i]
+            draft_logits = self.draft_logits(hidden[j, 1 : 1 + seq.depth_limit], seq.request)   # [depth, vocab]
+            params = seq.request.params
+            if params.mode == "dflash":
+                trees[i] = build_chain(draft_logits.argmax(dim=-1).tolist())
+            else:
+                log_probs, token_ids = top_log_probs(draft_logits, params.tree_budget)
+                trees[i] = build_tree(log_probs, token_ids, params.tree_budget)
         self.stage_times.draft += t1 - t0
-        self.stage_times.tree_build += t2 - t1
-        return tree
+        self.stage_times.tree_build += time.perf_counter() - t1
+        return trees
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, hidden: torch.Tensor, request: Request) -> torch.Tensor:
         """Drafter outputs -> logits through the target's lm_head; hidden  # [depth, hidden]"""
         return self.target.logits(hidden)
+
+    def _suppressed(self, params: SamplingParams) -> list[int]:
+        return sorted(self.target.eos_token_ids) if params.min_tokens else []
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
         if params.is_greedy:
             return int(logits.argmax().item())
         return sample(probabilities(logits[None], params)[0], generator)
 
-    def _commit(self, request: Request, new_tokens: list[int], stop_ids: set[int], max_tokens: int,
-                accepted_length: int | None) -> RequestOutput:
+    def _commit(self, seq: Sequence, new_tokens: list[int], accepted_length: int | None) -> RequestOutput:
         """Append this round's tokens, cut at a stop token or max_tokens, and report them."""
-        room = max_tokens - request.num_output_tokens
-        kept = new_tokens[:room]
+        request = seq.request
+        kept = new_tokens[: seq.max_tokens - request.num_output_tokens]
         for i, token in enumerate(kept):
-            if token in stop_ids:
+            if token in seq.stop_ids:
                 kept = kept[: i + 1]
                 request.finish_reason = "stop"
                 break
         request.output_ids.extend(kept)
-        if request.finish_reason is None and request.num_output_tokens >= max_tokens:
+        if request.finish_reason is None and request.num_output_tokens >= seq.max_tokens:
             request.finish_reason = "length"
         if accepted_length is not None:
             request.acceptance_lengths.append(accepted_length)
@@ -202,8 +302,17 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    # -- single-request use (tests, benchmarks) --------------------------------------
+    def generate(self, request: Request) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per round of this request; it is the engine's only request."""
+        self.add(request)
+        while request.finish_reason is None:
+            for output in self.step():
+                if output.request_id == request.request_id:
+                    yield output
+
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "local") -> Request:
-        """Run a request to completion in process (tests, benchmarks)."""
+        """Run a request to completion in process."""
         request = Request(request_id=request_id, prompt_ids=list(prompt_ids), params=params)
         for _ in self.generate(request):
             pass

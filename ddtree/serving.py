@@ -37,6 +37,8 @@ class Job:
     arrival_s: float
     key: str
     is_stopped: bool = False    # set by stop(key): a cancellation that reached us by another route
+    engine_request: Request | None = None
+    stream: "_Stream | None" = None
 
 
 @dataclass(slots=True)
@@ -46,31 +48,46 @@ class ServiceStats:
     num_finished: int = 0
     num_cancelled: int = 0
     num_failed: int = 0
+    num_rejected_overload: int = 0
     num_output_tokens: int = 0
     num_rounds: int = 0
 
 
 class GenerationService:
-    def __init__(self, engine: Engine, tokenizer, on_stats=None) -> None:
+    """Runs the engine on its own thread: each step admits new jobs and advances every running one."""
+
+    def __init__(self, engine: Engine, tokenizer, on_stats=None, max_queue_size: int = 256) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.stats = ServiceStats()
-        self.on_stats = on_stats          # called after each change of stats (metrics)
+        self.on_stats = on_stats          # called from the engine thread after stats change (metrics)
+        self.max_queue_size = max_queue_size
         self.is_healthy = True
         self._lock = threading.Lock()
         self._by_key: dict[str, Job] = {}
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._active: dict[str, Job] = {}   # engine request id (= job key) -> job
+        self._stopping = False
         self._worker = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._worker.start()
 
     def submit(self, request_id: str, request: api.GenerateRequest, sink: ResponseSink) -> None:
+        """Queue a request; answers at once with an overload error when the queue is full."""
         key = uuid.uuid4().hex
-        # Stats are reported from the worker thread only: Triton's metric calls are IPC round-trips
-        # that must not race with the engine thread's own.
         job = Job(request_id, request, sink, time.perf_counter(), key)
         with self._lock:
-            self.stats.num_waiting += 1
-            self._by_key[key] = job
+            if self.stats.num_waiting >= self.max_queue_size:
+                self.stats.num_rejected_overload += 1
+                overloaded = True
+            else:
+                overloaded = False
+                self.stats.num_waiting += 1
+                self._by_key[key] = job
+        if overloaded:
+            logger.warning("[%s] rejected: %d requests waiting (max_queue_size)", request_id, self.max_queue_size)
+            sink.send_error(f"server overloaded: {self.max_queue_size} requests already waiting; retry later",
+                            "unavailable")
+            return
         self._jobs.put(job)
 
     def stop(self, key: str) -> bool:
@@ -91,55 +108,103 @@ class GenerationService:
             self.on_stats(self.stats)
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self.stats.num_waiting -= 1
-                self.stats.num_active += 1
+        while not self._stopping:
+            self._take_jobs(block=not self.engine.has_work)
+            if self.engine.has_work:
+                self._step()
             self._report()
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self.stats.num_active -= 1
-                    self._by_key.pop(job.key, None)
-                self._report()
 
-    def _run(self, job: Job) -> None:
-        req, sink, rid = job.request, job.sink, job.request_id
+    def _take_jobs(self, block: bool) -> None:
+        try:
+            job = self._jobs.get(block=block)
+            while True:
+                if job is None:
+                    self._stopping = True
+                    return
+                self._start(job)
+                job = self._jobs.get_nowait()
+        except queue.Empty:
+            return
+
+    def _start(self, job: Job) -> None:
+        req, rid = job.request, job.request_id
         params = req.params
         logger.info("[%s] start: %d prompt tokens, mode %s, budget %d, max_tokens %d, temperature %.2f",
                     rid, len(req.prompt_ids), params.mode, params.tree_budget, params.max_tokens, params.temperature)
-        request = Request(request_id=rid, prompt_ids=req.prompt_ids, params=params)
-        stream = _Stream(self.tokenizer, req)
+        job.engine_request = Request(request_id=job.key, prompt_ids=req.prompt_ids, params=params)
+        job.stream = _Stream(self.tokenizer, req)
+        with self._lock:
+            self.stats.num_waiting -= 1
         try:
-            if job.is_stopped or sink.is_cancelled():
+            if job.is_stopped or job.sink.is_cancelled():
                 raise _Cancelled
-            for output in self.engine.generate(request):
-                self.stats.num_output_tokens += len(output.new_token_ids)
-                if job.is_stopped or sink.is_cancelled():
-                    raise _Cancelled
-                chunk = stream.add(output)
+            self.engine.add(job.engine_request)
+        except _Cancelled:
+            self._finish(job, "cancelled")
+            return
+        except InvalidRequest as e:
+            self._finish(job, "invalid", str(e))
+            return
+        self._active[job.key] = job
+        self.stats.num_active = len(self._active)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the edge: every running request gets the error, the engine is emptied
+            logger.exception("engine step failed; failing %d requests", len(self._active))
+            for job in list(self._active.values()):
+                self.engine.abort(job.key)
+                self._finish(job, "internal", f"engine error: {type(e).__name__}: {e}")
+            return
+        for output in outputs:
+            job = self._active.get(output.request_id)
+            if job is None:
+                continue
+            self.stats.num_output_tokens += len(output.new_token_ids)
+            try:
+                if job.is_stopped or job.sink.is_cancelled():
+                    self.engine.abort(job.key)
+                    self._finish(job, "cancelled")
+                    continue
+                chunk = job.stream.add(output)
                 if chunk is not None:
                     chunk[api.REQUEST_KEY] = job.key
-                    sink.send(chunk, final=output.is_finished)
+                    job.sink.send(chunk, final=output.is_finished)
+            except Exception:  # a sender failure concerns this request only
+                logger.exception("[%s] could not send a response; dropping the request", job.request_id)
+                self.engine.abort(job.key)
+                self._finish(job, "failed")
+                continue
+            if output.is_finished:
+                self._finish(job, "done")
+
+    def _finish(self, job: Job, outcome: str, message: str = "") -> None:
+        """Every job ends here exactly once: log, count, and (unless done) one final error response."""
+        self._active.pop(job.key, None)
+        with self._lock:
+            self._by_key.pop(job.key, None)
+        self.stats.num_active = len(self._active)
+        request, rid = job.engine_request, job.request_id
+        if outcome == "done":
             self.stats.num_finished += 1
             self.stats.num_rounds += len(request.acceptance_lengths)
-            elapsed = time.perf_counter() - job.arrival_s
             logger.info("[%s] done: %d tokens in %.3f s, %d rounds, mean acceptance %.2f, finish %s", rid,
-                        request.num_output_tokens, elapsed, len(request.acceptance_lengths),
+                        request.num_output_tokens, time.perf_counter() - job.arrival_s, len(request.acceptance_lengths),
                         request.mean_acceptance_length, request.finish_reason)
-        except _Cancelled:
+            return
+        if outcome == "cancelled":
             self.stats.num_cancelled += 1
-            logger.info("[%s] cancelled after %d tokens; request freed", rid, request.num_output_tokens)
-            sink.send_error("request cancelled", "cancelled")
-        except InvalidRequest as e:
-            self.stats.num_failed += 1
-            logger.info("[%s] rejected: %s", rid, e)
-            sink.send_error(str(e), "invalid")
-        except Exception as e:  # the edge: report, keep serving
-            self.stats.num_failed += 1
-            logger.exception("[%s] engine error", rid)
-            sink.send_error(f"engine error: {type(e).__name__}: {e}", "internal")
+            tokens = request.num_output_tokens if request else 0
+            logger.info("[%s] cancelled after %d tokens; request freed", rid, tokens)
+            job.sink.send_error("request cancelled", "cancelled")
+            return
+        self.stats.num_failed += 1
+        if outcome == "invalid":
+            logger.info("[%s] rejected: %s", rid, message)
+            job.sink.send_error(message, "invalid")
+        elif outcome == "internal":
+            job.sink.send_error(message, "internal")
 
 
 class _Cancelled(Exception):

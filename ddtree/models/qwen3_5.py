@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models.dense import KVCache
+from ddtree.models.dense import KVCache, Segment
 from ddtree.models.gdn import conv_state_after, conv_tree, gdn_state_at, gdn_tree, parents_from_visibility
 from ddtree.models.layers import GatedMLP, Rotary, attend
 from ddtree.models.loader import load_state_dict, read_config, rope_theta
@@ -173,17 +173,21 @@ class GatedAttention(nn.Module):
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         return torch.cat([rot * cos[:, None] + rotated * sin[:, None], keep], dim=-1)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache, slot: int,
-                start: int, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
+                slot: int) -> torch.Tensor:
         n = x.shape[0]
         q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self._rotate(self.q_norm(q), *rope)
         k = self._rotate(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), *rope)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        kv.k[slot, start : start + n] = k
-        kv.v[slot, start : start + n] = v
-        out = attend(q, kv.k[slot, : start + n], kv.v[slot, : start + n], mask, self.head_dim**-0.5)
-        out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+        outputs, row = [], 0
+        for seg in segments:
+            rows, end, kv = slice(row, row + seg.length), seg.start + seg.length, seg.cache.kv
+            kv.k[slot, seg.start : end] = k[rows]
+            kv.v[slot, seg.start : end] = v[rows]
+            outputs.append(attend(q[rows], kv.k[slot, :end], kv.v[slot, :end], seg.mask, self.head_dim**-0.5))
+            row += seg.length
+        out = torch.cat(outputs).reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)
 
 
@@ -281,13 +285,18 @@ class HybridTarget(nn.Module):
                 visibility: torch.Tensor, tap_layers: list[int] | None = None,
                 logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As DenseTarget.forward; GDN layers follow the parents implied by `visibility`."""
-        n = input_ids.shape[0]
-        assert start + n <= cache.max_len, f"cache overflow: {start} + {n} > {cache.max_len}"
-        if start == 0:
-            cache.reset()   # a new sequence: no committed recurrent state
-        parents = parents_from_visibility(visibility.cpu())
-        mask = torch.ones(n, start + n, dtype=torch.bool, device=input_ids.device)
-        mask[:, start:] = visibility
+        return self.forward_packed(input_ids, positions, [Segment.of(cache, start, visibility)], tap_layers,
+                                   logit_rows)
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                       tap_layers: list[int] | None = None,
+                       logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences' rows in one pass; attention and GDN run per sequence on its own cache."""
+        parents = []
+        for seg in segments:
+            if seg.start == 0:
+                seg.cache.reset()   # a new sequence: no committed recurrent state
+            parents.append(parents_from_visibility(seg.mask[:, seg.start :].cpu()))
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         taps, wanted = {}, set(tap_layers or ())
@@ -295,10 +304,14 @@ class HybridTarget(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "full_attention":
-                h = layer.self_attn(h, rope, cache.kv, attn_slot, start, mask)
+                h = layer.self_attn(h, rope, segments, attn_slot)
                 attn_slot += 1
             else:
-                h = layer.linear_attn(h, cache, gdn_slot, parents)
+                outputs, row = [], 0
+                for seg, seg_parents in zip(segments, parents):
+                    outputs.append(layer.linear_attn(h[row : row + seg.length], seg.cache, gdn_slot, seg_parents))
+                    row += seg.length
+                h = torch.cat(outputs)
                 gdn_slot += 1
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -18,6 +18,8 @@ DEFAULT_TARGET = ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_DRAFTER = ROOT / "models" / "smollm2-135m-instruct-dflash"
 MAX_MODEL_LEN = 1024
 MAX_TOKENS_LIMIT = 1000
+MAX_NUM_SEQS = 4
+MAX_QUEUE_SIZE = 6
 
 
 def set_parameter(config: Path, key: str, value: str) -> None:
@@ -41,6 +43,8 @@ def model_repository(tmp_path_factory) -> Path:
     set_parameter(config, "max_model_len", str(MAX_MODEL_LEN))
     set_parameter(config, "max_tokens_limit", str(MAX_TOKENS_LIMIT))
     set_parameter(config, "max_tree_budget", "64")
+    set_parameter(config, "max_num_seqs", str(MAX_NUM_SEQS))
+    set_parameter(config, "max_queue_size", str(MAX_QUEUE_SIZE))
     return repo
 
 

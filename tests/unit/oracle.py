@@ -18,20 +18,11 @@ class OracleDraftEngine(Engine):
         super().__init__(*args, **kwargs)
         self.reference = reference
         self.noise = torch.Generator().manual_seed(seed)
-        self.current_prefix: list[int] = []
 
-    def generate(self, request):
-        for output in super().generate(request):
-            yield output
-
-    def _draft(self, request, params, root, start, pending_taps, max_tokens):
-        self.current_prefix = request.prompt_ids + request.output_ids
-        return super()._draft(request, params, root, start, pending_taps, max_tokens)
-
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        real = super().draft_logits(hidden)   # keep the drafter's own computation in the path
+    def draft_logits(self, hidden: torch.Tensor, request) -> torch.Tensor:
+        real = super().draft_logits(hidden, request)   # keep the drafter's own computation in the path
         depth, vocab = real.shape
-        ids = torch.tensor([self.current_prefix])
+        ids = torch.tensor([request.prompt_ids + request.output_ids])
         continuation = []
         with torch.no_grad():
             for _ in range(depth):

@@ -64,7 +64,8 @@ class TritonPythonModel:
         package_logger.info("engine config: %s", self.config)
         engine = Engine(self.config)
         self.metrics = _Metrics(args["model_name"])
-        self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update)
+        self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
+                                         max_queue_size=self.config.max_queue_size)
         self.num_requests = 0
 
     def execute(self, requests):

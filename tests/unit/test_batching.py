@@ -1,0 +1,117 @@
+"""Continuous batching: many requests decoded together give exactly what each gives alone."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from ddtree.config import EngineConfig
+from ddtree.models.dflash import dflash_hf_config, init_random_drafter, save_drafter
+from ddtree.request import Request
+from ddtree.sampling_params import SamplingParams
+from tests.unit.oracle import OracleDraftEngine
+
+MODES = [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
+
+
+def make_hybrid(root):
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                               eos_token_id=None, pad_token_id=None, bos_token_id=None, tie_word_embeddings=False)
+    model = Qwen3_5ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    model.save_pretrained(root / "target")
+    hf = dflash_hf_config(json.loads((root / "target" / "config.json").read_text()), num_layers=1, block_size=8,
+                          mask_token_id=95)
+    save_drafter(root / "dflash", hf, init_random_drafter(hf, seed=1))
+    return root / "target", root / "dflash"
+
+
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def engines(request, tiny_models, tmp_path_factory):
+    if request.param == "dense":
+        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+    else:
+        target, drafter = make_hybrid(tmp_path_factory.mktemp("hybrid-batch"))
+    reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    vocab = reference.config.vocab_size
+
+    def make(max_num_seqs):
+        config = EngineConfig(target_path=str(target), drafter_path=str(drafter), max_model_len=192,
+                              max_tree_budget=64, max_num_seqs=max_num_seqs)
+        return OracleDraftEngine(config, reference=reference)
+
+    return request.param, make(16), make(1), vocab
+
+
+def workload(vocab: int, count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(count):
+        prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(3, 40))]   # mixed prompt lengths
+        mode, budget = MODES[i % len(MODES)]
+        jobs.append((prompt, SamplingParams(max_tokens=rng.randint(8, 20), mode=mode, tree_budget=budget,
+                                            ignore_eos=True)))
+    return jobs
+
+
+def run_together(engine, jobs, arrive_every: int = 2) -> dict[str, list[int]]:
+    """Requests arrive while others decode (one new request every `arrive_every` steps)."""
+    requests = [Request(request_id=f"r{i}", prompt_ids=p, params=params) for i, (p, params) in enumerate(jobs)]
+    pending, step = list(requests), 0
+    while pending or engine.has_work:
+        if pending and step % arrive_every == 0:
+            engine.add(pending.pop(0))
+        engine.step()
+        step += 1
+        assert len(engine.running) <= engine.config.max_num_seqs
+    return {r.request_id: r.output_ids for r in requests}
+
+
+def test_sixteen_concurrent_greedy_requests_equal_alone(engines):
+    kind, batched, single, vocab = engines
+    jobs = workload(vocab, 16, seed=1)
+    together = run_together(batched, jobs, arrive_every=1)
+    assert max(len(batched.running), 0) == 0 and sorted(batched.free_slots) == list(range(16))
+    for i, (prompt, params) in enumerate(jobs):
+        alone = single.generate_ids(prompt, params).output_ids
+        assert together[f"r{i}"] == alone, f"{kind} request {i} mode {params.mode} budget {params.tree_budget}"
+
+
+def test_mixed_sampling_parameters_in_one_batch(engines):
+    kind, batched, single, vocab = engines
+    jobs = workload(vocab, 10, seed=2)
+    for i, (_, params) in enumerate(jobs):
+        if i % 2:
+            params.temperature, params.top_p, params.top_k, params.seed = 0.8, 0.9, 20, 100 + i
+    together = run_together(batched, jobs, arrive_every=3)
+    for i, (prompt, params) in enumerate(jobs):
+        assert len(together[f"r{i}"]) == params.max_tokens, f"{kind} request {i}"
+        if params.is_greedy:
+            assert together[f"r{i}"] == single.generate_ids(prompt, params).output_ids, f"{kind} request {i}"
+
+
+def test_aborts_free_every_slot(engines):
+    kind, batched, _, vocab = engines
+    rng = random.Random(3)
+    jobs = workload(vocab, 40, seed=3)
+    live = []
+    for i, (prompt, params) in enumerate(jobs):
+        request = Request(request_id=f"a{i}", prompt_ids=prompt, params=params)
+        batched.add(request)
+        live.append(request)
+        batched.step()
+        if rng.random() < 0.4:
+            victim = live.pop(rng.randrange(len(live)))
+            batched.abort(victim.request_id)
+    while batched.has_work:
+        batched.step()
+    assert not batched.running and not batched.waiting
+    assert sorted(batched.free_slots) == list(range(batched.config.max_num_seqs)), kind
