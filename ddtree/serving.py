@@ -64,6 +64,7 @@ class GenerationService:
         self.max_queue_size = max_queue_size
         self.is_healthy = True
         self._lock = threading.Lock()
+        self._num_queued = 0
         self._by_key: dict[str, Job] = {}
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[str, Job] = {}   # engine request id (= job key) -> job
@@ -76,12 +77,13 @@ class GenerationService:
         key = uuid.uuid4().hex
         job = Job(request_id, request, sink, time.perf_counter(), key)
         with self._lock:
-            if self.stats.num_waiting >= self.max_queue_size:
+            # waiting = not yet holding a cache slot: in our queue, or in the engine's
+            if self._num_queued + len(self.engine.waiting) >= self.max_queue_size:
                 self.stats.num_rejected_overload += 1
                 overloaded = True
             else:
                 overloaded = False
-                self.stats.num_waiting += 1
+                self._num_queued += 1
                 self._by_key[key] = job
         if overloaded:
             logger.warning("[%s] rejected: %d requests waiting (max_queue_size)", request_id, self.max_queue_size)
@@ -104,6 +106,8 @@ class GenerationService:
         self._worker.join(timeout_s)
 
     def _report(self) -> None:
+        self.stats.num_waiting = self._num_queued + len(self.engine.waiting)
+        self.stats.num_active = len(self.engine.running)
         if self.on_stats is not None:
             self.on_stats(self.stats)
 
@@ -134,7 +138,7 @@ class GenerationService:
         job.engine_request = Request(request_id=job.key, prompt_ids=req.prompt_ids, params=params)
         job.stream = _Stream(self.tokenizer, req)
         with self._lock:
-            self.stats.num_waiting -= 1
+            self._num_queued -= 1
         try:
             if job.is_stopped or job.sink.is_cancelled():
                 raise _Cancelled
@@ -146,7 +150,6 @@ class GenerationService:
             self._finish(job, "invalid", str(e))
             return
         self._active[job.key] = job
-        self.stats.num_active = len(self._active)
 
     def _step(self) -> None:
         try:
@@ -184,7 +187,6 @@ class GenerationService:
         self._active.pop(job.key, None)
         with self._lock:
             self._by_key.pop(job.key, None)
-        self.stats.num_active = len(self._active)
         request, rid = job.engine_request, job.request_id
         if outcome == "done":
             self.stats.num_finished += 1

