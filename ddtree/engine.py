@@ -40,6 +40,7 @@ class StageTimes:
     verify: float = 0.0
     commit: float = 0.0
     rounds: int = 0
+    tree_nodes: int = 0          # draft nodes verified (roots excluded)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
 
 
@@ -204,6 +205,7 @@ class Engine:
         trees = self._draft(seqs)
         t_verify = time.perf_counter()
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
+        self.stage_times.tree_nodes += sum(tree.num_nodes for tree in trees)
         segments = [Segment.of(self.caches[seq.slot], seq.start, b.visibility.to(self.device))
                     for seq, b in zip(seqs, batches)]
         logits, taps = self.target.forward_packed(torch.cat([b.input_ids for b in batches]).to(self.device),

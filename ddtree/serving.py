@@ -50,7 +50,11 @@ class ServiceStats:
     num_failed: int = 0
     num_rejected_overload: int = 0
     num_output_tokens: int = 0
-    num_rounds: int = 0
+    num_rounds: int = 0              # decoding rounds, summed over requests
+    num_held_slots: int = 0          # cache slots in use (0 when idle: nothing leaks)
+    num_tree_nodes: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class GenerationService:
@@ -106,8 +110,12 @@ class GenerationService:
         self._worker.join(timeout_s)
 
     def _report(self) -> None:
-        self.stats.num_waiting = self._num_queued + len(self.engine.waiting)
-        self.stats.num_active = len(self.engine.running)
+        engine, times = self.engine, self.engine.stage_times
+        self.stats.num_waiting = self._num_queued + len(engine.waiting)
+        self.stats.num_active = len(engine.running)
+        self.stats.num_held_slots = engine.config.max_num_seqs - len(engine.free_slots)
+        self.stats.num_rounds, self.stats.num_tree_nodes = times.rounds, times.tree_nodes
+        self.stats.draft_seconds, self.stats.verify_seconds = times.draft, times.verify
         if self.on_stats is not None:
             self.on_stats(self.stats)
 
@@ -190,7 +198,6 @@ class GenerationService:
         request, rid = job.engine_request, job.request_id
         if outcome == "done":
             self.stats.num_finished += 1
-            self.stats.num_rounds += len(request.acceptance_lengths)
             logger.info("[%s] done: %d tokens in %.3f s, %d rounds, mean acceptance %.2f, finish %s", rid,
                         request.num_output_tokens, time.perf_counter() - job.arrival_s, len(request.acceptance_lengths),
                         request.mean_acceptance_length, request.finish_reason)

@@ -239,3 +239,51 @@ def test_overload_is_a_quick_clear_error(server):
     # every admitted request streamed its 40 tokens: the final response's delta counts sum up in run_stream
     texts = {stream_text(server, CHATS[0], sampling)[0]}
     assert len(texts) == 1
+
+
+def one_chaotic_request(server, i: int, rng_seed: int) -> str:
+    """Finish, cancel after the first response, or drop the connection, at random."""
+    import random
+
+    rng = random.Random(rng_seed)
+    action = rng.choice(["finish", "cancel", "disconnect"])
+    sampling = {"max_tokens": rng.randint(6, 40), "temperature": rng.choice([0, 0.8]), "seed": i, "ignore_eos": True,
+                "mode": rng.choice(["ar", "dflash", "ddtree"]), "tree_budget": rng.choice([4, 16])}
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("ensemble", build_inputs(CHATS[i % len(CHATS)], sampling), enable_empty_final_response=True)
+    result, error = responses.get(timeout=120)
+    if error is not None:
+        client.stop_stream()
+        client.close()
+        return "overloaded" if "overloaded" in str(error) else f"error: {error}"
+    if action == "cancel":
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        return "cancel"
+    if action == "disconnect":
+        client.close()   # no stop_stream: the channel goes away under the running stream
+        return "disconnect"
+    while not result.get_response().parameters["triton_final_response"].bool_param:
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+    client.stop_stream()
+    client.close()
+    return "finish"
+
+
+def test_200_requests_with_cancellations_and_disconnects_leave_nothing_held(server):
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(lambda i: one_chaotic_request(server, i, 1000 + i), range(200)))
+    assert not [o for o in outcomes if o.startswith("error")], outcomes
+    assert outcomes.count("finish") > 20 and outcomes.count("cancel") > 20 and outcomes.count("disconnect") > 20
+    deadline = time.time() + 120
+    while time.time() < deadline and (metric(server, "ddtree_active_requests") or metric(server, "ddtree_held_cache_slots")
+                                      or metric(server, "ddtree_waiting_requests")):
+        time.sleep(0.5)
+    assert metric(server, "ddtree_active_requests") == 0
+    assert metric(server, "ddtree_held_cache_slots") == 0
+    assert metric(server, "ddtree_waiting_requests") == 0
+    text, final = stream_text(server, CHATS[0], {"max_tokens": 8, "temperature": 0})
+    assert text and final["finish_reason"][0] in (b"stop", b"length")

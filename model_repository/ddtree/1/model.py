@@ -97,35 +97,43 @@ class TritonPythonModel:
 
 
 class _Metrics:
-    """Prometheus gauges/counters through Triton's custom-metrics API (skipped if metrics are off)."""
+    """Prometheus metrics through Triton's custom-metrics API (skipped when metrics are off).
+
+    Mean acceptance length = ddtree_output_tokens_total / ddtree_rounds_total (a prefill's first
+    token aside); tree nodes per round = ddtree_tree_nodes_total / ddtree_rounds_total.
+    """
+
+    GAUGES = (("ddtree_active_requests", "num_active", "Requests holding a cache slot"),
+              ("ddtree_waiting_requests", "num_waiting", "Requests waiting for a slot"),
+              ("ddtree_held_cache_slots", "num_held_slots", "Cache slots in use"))
+    COUNTERS = (("ddtree_output_tokens_total", "num_output_tokens", "Tokens generated"),
+                ("ddtree_rounds_total", "num_rounds", "Decoding rounds, summed over requests"),
+                ("ddtree_tree_nodes_total", "num_tree_nodes", "Draft tree nodes verified"),
+                ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
+                ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
+                ("ddtree_requests_finished_total", "num_finished", "Requests finished"),
+                ("ddtree_requests_cancelled_total", "num_cancelled", "Requests cancelled"),
+                ("ddtree_requests_failed_total", "num_failed", "Requests failed or rejected"),
+                ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"))
 
     def __init__(self, model_name):
-        labels = {"model": model_name}
-        self.last = {}
+        labels, self.last, self.metrics = {"model": model_name}, {}, []
         try:
-            gauge, counter = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-            self.families = [
-                pb_utils.MetricFamily("ddtree_active_requests", "Requests being decoded", gauge),
-                pb_utils.MetricFamily("ddtree_waiting_requests", "Requests waiting for the engine", gauge),
-                pb_utils.MetricFamily("ddtree_output_tokens_total", "Tokens generated", counter),
-                pb_utils.MetricFamily("ddtree_rounds_total", "Decoding rounds of finished requests", counter),
-                pb_utils.MetricFamily("ddtree_requests_cancelled_total", "Requests cancelled", counter),
-            ]
-            self.metrics = [family.Metric(labels=labels) for family in self.families]
+            for kind, table in ((pb_utils.MetricFamily.GAUGE, self.GAUGES), (pb_utils.MetricFamily.COUNTER, self.COUNTERS)):
+                for name, field, text in table:
+                    family = pb_utils.MetricFamily(name, text, kind)
+                    self.metrics.append((family, family.Metric(labels=labels), field, kind))
         except Exception:  # metrics disabled on the server
             self.metrics = []
 
     def update(self, stats):
-        if not self.metrics:
-            return
         with IPC_LOCK:
-            self._update(stats)
-
-    def _update(self, stats):
-        active, waiting, tokens, rounds, cancelled = self.metrics
-        active.set(stats.num_active)
-        waiting.set(stats.num_waiting)
-        for metric, name in ((tokens, "num_output_tokens"), (rounds, "num_rounds"), (cancelled, "num_cancelled")):
-            value = getattr(stats, name)
-            metric.increment(value - self.last.get(name, 0))
-            self.last[name] = value
+            for _, metric, field, kind in self.metrics:
+                value = getattr(stats, field)
+                if self.last.get(field) == value:
+                    continue
+                if kind == pb_utils.MetricFamily.GAUGE:
+                    metric.set(value)
+                else:
+                    metric.increment(value - self.last.get(field, 0))
+                self.last[field] = value
