@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-MODES = ("ar", "dflash", "ddtree")
+MODES = ("ar", "dflash", "ddtree", "auto")   # auto: ddtree with per-round budgets from ddtree.budget
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -36,6 +36,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_num_seqs: int = 1              # requests decoded together (one cache slot each)
     max_queue_size: int = 256          # requests waiting for a slot; beyond it: an overload error
+    cost_model_path: str | None = None   # verify-cost data for mode "auto" (default: ddtree/data/cost_model_cpu.json)
     num_threads: int = 0               # torch CPU threads; 0 keeps torch's default
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
@@ -78,7 +79,7 @@ class EngineConfig:
                 kwargs[name] = _as_bool(raw)
             else:
                 kwargs[name] = str(raw)
-        for key in ("target_path", "drafter_path"):
+        for key in ("target_path", "drafter_path", "cost_model_path"):
             if kwargs.get(key) and base_dir is not None and not Path(kwargs[key]).is_absolute():
                 kwargs[key] = str((Path(base_dir) / kwargs[key]).resolve())
         return cls(**kwargs)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.budget import DEFAULT_COST_MODEL, CostModel, choose_budgets, node_weights
 from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
 from ddtree.models.dense import Segment
@@ -89,6 +90,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.stage_times = StageTimes()
         self._num_requests = 0
+        self.cost_model = CostModel.load(config.cost_model_path or DEFAULT_COST_MODEL)
 
     @property
     def cache(self):
@@ -261,9 +263,21 @@ class Engine:
             else:
                 log_probs, token_ids = top_log_probs(draft_logits, params.tree_budget)
                 trees[i] = build_tree(log_probs, token_ids, params.tree_budget)
+        self._apply_budget_policy(seqs, trees)
         self.stage_times.draft += t1 - t0
         self.stage_times.tree_build += time.perf_counter() - t1
         return trees
+
+    def _apply_budget_policy(self, seqs: list[Sequence], trees: list[DraftTree]) -> None:
+        """Mode "auto": cut each request's tree to the nodes that pay this round (ddtree.budget)."""
+        auto = [i for i, s in enumerate(seqs) if s.request.params.mode == "auto" and trees[i].num_nodes]
+        if not auto:
+            return
+        other_rows = sum(1 + trees[i].num_nodes for i in range(len(seqs)) if i not in auto)
+        weights = [node_weights(trees[i].log_weights[1:]) for i in auto]
+        budgets = choose_budgets(weights, self.cost_model, [trees[i].num_nodes for i in auto], fixed_rows=other_rows)
+        for i, budget in zip(auto, budgets):
+            trees[i] = trees[i].truncated(budget)
 
     def draft_logits(self, hidden: torch.Tensor, request: Request) -> torch.Tensor:
         """Drafter outputs -> logits through the target's lm_head; hidden  # [depth, hidden]"""

@@ -29,7 +29,7 @@ def set_parameter(config: Path, key: str, value: str) -> None:
     config.write_text(re.sub(pattern, rf'\1"{value}"', config.read_text()))
 
 
-def make_repository(config: EngineConfig, workdir: Path) -> Path:
+def make_repository(config: EngineConfig, workdir: Path, extra: dict[str, str] | None = None) -> Path:
     repo = workdir / "model_repository"
     shutil.copytree(ROOT / "model_repository", repo)
     for model in ("preprocessing", "postprocessing"):
@@ -38,6 +38,8 @@ def make_repository(config: EngineConfig, workdir: Path) -> Path:
     for key in ("target_path", "drafter_path", "device", "dtype"):
         set_parameter(ddtree, key, str(getattr(config, key)))
     set_parameter(ddtree, "max_tree_budget", str(config.max_tree_budget))
+    for key, value in (extra or {}).items():
+        set_parameter(ddtree, key, value)
     return repo
 
 
@@ -50,12 +52,13 @@ def input_data(prompts: list[str], sampling: dict) -> dict:
     return {"data": rows}
 
 
-def run_perf_analyzer(server: TritonServer, data: dict, workdir: Path, num_requests: int) -> list[dict]:
+def run_perf_analyzer(server: TritonServer, data: dict, workdir: Path, num_requests: int,
+                      concurrency: int = 1) -> list[dict]:
     data_file, export = workdir / "input.json", workdir / "profile.json"
     data_file.write_text(json.dumps(data))
     export.unlink(missing_ok=True)
     cmd = [str(PERF_ANALYZER), "-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming",
-           "--input-data", str(data_file), "--concurrency-range", "1", "--measurement-mode", "count_windows",
+           "--input-data", str(data_file), "--concurrency-range", str(concurrency), "--measurement-mode", "count_windows",
            "--measurement-request-count", str(num_requests), "--stability-percentage", "999",
            "--profile-export-file", str(export)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -16,6 +16,14 @@ class DraftTree:
     parents: list[int]                # [num_nodes + 1]; parents[0] = -1, parents[i] < i
     depths: list[int]                 # [num_nodes + 1]; depths[0] = 0
     children: list[dict[int, int]]    # per node: token -> child node index
+    log_weights: list[float]          # [num_nodes + 1]; log of the product of draft marginals on the path
+
+    def truncated(self, budget: int) -> "DraftTree":
+        """The first `budget` nodes: in pop order this is the best tree of that budget (prefix-closed)."""
+        tree = _empty_tree()
+        for i in range(1, min(budget, self.num_nodes) + 1):
+            _add_node(tree, self.tokens[i], self.parents[i], self.depths[i], self.log_weights[i])
+        return tree
 
     @property
     def num_nodes(self) -> int:
@@ -23,12 +31,13 @@ class DraftTree:
 
 
 def _empty_tree() -> DraftTree:
-    return DraftTree(tokens=[-1], parents=[-1], depths=[0], children=[{}])
+    return DraftTree(tokens=[-1], parents=[-1], depths=[0], children=[{}], log_weights=[0.0])
 
 
-def _add_node(tree: DraftTree, token: int, parent: int, depth: int) -> int:
+def _add_node(tree: DraftTree, token: int, parent: int, depth: int, log_weight: float = 0.0) -> int:
     index = len(tree.tokens)
     assert parent < index, f"node {index} precedes parent {parent}"
+    tree.log_weights.append(log_weight)
     tree.tokens.append(token)
     tree.parents.append(parent)
     tree.depths.append(depth)
@@ -64,7 +73,7 @@ def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> Dra
     heap = [(-first, (0,), 0, 1, 0, first)]  # (-log w, ranks, parent, depth, rank, log w)
     while heap and tree.num_nodes < budget:
         _, ranks, parent, depth, rank, log_w = heapq.heappop(heap)
-        node = _add_node(tree, int(token_ids[depth - 1, rank]), parent, depth)
+        node = _add_node(tree, int(token_ids[depth - 1, rank]), parent, depth, log_w)
         if rank + 1 < k:
             sibling_w = log_w - float(log_probs[depth - 1, rank]) + float(log_probs[depth - 1, rank + 1])
             heapq.heappush(heap, (-sibling_w, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling_w))

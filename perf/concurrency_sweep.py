@@ -1,0 +1,98 @@
+"""Throughput, time to first token and inter-token latency against concurrency, through Triton.
+
+perf_analyzer over gRPC streaming against the ensemble, one server (continuous batching,
+max_num_seqs = the largest concurrency), methods ar / dflash / ddtree-16 / auto (the budget
+policy), concurrency 1, 2, 4, 8, 16, 32. Every request decodes exactly --max-tokens tokens.
+Writes perf/results/<name>.{json,md,png}.
+
+    python perf/concurrency_sweep.py --name concurrency_cpu --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.config import EngineConfig  # noqa: E402
+from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.triton_bench import TritonServer, input_data, make_repository, run_perf_analyzer  # noqa: E402
+
+METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 16, "ddtree-16"), ("auto", 16, "auto")]
+
+
+def summarize(requests: list[dict], max_tokens: int) -> dict:
+    done = [r for r in requests if r["response_timestamps"]]
+    start = min(r["timestamp"] for r in done)
+    end = max(r["response_timestamps"][-1] for r in done)
+    ttft = [(r["response_timestamps"][0] - r["timestamp"]) / 1e6 for r in done]
+    itl = [((r["response_timestamps"][-1] - r["response_timestamps"][0]) / 1e6) / max(max_tokens - 1, 1) for r in done]
+    return {"tokens_per_s": len(done) * max_tokens / ((end - start) / 1e9), "ttft_ms_p50": statistics.median(ttft),
+            "ttft_ms_p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))], "itl_ms_p50": statistics.median(itl),
+            "num_requests": len(done)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in result["methods"].items():
+        xs = sorted(int(c) for c in rows)
+        ax.plot(xs, [rows[str(c)]["tokens_per_s"] for c in xs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{result['device']} {result['dtype']}, {result['max_tokens']} tokens/request")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(ROOT / "models/smollm2-135m-instruct"))
+    parser.add_argument("--drafter", default=str(ROOT / "models/smollm2-135m-instruct-dflash"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="concurrency_cpu")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    config = EngineConfig(target_path=str(Path(args.target).resolve()), drafter_path=str(Path(args.drafter).resolve()),
+                          device=args.device, dtype=args.dtype, max_tree_budget=64)
+    prompts = json.loads((ROOT / "perf/prompts.json").read_text())
+    result = {"header": header(), "device": args.device, "dtype": args.dtype, "max_tokens": args.max_tokens,
+              "target": config.target_path, "methods": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024"})
+        with TritonServer(str(repo), log_path=str(workdir / "server.log")) as server:
+            for mode, budget, name in METHODS:
+                sampling = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "mode": mode,
+                            "tree_budget": budget}
+                result["methods"][name] = {}
+                for level in levels:
+                    requests = run_perf_analyzer(server, input_data(prompts, sampling), workdir, max(2 * level, 4), level)
+                    result["methods"][name][str(level)] = summarize(requests, args.max_tokens)
+                    print(f"{name} c={level}: {result['methods'][name][str(level)]}", flush=True)
+    rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name, by_level in result["methods"].items():
+        rows.append(f"| {name} tok/s | " + " | ".join(f"{by_level[str(c)]['tokens_per_s']:.1f}" for c in levels) + " |")
+        rows.append(f"| {name} TTFT p50 ms | " + " | ".join(f"{by_level[str(c)]['ttft_ms_p50']:.0f}" for c in levels) + " |")
+        rows.append(f"| {name} ITL p50 ms | " + " | ".join(f"{by_level[str(c)]['itl_ms_p50']:.1f}" for c in levels) + " |")
+    write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
+    plot(result, Path(args.out) / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()
