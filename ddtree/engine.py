@@ -42,6 +42,7 @@ class StageTimes:
     commit: float = 0.0
     rounds: int = 0
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
+    draft_passes: int = 0        # packed drafter passes
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
 
 
@@ -56,6 +57,8 @@ class Sequence:
     root: int = -1                           # last committed token, not yet in the cache
     start: int = 0                           # its position = committed cache length
     pending_taps: torch.Tensor | None = None  # target features of tokens the drafter has not seen
+    skip_rounds: int = 0                     # mode auto: rounds left without drafting (trees did not pay)
+    backoff: int = 1                         # mode auto: next skip length after another zero-node round
 
     @property
     def depth_limit(self) -> int:
@@ -232,7 +235,9 @@ class Engine:
         acceptance = accept(tree, logits, params, seq.generator)
         self.caches[seq.slot].compact(seq.start, acceptance.accepted)
         if taps is not None:
-            seq.pending_taps = taps[torch.tensor(acceptance.accepted, device=self.device)]
+            new_taps = taps[torch.tensor(acceptance.accepted, device=self.device)]
+            # a round without drafting leaves earlier features unseen: they accumulate
+            seq.pending_taps = new_taps if seq.pending_taps is None else torch.cat([seq.pending_taps, new_taps])
         new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
         seq.start += len(acceptance.accepted)
         seq.root = acceptance.bonus_token
@@ -241,15 +246,17 @@ class Engine:
     def _draft(self, seqs: list[Sequence]) -> list[DraftTree]:
         """One packed drafter pass for the requests that speculate; their trees (empty for the others)."""
         trees = [_empty_tree() for _ in seqs]
-        drafting = [i for i, s in enumerate(seqs) if s.request.params.mode != "ar" and s.depth_limit > 0]
+        drafting = [i for i, s in enumerate(seqs) if self._drafts_this_round(s)]
         if not drafting:
             return trees
         t0 = time.perf_counter()
+        self.stage_times.draft_passes += 1
         drafter, block = self.drafter, self.drafter.block_size
         blocks = torch.full((len(drafting), block), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
         for j, i in enumerate(drafting):
             seq, cache = seqs[i], self.draft_caches[seqs[i].slot]
             drafter.add_context(cache, seq.pending_taps, torch.arange(cache.length, seq.start, device=self.device))
+            seq.pending_taps = None
             blocks[j, 0] = seq.root
         hidden = drafter.forward_packed([self.draft_caches[seqs[i].slot] for i in drafting], self.target.embed(blocks),
                                         [seqs[i].start for i in drafting])
@@ -278,6 +285,20 @@ class Engine:
         budgets = choose_budgets(weights, self.cost_model, [trees[i].num_nodes for i in auto], fixed_rows=other_rows)
         for i, budget in zip(auto, budgets):
             trees[i] = trees[i].truncated(budget)
+            seq = seqs[i]
+            if budget == 0:   # not worth a tree now: skip drafting for a while (1, 2, 4 ... 16 rounds), then probe
+                seq.skip_rounds, seq.backoff = seq.backoff, min(2 * seq.backoff, 16)
+            else:
+                seq.backoff = 1
+
+    @staticmethod
+    def _drafts_this_round(seq: Sequence) -> bool:
+        if seq.request.params.mode == "ar" or seq.depth_limit <= 0:
+            return False
+        if seq.skip_rounds > 0:
+            seq.skip_rounds -= 1
+            return False
+        return True
 
     def draft_logits(self, hidden: torch.Tensor, request: Request) -> torch.Tensor:
         """Drafter outputs -> logits through the target's lm_head; hidden  # [depth, hidden]"""
