@@ -18,13 +18,12 @@ STEEP = CostModel(rows=(1, 2, 3, 4096), verify_ms=(10.0, 10.0, 100.0, 1e5), draf
 
 
 def brute_force(weights, cost, caps):
-    best, best_rate = None, -1.0
+    best_rate = -1.0
     for budgets in itertools.product(*[range(c + 1) for c in caps]):
         rows = len(weights) + sum(budgets)
         draft = cost.draft_ms if sum(budgets) else 0.0
         rate = sum(expected_tokens(w, b) for w, b in zip(weights, budgets)) / (draft + cost.verify(rows))
-        if rate > best_rate + 1e-12:
-            best, best_rate = list(budgets), rate
+        best_rate = max(best_rate, rate)
     return best_rate
 
 
