@@ -59,6 +59,7 @@ class Sequence:
     pending_taps: torch.Tensor | None = None  # target features of tokens the drafter has not seen
     skip_rounds: int = 0                     # mode auto: rounds left without drafting (trees did not pay)
     backoff: int = 1                         # mode auto: next skip length after another zero-node round
+    calibration: float = 1.0                 # mode auto: observed / drafter-expected accepted nodes (EMA)
 
     @property
     def depth_limit(self) -> int:
@@ -94,6 +95,8 @@ class Engine:
         self.stage_times = StageTimes()
         self._num_requests = 0
         self.cost_model = CostModel.load(config.cost_model_path or DEFAULT_COST_MODEL)
+        self.auto_calibration = 1.0
+        self.auto_backoff = 1
 
     @property
     def cache(self):
@@ -130,7 +133,8 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         self._num_requests += 1
         max_tokens = min(params.max_tokens, self.config.max_model_len - len(request.prompt_ids))
-        self.waiting.append(Sequence(request, max_tokens, self.stop_ids(params), generator))
+        self.waiting.append(Sequence(request, max_tokens, self.stop_ids(params), generator,
+                                     calibration=self.auto_calibration, backoff=self.auto_backoff))
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request and free its slot."""
@@ -233,6 +237,12 @@ class Engine:
             depth = torch.tensor(tree.depths, device=self.device)
             logits = suppress_tokens(logits, suppressed, seq.request.num_output_tokens + depth < params.min_tokens)
         acceptance = accept(tree, logits, params, seq.generator)
+        if params.mode == "auto" and tree.num_nodes:
+            # the drafter's own weights are its belief; scale them by how often that belief held
+            expected = float(node_weights(tree.log_weights[1:]).sum())
+            observed = (len(acceptance.accepted) - 1 + 0.1) / (expected + 0.1)
+            seq.calibration = 0.5 * seq.calibration + 0.5 * min(observed, 1.0)
+            self.auto_calibration = 0.5 * self.auto_calibration + 0.5 * seq.calibration   # prior for new requests
         self.caches[seq.slot].compact(seq.start, acceptance.accepted)
         if taps is not None:
             new_taps = taps[torch.tensor(acceptance.accepted, device=self.device)]
@@ -281,15 +291,16 @@ class Engine:
         if not auto:
             return
         other_rows = sum(1 + trees[i].num_nodes for i in range(len(seqs)) if i not in auto)
-        weights = [node_weights(trees[i].log_weights[1:]) for i in auto]
+        weights = [node_weights(trees[i].log_weights[1:]) * seqs[i].calibration for i in auto]
         budgets = choose_budgets(weights, self.cost_model, [trees[i].num_nodes for i in auto], fixed_rows=other_rows)
         for i, budget in zip(auto, budgets):
             trees[i] = trees[i].truncated(budget)
             seq = seqs[i]
-            if budget == 0:   # not worth a tree now: skip drafting for a while (1, 2, 4 ... 16 rounds), then probe
-                seq.skip_rounds, seq.backoff = seq.backoff, min(2 * seq.backoff, 16)
+            if budget == 0:   # not worth a tree now: skip drafting for a while (1, 2, 4 ... 64 rounds), then probe
+                seq.skip_rounds, seq.backoff = seq.backoff, min(2 * seq.backoff, 64)
             else:
                 seq.backoff = 1
+            self.auto_backoff = seq.backoff   # new requests start where the last decision left off
 
     @staticmethod
     def _drafts_this_round(seq: Sequence) -> bool:

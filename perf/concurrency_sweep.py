@@ -66,7 +66,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="concurrency_cpu")
+    parser.add_argument("--methods", default=",".join(name for _, _, name in METHODS))
     args = parser.parse_args()
+    methods = [m for m in METHODS if m[2] in args.methods.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     config = EngineConfig(target_path=str(Path(args.target).resolve()), drafter_path=str(Path(args.drafter).resolve()),
                           device=args.device, dtype=args.dtype, max_tree_budget=64)
@@ -77,7 +79,7 @@ def main() -> None:
         workdir = Path(tmp)
         repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024"})
         with TritonServer(str(repo), log_path=str(workdir / "server.log")) as server:
-            for mode, budget, name in METHODS:
+            for mode, budget, name in methods:
                 sampling = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "mode": mode,
                             "tree_budget": budget}
                 result["methods"][name] = {}
