@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
-from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 
 METHODS = [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64)]
 
@@ -61,10 +61,7 @@ def bench_in_process(engine: Engine, prompt_ids: list[list[int]], max_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=str(ROOT / "models/smollm2-135m-instruct"))
-    parser.add_argument("--drafter", default=str(ROOT / "models/smollm2-135m-instruct-dflash"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    add_model_args(parser)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)

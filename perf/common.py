@@ -49,3 +49,11 @@ def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
           f"- machine: `{json.dumps(meta['machine'])}`\n- date: {meta['date']}\n\n{table}\n")
     (out_dir / f"{name}.md").write_text(md)
     print(md)
+
+
+def add_model_args(parser) -> None:
+    """--target/--drafter/--device/--dtype, defaulting to the embedded default on the CPU."""
+    parser.add_argument("--target", default=str(ROOT / "models/smollm2-135m-instruct"))
+    parser.add_argument("--drafter", default=str(ROOT / "models/smollm2-135m-instruct-dflash"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")

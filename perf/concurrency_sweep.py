@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.config import EngineConfig  # noqa: E402
-from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 from perf.triton_bench import TritonServer, input_data, make_repository, run_perf_analyzer  # noqa: E402
 
 METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 16, "ddtree-16"), ("auto", 16, "auto")]
@@ -58,10 +58,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=str(ROOT / "models/smollm2-135m-instruct"))
-    parser.add_argument("--drafter", default=str(ROOT / "models/smollm2-135m-instruct-dflash"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    add_model_args(parser)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))

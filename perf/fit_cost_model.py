@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.models.dense import Segment  # noqa: E402
-from perf.common import ROOT, header  # noqa: E402
+from perf.common import ROOT, add_model_args, header  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -68,10 +68,7 @@ def measure(engine: Engine, device: str, context: int, repeats: int) -> tuple[li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=str(ROOT / "models/smollm2-135m-instruct"))
-    parser.add_argument("--drafter", default=str(ROOT / "models/smollm2-135m-instruct-dflash"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    add_model_args(parser)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--name", default="cpu")

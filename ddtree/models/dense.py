@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ddtree.models.base import TargetModel
 from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import load_state_dict, read_config, rope_scaling, rope_theta
 
@@ -144,7 +145,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DenseTarget(nn.Module):
+class DenseTarget(TargetModel):
     """Target model; `forward` is one prefill or one tree verify over the static cache."""
 
     def __init__(self, config: DenseConfig) -> None:
@@ -156,32 +157,9 @@ class DenseTarget(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.eos_token_ids
-
     def new_cache(self, max_len: int) -> KVCache:
         c, p = self.config, self.embed_tokens.weight
         return KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden  # [n, hidden] after the final norm -> [n, vocab]"""
-        return self.lm_head(hidden)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
-                visibility: torch.Tensor, tap_layers: list[int] | None = None,
-                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run n query tokens after `start` committed cache entries.
-
-        input_ids, positions  # [n]; visibility  # [n, n] bool among the queries (causal for a prompt)
-        Returns logits  # [rows, vocab] and taps  # [n, len(tap_layers) * hidden] (outputs of
-        decoder layers `tap_layers`, i.e. HF hidden_states[L + 1]).
-        """
-        return self.forward_packed(input_ids, positions, [Segment.of(cache, start, visibility)], tap_layers,
-                                   logit_rows)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                        tap_layers: list[int] | None = None,
@@ -195,9 +173,7 @@ class DenseTarget(nn.Module):
             x = layer(x, rope, segments, i)
             if i in wanted:
                 taps[i] = x
-        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        h = x if logit_rows is None else x[logit_rows]
-        return self.lm_head(self.norm(h)), tapped
+        return self.outputs(x, taps, tap_layers, logit_rows)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.models.base import TargetModel
 from ddtree.models.dense import KVCache, Segment
 from ddtree.models.gdn import conv_state_after, conv_tree, gdn_state_at, gdn_tree, parents_from_visibility
 from ddtree.models.layers import GatedMLP, Rotary, attend
@@ -257,7 +258,7 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class HybridTarget(nn.Module):
+class HybridTarget(TargetModel):
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.config = config
@@ -267,26 +268,9 @@ class HybridTarget(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.config.eos_token_ids
-
     def new_cache(self, max_len: int) -> HybridCache:
         p = self.embed_tokens.weight
         return HybridCache(self.config, max_len, p.dtype, p.device)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: HybridCache, start: int,
-                visibility: torch.Tensor, tap_layers: list[int] | None = None,
-                logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As DenseTarget.forward; GDN layers follow the parents implied by `visibility`."""
-        return self.forward_packed(input_ids, positions, [Segment.of(cache, start, visibility)], tap_layers,
-                                   logit_rows)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                        tap_layers: list[int] | None = None,
@@ -317,9 +301,7 @@ class HybridTarget(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in wanted:
                 taps[i] = x
-        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
-        h = x if logit_rows is None else x[logit_rows]
-        return self.lm_head(self.norm(h)), tapped
+        return self.outputs(x, taps, tap_layers, logit_rows)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
