@@ -16,7 +16,7 @@ from torch import nn
 
 from ddtree.models.base import TargetModel
 from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
-from ddtree.models.loader import load_state_dict, read_config, rope_scaling, rope_theta
+from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
 
@@ -190,13 +190,7 @@ class DenseTarget(TargetModel):
             remapped[name] = tensor
         if config.tie_word_embeddings or "lm_head.weight" not in remapped:
             remapped["lm_head.weight"] = remapped["embed_tokens.weight"]
-        missing = set(model.state_dict()) - set(remapped)
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:8]}")
-        unexpected = sorted(k for k in set(remapped) - set(model.state_dict()) if "rotary" not in k)
-        if unexpected:
-            logger.warning("ignoring %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:4])
-        model.load_state_dict({k: remapped[k] for k in model.state_dict()}, assign=True, strict=True)
+        assign_weights(model, remapped, path)
         model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         logger.info("target %s: %s, %d layers, hidden %d, vocab %d", Path(path).name, config.model_type,
                     config.num_hidden_layers, config.hidden_size, config.vocab_size)

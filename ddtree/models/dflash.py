@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
-from ddtree.models.loader import load_state_dict, read_config, rope_scaling, rope_theta
+from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
 
@@ -188,14 +188,7 @@ class DFlashDrafter(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         state = {k.removeprefix("model."): v for k, v in load_state_dict(path, desc="loading drafter").items()}
-        expected = set(model.state_dict())
-        missing = expected - set(state)
-        if missing:
-            raise ValueError(f"DFlash checkpoint {path} lacks tensors {sorted(missing)[:8]}")
-        extra = sorted(set(state) - expected)
-        if extra:
-            logger.info("drafter: ignoring tensors not used here (e.g. shared embeddings): %s", extra[:4])
-        model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+        assign_weights(model, state, path)
         model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         logger.info("drafter %s: %d layers, block %d, taps %s, mask id %d", Path(path).name,
                     config.num_hidden_layers, config.block_size, list(config.target_layer_ids), config.mask_token_id)

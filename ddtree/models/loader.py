@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
 
 
 def read_config(path: str | Path) -> dict:
@@ -55,3 +59,19 @@ def rope_scaling(config: dict) -> dict | None:
 
 def dtype_of(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def assign_weights(model: nn.Module, state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Load `state` (keys already renamed to the model's) into a meta-device model.
+
+    A missing tensor is an error naming the checkpoint; tensors the model does not use (shared
+    embeddings, MTP or vision weights) are logged and skipped.
+    """
+    expected = model.state_dict()
+    missing = set(expected) - set(state)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:8]}")
+    unused = sorted(set(state) - set(expected))
+    if unused:
+        logger.info("%s: ignoring %d tensors not used here, e.g. %s", Path(path).name, len(unused), unused[:4])
+    model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)

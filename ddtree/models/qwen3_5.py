@@ -21,7 +21,7 @@ from ddtree.models.base import TargetModel
 from ddtree.models.dense import KVCache, Segment
 from ddtree.models.gdn import conv_state_after, conv_tree, gdn_state_at, gdn_tree, parents_from_visibility
 from ddtree.models.layers import GatedMLP, Rotary, attend
-from ddtree.models.loader import load_state_dict, read_config, rope_theta
+from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
 logger = logging.getLogger(__name__)
 
@@ -317,11 +317,7 @@ class HybridTarget(TargetModel):
             state[name] = tensor
         if "lm_head.weight" not in state:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        expected = model.state_dict()
-        missing = set(expected) - set(state)
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:8]}")
-        model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+        assign_weights(model, state, path)
         model.rotary = Rotary(config.rotary_dim, config.rope_theta)
         logger.info("target %s: qwen3_5 hybrid, %d layers (%d GDN), hidden %d, vocab %d", Path(path).name,
                     config.num_hidden_layers, sum(t != "full_attention" for t in config.layer_types),
