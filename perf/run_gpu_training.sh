@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue-5/3 work on the GPU machine (device tool), in stages that fit its limits (64 MiB carried per
+# call, 10 minutes per command; a warm machine keeps ignored files between calls):
+#   verify  carry .deps/xa (first half of the SmolLM2 GGUF + wheels): 27B-shaped hybrid verify
+#   train   carry .deps/xb (second half + digests): rebuild the embedded default exactly, generate
+#           the target's responses, train the DFlash drafter (time-boxed, resumable), export it
+#   eval    carry .deps/bundle (tritonserver): HumanEval acceptance and speed, in process and Triton
+# Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
+set -euo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+stage="$1"; shift
+
+install_wheels() {
+  [ -d .deps/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target .deps/site .deps/xa/*.whl
+}
+
+case "$stage" in
+verify)
+  install_wheels
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 perf/hybrid_verify.py --device cuda --dtype bfloat16 --out "$OUT" --name hybrid_verify_h200 "$@"
+  ;;
+train)
+  install_wheels
+  cat .deps/xa/gguf.part .deps/xb/gguf.part > .deps/smollm2.gguf
+  echo "$(cat .deps/xb/gguf.sha256)  .deps/smollm2.gguf" | sha256sum -c -
+  [ -f models/smollm2-135m-instruct/model.safetensors ] || \
+    python3 scripts/make_default_model.py --out models --gguf .deps/smollm2.gguf --force
+  digest=$(python3 scripts/tensor_digest.py models/smollm2-135m-instruct)
+  if [ "$digest" = "$(cat .deps/xb/target.digest)" ]; then echo "target weights identical to the local conversion";
+  else echo "WARNING: target digest $digest differs from the local conversion"; fi
+  python3 -m training --config training/configs/smollm2_135m.json "$@" 2>&1 | tee "$OUT/train.log"
+  run=runs/smollm2-135m-instruct-dflash
+  if [ -d "$run/drafter" ]; then
+    cp "$run"/drafter/model-*.safetensors "$OUT/"
+    tar -C "$run" -cf "$OUT/drafter_meta.tar" drafter/config.json drafter/model.safetensors.index.json \
+      drafter/README.md drafter/loss_curve.png drafter/training_config.json train_log.jsonl
+  fi
+  ;;
+*)
+  echo "unknown stage $stage" >&2; exit 2 ;;
+esac
