@@ -36,14 +36,21 @@ logger = logging.getLogger(__name__)
 class StageTimes:
     """Wall time per stage in seconds, summed over rounds (synchronized on GPU)."""
     prefill: float = 0.0
-    draft: float = 0.0
+    draft: float = 0.0           # packed drafter passes
     tree_build: float = 0.0
-    verify: float = 0.0
-    commit: float = 0.0
-    rounds: int = 0
+    verify: float = 0.0          # packed target verify passes
+    commit: float = 0.0          # acceptance walks and commits
+    decode: float = 0.0          # whole decoding rounds: draft, tree_build, verify, commit and the glue between
+    batch_rounds: int = 0        # decoding rounds of the whole batch
+    rounds: int = 0              # decoding rounds, summed over requests
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
     draft_passes: int = 0        # packed drafter passes
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def host(self) -> float:
+        """Round time outside the drafter and target passes (tree build, compile, acceptance, commit)."""
+        return self.decode - self.draft - self.verify
 
 
 @dataclass(slots=True)
@@ -211,22 +218,29 @@ class Engine:
         return outputs
 
     def _round(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        times, t_round = self.stage_times, time.perf_counter()
         trees = self._draft(seqs)
-        t_verify = time.perf_counter()
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
-        self.stage_times.tree_nodes += sum(tree.num_nodes for tree in trees)
+        times.tree_nodes += sum(tree.num_nodes for tree in trees)
         segments = [Segment.of(self.caches[seq.slot], seq.start, b.visibility.to(self.device))
                     for seq, b in zip(seqs, batches)]
-        logits, taps = self.target.forward_packed(torch.cat([b.input_ids for b in batches]).to(self.device),
-                                                  torch.cat([b.positions for b in batches]).to(self.device),
-                                                  segments, self.tap_layers)
+        ids = torch.cat([b.input_ids for b in batches]).to(self.device)
+        positions = torch.cat([b.positions for b in batches]).to(self.device)
+        t_verify = time.perf_counter()
+        logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers)
+        self._sync()
+        t_commit = time.perf_counter()
         outputs, row = [], 0
         for seq, tree, seg in zip(seqs, trees, segments):
             rows = slice(row, row + seg.length)
             row += seg.length
             outputs.append(self._accept_and_commit(seq, tree, logits[rows], None if taps is None else taps[rows]))
         self._sync()
-        self.stage_times.verify += time.perf_counter() - t_verify
+        now = time.perf_counter()
+        times.verify += t_commit - t_verify
+        times.commit += now - t_commit
+        times.decode += now - t_round
+        times.batch_rounds += 1
         return outputs
 
     def _accept_and_commit(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor,
@@ -270,6 +284,7 @@ class Engine:
             blocks[j, 0] = seq.root
         hidden = drafter.forward_packed([self.draft_caches[seqs[i].slot] for i in drafting], self.target.embed(blocks),
                                         [seqs[i].start for i in drafting])
+        self._sync()
         t1 = time.perf_counter()
         for j, i in enumerate(drafting):
             seq = seqs[i]

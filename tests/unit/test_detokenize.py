@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.detokenize import IncrementalDetokenizer, decode, decode_delta
+from ddtree.detokenize import IncrementalDetokenizer, decode, decode_range
 from ddtree.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def stream(tokenizer, ids: list[int], rng: random.Random) -> list[str]:
         i += step
         chunk = detok.push(new, is_final=i >= len(ids))
         # what the stateless postprocessing step computes from the response alone
-        assert decode_delta(tokenizer, chunk.window, chunk.prefix_length) == chunk.text
+        assert decode_range(tokenizer, chunk.window, chunk.prefix_length, chunk.text_start, chunk.text_end) == chunk.text
         pieces.append(chunk.text)
     return pieces
 

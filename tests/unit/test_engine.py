@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree.config import EngineConfig
-from ddtree.engine import Engine
+from ddtree.engine import Engine, StageTimes
 from ddtree.errors import InvalidRequest
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import build_tree, compile_tree, top_log_probs
@@ -40,6 +40,17 @@ def test_stop_token_ends_the_request(engine, mode):
     first = free.index(stop)
     request = engine.generate_ids(prompt, SamplingParams(max_tokens=20, ignore_eos=True, stop_token_ids=[stop], mode=mode))
     assert request.output_ids == free[: first + 1] and request.finish_reason == "stop"
+
+
+def test_stage_times_split_each_round(engine):
+    """Draft, tree build, verify and commit are disjoint parts of a round; host time is the round outside the passes."""
+    engine.stage_times = StageTimes()
+    request = engine.generate_ids([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True, mode="ddtree", tree_budget=8))
+    t = engine.stage_times
+    assert t.batch_rounds == t.rounds == len(request.acceptance_lengths) > 0
+    assert t.acceptance_histogram == {k: request.acceptance_lengths.count(k) for k in set(request.acceptance_lengths)}
+    assert min(t.draft, t.tree_build, t.verify, t.commit) > 0
+    assert t.host >= t.tree_build + t.commit - 1e-9 and t.draft + t.verify + t.host == pytest.approx(t.decode)
 
 
 def test_min_tokens_suppresses_eos(engine):

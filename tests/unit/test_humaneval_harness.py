@@ -1,0 +1,96 @@
+"""perf/humaneval.py on tiny checkpoints: the acceptance phase (tau, histograms, greedy outputs equal
+across methods and to batch-1 decoding) and the report it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from ddtree.config import EngineConfig
+from ddtree.engine import Engine
+from ddtree.sampling_params import SamplingParams
+from ddtree.tokenizer import Tokenizer
+from perf import humaneval
+from tests.unit.oracle import OracleDraftEngine
+
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_models):
+    return str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(paths):
+    ids = humaneval.encode_prompts(Tokenizer(paths[0]), humaneval.load_problems()[:2])
+    assert ids[0] != ids[1]
+    return ids
+
+
+def config(paths, prompt_ids, **kw) -> EngineConfig:
+    return EngineConfig(target_path=paths[0], drafter_path=paths[1], max_tree_budget=16,
+                        max_model_len=max(map(len, prompt_ids)) + MAX_NEW_TOKENS + 1, **kw)
+
+
+def test_prompts_are_the_humaneval_problems_in_the_chat_template(paths):
+    problems = humaneval.load_problems()
+    assert len(problems) == 164 and problems[0].lstrip().startswith("from typing import List")
+    text = Tokenizer(paths[0]).decode(humaneval.encode_prompts(Tokenizer(paths[0]), problems[:1])[0],
+                                      skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\nWrite a solution to the following problem and make sure that it passes "
+                           "the tests:\n```python\n" + problems[0] + "\n```<|im_end|>\n")
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")   # enable_thinking=False reached the template
+
+
+def test_acceptance_phase(paths, prompt_ids):
+    """Batched acceptance run with a drafter that is partly right: tau, histograms, identical greedy outputs."""
+    reference = AutoModelForCausalLM.from_pretrained(paths[0]).eval()
+    engine = OracleDraftEngine(config(paths, prompt_ids, max_num_seqs=8), reference=reference, seed=0)
+    methods = humaneval.methods_for([4, 16])
+    results, outputs = humaneval.acceptance_phase(engine, prompt_ids, methods, [0.0, 1.0], MAX_NEW_TOKENS, 0)
+    names = ["ar", "dflash", "ddtree-4", "ddtree-16"]
+    assert set(results) == set(outputs) == {"0", "1"}
+    for key in results:
+        assert list(results[key]) == names
+        for name, r in results[key].items():
+            assert r["num_responses"] == 2 and len(outputs[key][name]) == 2
+            assert sum(r["acceptance_histogram"].values()) == r["num_rounds"] > 0
+            assert 0 < r["num_output_tokens"] <= 2 * MAX_NEW_TOKENS
+        assert results[key]["ar"]["tau"] == 1.0
+        assert results[key]["ar"]["acceptance_histogram"]["1"] == results[key]["ar"]["num_rounds"]
+        assert list(results[key]["ar"]["acceptance_histogram"]) == [str(n) for n in range(1, 9)]   # tiny block_size 8
+    greedy = results["0"]
+    assert greedy["ddtree-16"]["tau"] > 1.3 and greedy["dflash"]["tau"] > 1.3, greedy
+    assert humaneval.greedy_mismatches(outputs["0"]) == []
+    # ... and they equal batch-1 decoding by a plain engine
+    alone = Engine(config(paths, prompt_ids))
+    for i, ids in enumerate(prompt_ids):
+        params = SamplingParams(**humaneval.sampling_parameters(humaneval.Method("ar", 1), 0.0, MAX_NEW_TOKENS, i))
+        assert outputs["0"]["ar"][i] == alone.generate_ids(ids, params).output_ids
+
+
+def test_greedy_mismatches_finds_a_differing_prompt():
+    same = [[1, 2, 3], [4, 5]]
+    assert humaneval.greedy_mismatches({"ar": same, "dflash": same}) == []
+    assert humaneval.greedy_mismatches({"ar": same, "dflash": [[1, 2, 3], [4, 6]], "ddtree-4": same}) == [1]
+
+
+def test_report(paths, tmp_path):
+    """The whole script without Triton: JSON, markdown table, plots."""
+    result = humaneval.main(["--target", paths[0], "--drafter", paths[1], "--num-prompts", "2", "--speed-prompts", "1",
+                             "--budgets", "4,16", "--temperatures", "0", "--max-new-tokens", "4", "--skip-triton",
+                             "--out", str(tmp_path), "--name", "he"])
+    saved = json.loads((tmp_path / "he.json").read_text())
+    assert saved["greedy_outputs_identical"] is True and saved["num_prompts"] == 2
+    assert set(saved["acceptance"]["0"]) == set(saved["in_process"]["0"]) == {"ar", "dflash", "ddtree-4", "ddtree-16"}
+    assert saved["acceptance"]["0"]["ar"]["tau"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and r["num_tokens"] > 0 for r in saved["in_process"]["0"].values())
+    assert "triton" not in saved and set(saved["phase_seconds"]) == {"load", "acceptance", "in_process_speed"}
+    md = (tmp_path / "he.md").read_text()
+    assert "| method | T | τ | tok/s in process | speedup | tok/s Triton | speedup Triton | triton/in-process |" in md
+    assert "| ar | 0 | 1.00 |" in md and "| ddtree-16 | 0 |" in md
+    assert [p.rsplit("/", 1)[1] for p in result["plots"]] == ["he_tau.png", "he_speedup.png"]
+    assert all((tmp_path / p).stat().st_size > 1000 for p in ("he_tau.png", "he_speedup.png"))
