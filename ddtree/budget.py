@@ -18,7 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_COST_MODEL = Path(__file__).with_name("data") / "cost_model_cpu.json"
+DATA = Path(__file__).with_name("data")
+DEFAULT_COST_MODEL = DATA / "cost_model_cpu.json"
+
+
+def default_cost_model(device: str) -> Path:
+    """The measured cost model for the device kind: H200 data on CUDA devices, CPU data otherwise."""
+    return DATA / "cost_model_h200.json" if str(device).startswith("cuda") else DEFAULT_COST_MODEL
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_num_seqs: int = 1              # requests decoded together (one cache slot each)
     max_queue_size: int = 256          # requests waiting for a slot; beyond it: an overload error
-    cost_model_path: str | None = None   # verify-cost data for mode "auto" (default: ddtree/data/cost_model_cpu.json)
+    cost_model_path: str | None = None   # verify-cost data for mode "auto" (default: ddtree/data/cost_model_{cpu,h200}.json by device)
     num_threads: int = 0               # torch CPU threads; 0 keeps torch's default
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.budget import DEFAULT_COST_MODEL, CostModel, choose_budgets, node_weights
+from ddtree.budget import CostModel, choose_budgets, default_cost_model, node_weights
 from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
 from ddtree.models.dense import Segment
@@ -101,7 +101,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.stage_times = StageTimes()
         self._num_requests = 0
-        self.cost_model = CostModel.load(config.cost_model_path or DEFAULT_COST_MODEL)
+        self.cost_model = CostModel.load(config.cost_model_path or default_cost_model(config.device))
         self.auto_calibration = 1.0
         self.auto_backoff = 1
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue-5/3 work on the GPU machine (device tool), in stages that fit its limits (64 MiB carried per
 # call, 10 minutes per command; a warm machine keeps ignored files between calls):
-#   verify  carry .deps/xa (first half of the SmolLM2 GGUF + wheels): 27B-shaped hybrid verify
-#   train   carry .deps/xb (second half + digests): rebuild the embedded default exactly, generate
-#           the target's responses, train the DFlash drafter (time-boxed, resumable), export it
+#   verify  carry .deps/xa (first part of the SmolLM2 GGUF + wheels): 27B-shaped hybrid verify
+#   train   carry the last part (.deps/xb, ...; each .deps/x?/gguf.part, in name order, plus
+#           gguf.sha256 and target.digest in one of them): rebuild the embedded default exactly,
+#           generate the target's responses, train the DFlash drafter (time-boxed, resumable), export
+# Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~38 MB)
+# stays under 64 MiB: e.g. `split -n 4` into .deps/xa ... .deps/xd, one carried per call.
 #   eval    carry .deps/bundle (tritonserver): HumanEval acceptance and speed, in process and Triton
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
 set -euo pipefail
@@ -25,12 +28,12 @@ verify)
   ;;
 train)
   install_wheels
-  cat .deps/xa/gguf.part .deps/xb/gguf.part > .deps/smollm2.gguf
-  echo "$(cat .deps/xb/gguf.sha256)  .deps/smollm2.gguf" | sha256sum -c -
+  cat .deps/x?/gguf.part > .deps/smollm2.gguf
+  echo "$(cat .deps/x?/gguf.sha256)  .deps/smollm2.gguf" | sha256sum -c -
   [ -f models/smollm2-135m-instruct/model.safetensors ] || \
     python3 scripts/make_default_model.py --out models --gguf .deps/smollm2.gguf --force
   digest=$(python3 scripts/tensor_digest.py models/smollm2-135m-instruct)
-  if [ "$digest" = "$(cat .deps/xb/target.digest)" ]; then echo "target weights identical to the local conversion";
+  if [ "$digest" = "$(cat .deps/x?/target.digest)" ]; then echo "target weights identical to the local conversion";
   else echo "WARNING: target digest $digest differs from the local conversion"; fi
   python3 -m training --config training/configs/smollm2_135m.json "$@" 2>&1 | tee "$OUT/train.log"
   run=runs/smollm2-135m-instruct-dflash
@@ -39,6 +42,16 @@ train)
     tar -C "$run" -cf "$OUT/drafter_meta.tar" drafter/config.json drafter/model.safetensors.index.json \
       drafter/README.md drafter/loss_curve.png drafter/training_config.json train_log.jsonl
   fi
+  ;;
+eval)
+  install_wheels
+  # the drafter trained in this machine's run, else the shipped one that `train` installed
+  run=runs/smollm2-135m-instruct-dflash/drafter
+  if [ -d "$run" ]; then rm -rf models/smollm2-135m-instruct-dflash; cp -r "$run" models/smollm2-135m-instruct-dflash; fi
+  if [ -f .deps/bundle/tritonserver-py312.tar.xz ] && [ ! -d .deps/tritonserver ]; then
+    tar -C .deps -xJf .deps/bundle/tritonserver-py312.tar.xz
+  fi
+  python3 perf/humaneval.py --device cuda --dtype bfloat16 --out "$OUT" "$@"
   ;;
 *)
   echo "unknown stage $stage" >&2; exit 2 ;;
