@@ -25,6 +25,8 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    if os.environ.get("DDTREE_COMMIT"):   # the device copy's .git shows the session's base commit, not HEAD
+        return os.environ["DDTREE_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
