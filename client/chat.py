@@ -45,6 +45,7 @@ def stream_chat(url: str, model: str, inputs: list, timeout_s: float = 600.0):
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    finished = False
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         while True:
@@ -60,9 +61,11 @@ def stream_chat(url: str, model: str, inputs: list, timeout_s: float = 600.0):
             text = b"".join(outputs.get("text_output") or []).decode("utf-8")
             yield text, outputs
             if is_final:
+                finished = True
                 return
     finally:
-        client.stop_stream()
+        # on a timeout, an error or an abandoned generator, cancel the request instead of waiting for it
+        client.stop_stream(cancel_requests=not finished)
         client.close()
 
 

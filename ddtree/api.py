@@ -73,6 +73,8 @@ def parse_json(name: str, raw: bytes | str | None, kind: type) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"{name} is not valid JSON: {e.msg} at position {e.pos}") from None
+    except (RecursionError, ValueError) as e:   # nesting deeper than the recursion limit; 4300+ digit integers
+        raise InvalidRequest(f"{name} is not acceptable JSON: {str(e)[:200]}") from None
     if not isinstance(value, kind):
         raise InvalidRequest(f"{name} must be a JSON {kind.__name__}, got {type(value).__name__}")
     return value

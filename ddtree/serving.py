@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ddtree import api
 from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.engine import Engine
-from ddtree.errors import InvalidRequest
+from ddtree.errors import EngineUnavailable, InvalidRequest
 from ddtree.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -58,46 +58,87 @@ class ServiceStats:
     verify_seconds: float = 0.0
     host_seconds: float = 0.0        # decoding round time outside the drafter and target passes
     acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a round -> rounds
+    engine_healthy: int = 1          # 0 after a fatal engine error: the instance answers UNAVAILABLE from then on
+
+
+# Errors after which the engine's device state cannot be trusted: the instance stops serving.
+FATAL_MARKERS = ("CUDA error", "CUDA out of memory", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error",
+                 "device-side assert", "NCCL error", "illegal memory access", "out of memory", "can't allocate memory")
+
+
+def is_fatal(error: BaseException) -> bool:
+    """A CUDA / out-of-memory error (sticky on the device), or anything that is not an ordinary Exception."""
+    if not isinstance(error, Exception) or isinstance(error, MemoryError):
+        return True
+    return any(marker in str(error) for marker in FATAL_MARKERS)
+
+
+def parse_fault_injection(spec: str) -> int | None:
+    """TEST ONLY (deployment parameter ``fault_injection``, off by default): "fatal_after_rounds:N" makes the
+    engine thread raise a simulated CUDA error after N batch rounds. Returns N, or None when off."""
+    if not spec:
+        return None
+    kind, _, value = spec.partition(":")
+    if kind != "fatal_after_rounds" or not value.isdigit():
+        raise ValueError(f"fault_injection must be 'fatal_after_rounds:N', got {spec!r}")
+    return int(value)
 
 
 class GenerationService:
     """Runs the engine on its own thread: each step admits new jobs and advances every running one."""
 
-    def __init__(self, engine: Engine, tokenizer, on_stats=None, max_queue_size: int = 256) -> None:
+    def __init__(self, engine: Engine, tokenizer, on_stats=None, max_queue_size: int = 256,
+                 fault_injection: str = "") -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.stats = ServiceStats()
         self.on_stats = on_stats          # called from the engine thread after stats change (metrics)
         self.max_queue_size = max_queue_size
-        self.is_healthy = True
+        self.fatal_error: str | None = None     # set once, by the first fatal engine error; never cleared
+        self._fault_after_rounds = parse_fault_injection(fault_injection)
+        if self._fault_after_rounds is not None:
+            logger.warning("TEST ONLY: fault_injection=%r: a simulated CUDA error after %d batch rounds",
+                           fault_injection, self._fault_after_rounds)
         self._lock = threading.Lock()
         self._num_queued = 0
         self._by_key: dict[str, Job] = {}
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[str, Job] = {}   # engine request id (= job key) -> job
         self._stopping = False
+        self._report()                      # gauges start at their values (engine_healthy 1) before any request
         self._worker = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
         self._worker.start()
 
+    @property
+    def is_healthy(self) -> bool:
+        return self.fatal_error is None
+
     def submit(self, request_id: str, request: api.GenerateRequest, sink: ResponseSink) -> None:
-        """Queue a request; answers at once with an overload error when the queue is full."""
+        """Queue a request; answers at once with UNAVAILABLE when the queue is full or the engine has failed."""
         key = uuid.uuid4().hex
         job = Job(request_id, request, sink, time.perf_counter(), key)
-        with self._lock:
+        if self.fatal_error is None and not self._worker.is_alive() and not self._stopping:
+            self._fail_fatal(EngineUnavailable("the engine thread is not running"), "engine thread died")
+        with self._lock:   # the job is queued under the lock: _fail_fatal drains every job queued before it
+            unavailable = self.fatal_error
             # waiting = not yet holding a cache slot: in our queue, or in the engine's
-            if self._num_queued + len(self.engine.waiting) >= self.max_queue_size:
+            overloaded = unavailable is None and self._num_queued + len(self.engine.waiting) >= self.max_queue_size
+            if overloaded:
                 self.stats.num_rejected_overload += 1
-                overloaded = True
-            else:
-                overloaded = False
+            elif unavailable is None:
                 self._num_queued += 1
                 self._by_key[key] = job
-        if overloaded:
+                self._jobs.put(job)
+        if unavailable is not None:
+            self.stats.num_failed += 1
+            logger.warning("[%s] rejected: engine unavailable since a fatal error (%s)", request_id, unavailable)
+            sink.send_error(f"model unavailable: the engine failed with a fatal error ({unavailable}); "
+                            "this instance no longer serves, restart the server", "unavailable")
+            self._report_safely()   # the engine thread has stopped: metrics move from here now
+        elif overloaded:
             logger.warning("[%s] rejected: %d requests waiting (max_queue_size)", request_id, self.max_queue_size)
             sink.send_error(f"server overloaded: {self.max_queue_size} requests already waiting; retry later",
                             "unavailable")
-            return
-        self._jobs.put(job)
 
     def stop(self, key: str) -> bool:
         """Stop the request with this key at its next round (Triton ensembles do not pass a
@@ -126,11 +167,53 @@ class GenerationService:
             self.on_stats(self.stats)
 
     def _loop(self) -> None:
-        while not self._stopping:
-            self._take_jobs(block=not self.engine.has_work)
-            if self.engine.has_work:
-                self._step()
+        try:
+            while not self._stopping and self.fatal_error is None:
+                self._take_jobs(block=not self.engine.has_work)
+                if self.engine.has_work:
+                    self._step()
+                self._report()
+        except BaseException as e:  # the thread itself failed (not one step): nothing would serve the queue
+            self._fail_fatal(e, "engine thread died")
+
+    def _fail_fatal(self, error: BaseException, what: str) -> None:
+        """The instance stops serving: every running and queued request gets a final UNAVAILABLE error naming
+        the error, and submit() answers every later one at once (Triton 2.51's Python backend cannot mark a
+        model not ready; the ddtree_engine_healthy gauge drops to 0 instead)."""
+        with self._lock:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = f"{type(error).__name__}: {error}"
+        jobs = list(self._active.values())
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                jobs.append(job)
+        logger.error("%s: fatal engine error %s; this instance no longer serves; failing %d requests: %s", what,
+                     self.fatal_error, len(jobs), ", ".join(job.request_id for job in jobs) or "none",
+                     exc_info=(type(error), error, error.__traceback__))
+        message = f"engine failed with a fatal error ({self.fatal_error}); this instance no longer serves"
+        for job in jobs:
+            try:
+                if job.engine_request is not None:
+                    self.engine.abort(job.key)
+                else:
+                    with self._lock:
+                        self._num_queued -= 1
+                self._finish(job, "unavailable", message)
+            except Exception:  # keep failing the others
+                logger.exception("[%s] could not send the fatal error", job.request_id)
+        self.stats.engine_healthy = 0
+        self._report_safely()
+
+    def _report_safely(self) -> None:
+        try:
             self._report()
+        except Exception:
+            logger.exception("could not report the metrics after the fatal error")
 
     def _take_jobs(self, block: bool) -> None:
         try:
@@ -168,8 +251,15 @@ class GenerationService:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+            if self._fault_after_rounds is not None and self.engine.stage_times.batch_rounds >= self._fault_after_rounds:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered "
+                                   "(simulated by the test-only fault_injection parameter)")
         except Exception as e:  # the edge: every running request gets the error, the engine is emptied
-            logger.exception("engine step failed; failing %d requests", len(self._active))
+            if is_fatal(e):
+                self._fail_fatal(e, "engine step failed")
+                return
+            logger.exception("engine step failed; failing %d requests: %s", len(self._active),
+                             ", ".join(job.request_id for job in self._active.values()))
             for job in list(self._active.values()):
                 self.engine.abort(job.key)
                 self._finish(job, "internal", f"engine error: {type(e).__name__}: {e}")
@@ -225,8 +315,8 @@ class GenerationService:
         if outcome == "invalid":
             logger.info("[%s] rejected: %s", rid, message)
             job.sink.send_error(message, "invalid")
-        elif outcome == "internal":
-            job.sink.send_error(message, "internal")
+        elif outcome in ("internal", "unavailable"):
+            job.sink.send_error(message, outcome)
 
 
 class _Cancelled(Exception):

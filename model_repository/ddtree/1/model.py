@@ -60,12 +60,14 @@ class TritonPythonModel:
         package_logger = logging.getLogger("ddtree")
         package_logger.setLevel(logging.INFO)
         package_logger.addHandler(TritonLogHandler(pb_utils))
-        self.config = EngineConfig.from_dict(model_parameters(args), base_dir=project_root(args))
+        params = model_parameters(args)
+        fault_injection = params.pop("fault_injection", "")   # TEST ONLY (ddtree.serving.parse_fault_injection)
+        self.config = EngineConfig.from_dict(params, base_dir=project_root(args))
         package_logger.info("engine config: %s", self.config)
         engine = Engine(self.config)
         self.metrics = _Metrics(args["model_name"])
         self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
-                                         max_queue_size=self.config.max_queue_size)
+                                         max_queue_size=self.config.max_queue_size, fault_injection=fault_injection)
         self.num_requests = 0
 
     def execute(self, requests):
@@ -89,9 +91,6 @@ class TritonPythonModel:
             self.service.submit(request_id, parsed, sink)
         return None
 
-    def is_ready(self):
-        return self.service.is_healthy
-
     def finalize(self):
         self.service.shutdown()
 
@@ -106,7 +105,8 @@ class _Metrics:
 
     GAUGES = (("ddtree_active_requests", "num_active", "Requests holding a cache slot"),
               ("ddtree_waiting_requests", "num_waiting", "Requests waiting for a slot"),
-              ("ddtree_held_cache_slots", "num_held_slots", "Cache slots in use"))
+              ("ddtree_held_cache_slots", "num_held_slots", "Cache slots in use"),
+              ("ddtree_engine_healthy", "engine_healthy", "1 while the engine serves, 0 after a fatal engine error"))
     COUNTERS = (("ddtree_output_tokens_total", "num_output_tokens", "Tokens generated"),
                 ("ddtree_rounds_total", "num_rounds", "Decoding rounds, summed over requests"),
                 ("ddtree_batch_rounds_total", "num_batch_rounds", "Decoding rounds of the whole batch"),
