@@ -19,6 +19,7 @@ from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.engine import Engine
 from ddtree.errors import EngineUnavailable, InvalidRequest
 from ddtree.request import Request, RequestOutput
+from ddtree.stop_registry import StopRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,9 @@ class GenerationService:
     """Runs the engine on its own thread: each step admits new jobs and advances every running one."""
 
     def __init__(self, engine: Engine, tokenizer, on_stats=None, max_queue_size: int = 256,
-                 fault_injection: str = "") -> None:
+                 fault_injection: str = "", stop_registry: StopRegistry | None = None) -> None:
         self.engine = engine
+        self.stop_registry = stop_registry  # stops routed to another instance of the model arrive here
         self.tokenizer = tokenizer
         self.stats = ServiceStats()
         self.on_stats = on_stats          # called from the engine thread after stats change (metrics)
@@ -147,7 +149,21 @@ class GenerationService:
             job = self._by_key.get(key)
         if job is not None:
             job.is_stopped = True
+        elif self.stop_registry is not None:   # maybe another instance's: leave it a marker
+            self.stop_registry.post(key)
         return job is not None
+
+    def _claim_relayed_stops(self) -> None:
+        if self.stop_registry is None:
+            return
+        with self._lock:
+            keys = set(self._by_key)
+        for key in self.stop_registry.claim(keys) if keys else ():
+            with self._lock:
+                job = self._by_key.get(key)
+            if job is not None:
+                logger.info("[%s] stop relayed from another instance", job.request_id)
+                job.is_stopped = True
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._jobs.put(None)
@@ -171,6 +187,7 @@ class GenerationService:
             while not self._stopping and self.fatal_error is None:
                 self._take_jobs(block=not self.engine.has_work)
                 if self.engine.has_work:
+                    self._claim_relayed_stops()
                     self._step()
                 self._report()
         except BaseException as e:  # the thread itself failed (not one step): nothing would serve the queue

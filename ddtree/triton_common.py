@@ -92,3 +92,65 @@ class TritonLogHandler(logging.Handler):
             self.logger.log_info(message)
         else:
             self.logger.log_verbose(message)
+
+
+def instance_device(args: dict, device: str) -> str:
+    """The device of this model instance: a KIND_GPU instance runs on its own GPU (one replica per GPU)."""
+    if args.get("model_instance_kind") == "GPU" and device.startswith("cuda"):
+        return f"cuda:{args['model_instance_device_id']}"
+    return device
+
+
+class TritonMetrics:
+    """Prometheus metrics through Triton's custom-metrics API (skipped when metrics are off; 2.51 has HISTOGRAM).
+
+    Tokens per round per request: ddtree_acceptance_length (_sum / _count); tree nodes per round:
+    ddtree_tree_nodes_total / ddtree_rounds_total; host time per batch round: ddtree_host_seconds_total /
+    ddtree_batch_rounds_total; tokens/s: rate(ddtree_output_tokens_total).
+    """
+
+    GAUGES = (("ddtree_active_requests", "num_active", "Requests holding a cache slot"),
+              ("ddtree_waiting_requests", "num_waiting", "Requests waiting for a slot"),
+              ("ddtree_held_cache_slots", "num_held_slots", "Cache slots in use"),
+              ("ddtree_engine_healthy", "engine_healthy", "1 while the engine serves, 0 after a fatal engine error"))
+    COUNTERS = (("ddtree_output_tokens_total", "num_output_tokens", "Tokens generated"),
+                ("ddtree_rounds_total", "num_rounds", "Decoding rounds, summed over requests"),
+                ("ddtree_batch_rounds_total", "num_batch_rounds", "Decoding rounds of the whole batch"),
+                ("ddtree_tree_nodes_total", "num_tree_nodes", "Draft tree nodes verified"),
+                ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
+                ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
+                ("ddtree_host_seconds_total", "host_seconds", "Decoding round time outside drafter and verify passes"),
+                ("ddtree_requests_finished_total", "num_finished", "Requests finished"),
+                ("ddtree_requests_cancelled_total", "num_cancelled", "Requests cancelled"),
+                ("ddtree_requests_failed_total", "num_failed", "Requests failed or rejected"),
+                ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"))
+    HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),)
+    BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]}}
+
+    def __init__(self, pb_utils, lock, labels: dict[str, str]) -> None:
+        self.pb_utils, self.lock, self.last, self.metrics = pb_utils, lock, {}, []
+        kinds = pb_utils.MetricFamily
+        try:
+            for kind, table in ((kinds.GAUGE, self.GAUGES), (kinds.COUNTER, self.COUNTERS), (kinds.HISTOGRAM, self.HISTOGRAMS)):
+                for name, field, text in table:
+                    family = pb_utils.MetricFamily(name, text, kind)
+                    self.metrics.append((family, family.Metric(labels=labels, **self.BUCKETS.get(field, {})), field, kind))
+        except Exception:  # metrics disabled on the server
+            self.metrics = []
+
+    def update(self, stats) -> None:
+        pb_utils = self.pb_utils
+        with self.lock:
+            for _, metric, field, kind in self.metrics:
+                value, last = getattr(stats, field), self.last.get(field)
+                if last == value:
+                    continue
+                if kind == pb_utils.MetricFamily.GAUGE:
+                    metric.set(value)
+                elif kind == pb_utils.MetricFamily.COUNTER:
+                    metric.increment(value - (last or 0))
+                else:   # a histogram: observe what was added since the last update ({length: rounds})
+                    for length, count in value.items():
+                        for _ in range(count - (last or {}).get(length, 0)):
+                            metric.observe(length)
+                self.last[field] = value

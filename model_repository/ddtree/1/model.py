@@ -1,5 +1,6 @@
 """Triton adapter for the DDTree engine: validate, submit, stream; nothing else lives here."""
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -14,8 +15,11 @@ from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.errors import InvalidRequest  # noqa: E402
 from ddtree.serving import GenerationService  # noqa: E402
+from ddtree.stop_registry import StopRegistry, default_directory  # noqa: E402
 from ddtree.triton_common import (  # noqa: E402
     TritonLogHandler,
+    TritonMetrics,
+    instance_device,
     load_tokenizer,
     model_parameters,
     output_tensors,
@@ -63,11 +67,14 @@ class TritonPythonModel:
         params = model_parameters(args)
         fault_injection = params.pop("fault_injection", "")   # TEST ONLY (ddtree.serving.parse_fault_injection)
         self.config = EngineConfig.from_dict(params, base_dir=project_root(args))
-        package_logger.info("engine config: %s", self.config)
+        self.config = dataclasses.replace(self.config, device=instance_device(args, self.config.device))
+        package_logger.info("%s engine config: %s", args["model_instance_name"], self.config)
         engine = Engine(self.config)
-        self.metrics = _Metrics(args["model_name"])
+        self.metrics = TritonMetrics(pb_utils, IPC_LOCK, {"model": args["model_name"],
+                                                          "instance": args["model_instance_name"]})
         self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
-                                         max_queue_size=self.config.max_queue_size, fault_injection=fault_injection)
+                                         max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
+                                         stop_registry=StopRegistry(default_directory(args["model_name"])))
         self.num_requests = 0
 
     def execute(self, requests):
@@ -80,7 +87,7 @@ class TritonPythonModel:
                 found = self.service.stop(inputs[api.STOP_REQUEST_KEY].decode("utf-8", "replace"))
                 with IPC_LOCK:
                     sink.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                logging.getLogger("ddtree").info("[%s] stop request: %s", request_id, "found" if found else "no such key")
+                logging.getLogger("ddtree").info("[%s] stop request: %s", request_id, "found" if found else "not here (marker left)")
                 continue
             try:
                 parsed = api.parse_generate(inputs, self.config)
@@ -93,57 +100,3 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
-
-
-class _Metrics:
-    """Prometheus metrics through Triton's custom-metrics API (skipped when metrics are off; 2.51 has HISTOGRAM).
-
-    Tokens per round per request: ddtree_acceptance_length (_sum / _count); tree nodes per round:
-    ddtree_tree_nodes_total / ddtree_rounds_total; host time per batch round: ddtree_host_seconds_total /
-    ddtree_batch_rounds_total; tokens/s: rate(ddtree_output_tokens_total).
-    """
-
-    GAUGES = (("ddtree_active_requests", "num_active", "Requests holding a cache slot"),
-              ("ddtree_waiting_requests", "num_waiting", "Requests waiting for a slot"),
-              ("ddtree_held_cache_slots", "num_held_slots", "Cache slots in use"),
-              ("ddtree_engine_healthy", "engine_healthy", "1 while the engine serves, 0 after a fatal engine error"))
-    COUNTERS = (("ddtree_output_tokens_total", "num_output_tokens", "Tokens generated"),
-                ("ddtree_rounds_total", "num_rounds", "Decoding rounds, summed over requests"),
-                ("ddtree_batch_rounds_total", "num_batch_rounds", "Decoding rounds of the whole batch"),
-                ("ddtree_tree_nodes_total", "num_tree_nodes", "Draft tree nodes verified"),
-                ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
-                ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
-                ("ddtree_host_seconds_total", "host_seconds", "Decoding round time outside drafter and verify passes"),
-                ("ddtree_requests_finished_total", "num_finished", "Requests finished"),
-                ("ddtree_requests_cancelled_total", "num_cancelled", "Requests cancelled"),
-                ("ddtree_requests_failed_total", "num_failed", "Requests failed or rejected"),
-                ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"))
-    HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),)
-    BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]}}
-
-    def __init__(self, model_name):
-        labels, self.last, self.metrics = {"model": model_name}, {}, []
-        kinds = pb_utils.MetricFamily
-        try:
-            for kind, table in ((kinds.GAUGE, self.GAUGES), (kinds.COUNTER, self.COUNTERS), (kinds.HISTOGRAM, self.HISTOGRAMS)):
-                for name, field, text in table:
-                    family = pb_utils.MetricFamily(name, text, kind)
-                    self.metrics.append((family, family.Metric(labels=labels, **self.BUCKETS.get(field, {})), field, kind))
-        except Exception:  # metrics disabled on the server
-            self.metrics = []
-
-    def update(self, stats):
-        with IPC_LOCK:
-            for _, metric, field, kind in self.metrics:
-                value, last = getattr(stats, field), self.last.get(field)
-                if last == value:
-                    continue
-                if kind == pb_utils.MetricFamily.GAUGE:
-                    metric.set(value)
-                elif kind == pb_utils.MetricFamily.COUNTER:
-                    metric.increment(value - (last or 0))
-                else:   # a histogram: observe what was added since the last update ({length: rounds})
-                    for length, count in value.items():
-                        for _ in range(count - (last or {}).get(length, 0)):
-                            metric.observe(length)
-                self.last[field] = value
