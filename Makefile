@@ -31,7 +31,7 @@ bench: perf-tools ## benchmark ar / dflash / ddtree in process and through Trito
 	$(PY) perf/bench.py --out perf/results
 
 lint:            ## style check
-	$(PY) -m ruff check ddtree client perf scripts tests model_repository
+	$(PY) -m ruff check ddtree client perf scripts tests model_repository training openai_frontend
 
 image:           ## build the Blackwell deployment image (needs Docker)
 	docker build -f docker/Dockerfile -t ddtree-triton:latest .
@@ -52,3 +52,9 @@ compose-up:      ## build and start docker/compose.yaml (needs Docker + the NVID
 
 install-service: setup ## install and enable deploy/ddtree-triton.service for this checkout (sudo)
 	$(if $(filter 0,$(shell id -u)),,sudo) bash deploy/install.sh --dir "$(CURDIR)"
+
+.PHONY: serve-openai
+OPENAI_HOST ?= 127.0.0.1
+OPENAI_PORT ?= 9000
+serve-openai:    ## OpenAI-compatible API (openai_frontend/) in front of a running `make serve` (gRPC on GRPC_PORT)
+	$(PY) -m openai_frontend --triton-url localhost:$(GRPC_PORT) --host $(OPENAI_HOST) --port $(OPENAI_PORT) --wait-ready 600

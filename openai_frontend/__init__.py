@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend for the DDTree ensemble (see README.md in this directory)."""

@@ -1,0 +1,3 @@
+from openai_frontend.server import main
+
+main()
