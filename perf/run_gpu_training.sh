@@ -6,7 +6,7 @@
 #           gguf.sha256 and target.digest in one of them): rebuild the embedded default exactly,
 #           generate the target's responses, train the DFlash drafter (time-boxed, resumable), export
 # Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~38 MB)
-# stays under 64 MiB: e.g. `split -n 4` into .deps/xa ... .deps/xd, one carried per call.
+# stays under 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~20 MB each), one carried per call.
 #   eval    carry .deps/bundle (tritonserver): HumanEval acceptance and speed, in process and Triton
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
 set -euo pipefail
