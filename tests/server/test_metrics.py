@@ -12,13 +12,13 @@ BUCKETS = [str(length) for length in range(1, 18)] + ["+Inf"]     # the le label
 
 
 def scrape(server) -> dict[str, float]:
-    """ddtree_* samples by name and labels other than the model's, e.g. 'ddtree_acceptance_length_bucket{le="1"}'."""
+    """ddtree_* samples by name and labels other than model/instance, e.g. 'ddtree_acceptance_length_bucket{le="1"}'."""
     samples = {}
     for line in urllib.request.urlopen(server.metrics_url, timeout=10).read().decode().splitlines():
         if not line.startswith("ddtree_"):
             continue
         name, value = line.rsplit(" ", 1)
-        labels = ",".join(label for label in name[name.find("{") + 1 : -1].split(",") if not label.startswith("model="))
+        labels = ",".join(label for label in name[name.find("{") + 1 : -1].split(",") if not label.startswith(("model=", "instance=")))
         samples[name.split("{")[0] + (f"{{{labels}}}" if labels else "")] = float(value)
     return samples
 
