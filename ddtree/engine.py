@@ -94,8 +94,8 @@ class Engine:
             if drafter.config.hidden_size != self.target.config.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")
         cache_len = config.max_model_len + config.max_tree_budget + 1
-        self.caches = [self.target.new_cache(cache_len) for _ in range(config.max_num_seqs)]
-        self.draft_caches = [drafter.new_cache(cache_len) for _ in range(config.max_num_seqs)] if drafter else []
+        self.caches = self.target.new_caches(config.max_num_seqs, cache_len)
+        self.draft_caches = drafter.new_caches(config.max_num_seqs, cache_len) if drafter else []
         self.free_slots = list(range(config.max_num_seqs))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -230,11 +230,15 @@ class Engine:
         logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers)
         self._sync()
         t_commit = time.perf_counter()
+        # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
+        # suppress tokens are recomputed per request)
+        choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None
         outputs, row = [], 0
         for seq, tree, seg in zip(seqs, trees, segments):
             rows = slice(row, row + seg.length)
             row += seg.length
-            outputs.append(self._accept_and_commit(seq, tree, logits[rows], None if taps is None else taps[rows]))
+            outputs.append(self._accept_and_commit(seq, tree, logits[rows], None if taps is None else taps[rows],
+                                                   None if choices is None else choices[rows]))
         self._sync()
         now = time.perf_counter()
         times.verify += t_commit - t_verify
@@ -244,13 +248,14 @@ class Engine:
         return outputs
 
     def _accept_and_commit(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor,
-                           taps: torch.Tensor | None) -> RequestOutput:
+                           taps: torch.Tensor | None, greedy_choice: list[int] | None = None) -> RequestOutput:
         params = seq.request.params
         suppressed = self._suppressed(params)
         if suppressed:
             depth = torch.tensor(tree.depths, device=self.device)
             logits = suppress_tokens(logits, suppressed, seq.request.num_output_tokens + depth < params.min_tokens)
-        acceptance = accept(tree, logits, params, seq.generator)
+            greedy_choice = None
+        acceptance = accept(tree, logits, params, seq.generator, greedy_choice)
         if params.mode == "auto" and tree.num_nodes:
             # the drafter's own weights are its belief; scale them by how often that belief held
             expected = float(node_weights(tree.log_weights[1:]).sum())
@@ -277,24 +282,29 @@ class Engine:
         self.stage_times.draft_passes += 1
         drafter, block = self.drafter, self.drafter.block_size
         blocks = torch.full((len(drafting), block), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+        drafter.add_contexts([self.draft_caches[seqs[i].slot] for i in drafting], [seqs[i].pending_taps for i in drafting])
         for j, i in enumerate(drafting):
-            seq, cache = seqs[i], self.draft_caches[seqs[i].slot]
-            drafter.add_context(cache, seq.pending_taps, torch.arange(cache.length, seq.start, device=self.device))
+            seq = seqs[i]
+            assert self.draft_caches[seq.slot].length == seq.start, "drafter context out of step with the target"
             seq.pending_taps = None
-            blocks[j, 0] = seq.root
+        blocks[:, 0] = torch.tensor([seqs[i].root for i in drafting], device=self.device)
         hidden = drafter.forward_packed([self.draft_caches[seqs[i].slot] for i in drafting], self.target.embed(blocks),
                                         [seqs[i].start for i in drafting])
         self._sync()
         t1 = time.perf_counter()
+        # one lm_head pass, one top-k and one device-to-host copy for every drafting request
+        depth = min(block - 1, max(seqs[i].depth_limit for i in drafting))
+        draft_logits = self.draft_logits(hidden[:, 1 : 1 + depth], [seqs[i].request for i in drafting])  # [R, depth, V]
+        k = max(1 if seqs[i].request.params.mode == "dflash" else seqs[i].request.params.tree_budget for i in drafting)
+        log_probs, token_ids = top_log_probs(draft_logits, k)                  # [R, depth, k] on the host
         for j, i in enumerate(drafting):
             seq = seqs[i]
-            draft_logits = self.draft_logits(hidden[j, 1 : 1 + seq.depth_limit], seq.request)   # [depth, vocab]
-            params = seq.request.params
+            params, d = seq.request.params, min(seq.depth_limit, depth)
             if params.mode == "dflash":
-                trees[i] = build_chain(draft_logits.argmax(dim=-1).tolist())
+                trees[i] = build_chain(token_ids[j, :d, 0].tolist())
             else:
-                log_probs, token_ids = top_log_probs(draft_logits, params.tree_budget)
-                trees[i] = build_tree(log_probs, token_ids, params.tree_budget)
+                kb = min(params.tree_budget, k)
+                trees[i] = build_tree(log_probs[j, :d, :kb], token_ids[j, :d, :kb], params.tree_budget)
         self._apply_budget_policy(seqs, trees)
         self.stage_times.draft += t1 - t0
         self.stage_times.tree_build += time.perf_counter() - t1
@@ -326,8 +336,8 @@ class Engine:
             return False
         return True
 
-    def draft_logits(self, hidden: torch.Tensor, request: Request) -> torch.Tensor:
-        """Drafter outputs -> logits through the target's lm_head; hidden  # [depth, hidden]"""
+    def draft_logits(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Drafter outputs -> logits through the target's lm_head; hidden  # [R, depth, hidden] -> [R, depth, vocab]"""
         return self.target.logits(hidden)
 
     def _suppressed(self, params: SamplingParams) -> list[int]:

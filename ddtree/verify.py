@@ -21,12 +21,13 @@ class Acceptance:
         return len(self.accepted)
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+def accept_greedy(tree: DraftTree, logits: torch.Tensor | None, choice: list[int] | None = None) -> Acceptance:
     """Follow the target's argmax from the root; one device-to-host read for all nodes.
 
-    logits  # [num_nodes + 1, vocab]
+    logits  # [num_nodes + 1, vocab], or choice = its argmax per row, already on the host
     """
-    choice = logits.argmax(dim=-1).tolist()
+    if choice is None:
+        choice = logits.argmax(dim=-1).tolist()
     node, accepted = 0, [0]
     while choice[node] in tree.children[node]:
         node = tree.children[node][choice[node]]
@@ -54,8 +55,9 @@ def accept_sampled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None) -> Acceptance:
+           generator: torch.Generator | None, greedy_choice: list[int] | None = None) -> Acceptance:
+    """greedy_choice: the argmax of every row of logits, when the caller read it for a whole batch at once."""
     if params.is_greedy:
-        return accept_greedy(tree, logits)
+        return accept_greedy(tree, logits, greedy_choice)
     assert generator is not None, "sampling needs a generator"
     return accept_sampled(tree, logits, params, generator)

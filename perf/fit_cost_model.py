@@ -54,7 +54,7 @@ def measure(engine: Engine, device: str, context: int, repeats: int) -> tuple[li
         print(f"verify rows {rows}: {verify_ms[-1]:.2f} ms", flush=True)
     drafter, draft_cache = engine.drafter, engine.draft_caches[0]
     taps = torch.randn(context, drafter.fc.in_features, device=device, dtype=drafter.fc.weight.dtype)
-    drafter.add_context(draft_cache, taps, torch.arange(context, device=device))
+    drafter.add_context(draft_cache, taps)
     block = target.embed(torch.zeros(drafter.block_size, dtype=torch.long, device=device))
     times = []
     for _ in range(repeats + 1):

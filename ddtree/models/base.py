@@ -10,6 +10,10 @@ class TargetModel(nn.Module):
     """Subclasses set config (with eos_token_ids), embed_tokens, norm, lm_head and define
     forward_packed(input_ids, positions, segments, tap_layers, logit_rows) and new_cache(max_len)."""
 
+    def new_caches(self, slots: int, max_len: int) -> list:
+        """One cache per slot (subclasses pool them so that packed forwards batch their attention)."""
+        return [self.new_cache(max_len) for _ in range(slots)]
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.config.eos_token_ids

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import TargetModel
@@ -62,13 +63,25 @@ class DenseConfig:
         )
 
 
+class KVPool:
+    """K/V of every cache slot in one tensor each: [num_layers, slots, max_len, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.k = torch.zeros(num_layers, slots, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+
 class KVCache:
-    """Static per-layer K/V for one sequence: [num_layers, max_len, kv_heads, head_dim]."""
+    """Static per-layer K/V for one sequence: [num_layers, max_len, kv_heads, head_dim], a slot of a KVPool
+    (its own pool of one slot unless one is given), so that packed forwards can attend for all slots at once."""
 
     def __init__(self, num_layers: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        self.k = torch.zeros(num_layers, max_len, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+                 dtype: torch.dtype, device: torch.device | str, pool: KVPool | None = None, slot: int = 0) -> None:
+        self.pool = pool or KVPool(num_layers, 1, max_len, kv_heads, head_dim, dtype, device)
+        self.slot = slot
+        self.k = self.pool.k[:, slot]
+        self.v = self.pool.v[:, slot]
         self.max_len = max_len
 
     def compact(self, start: int, accepted: list[int]) -> None:
@@ -97,6 +110,60 @@ class Segment:
         return cls(cache=cache, start=start, length=n, mask=mask)
 
 
+@dataclass(slots=True)
+class PackedAttention:
+    """Several segments' attention as one padded call over their shared KVPool (built once per forward).
+
+    Queries are padded to the longest segment, keys to the furthest cache end; padding is masked out (a padded
+    query row sees key 0 only, so no row is fully masked). One K/V write, one gather and one attention call per
+    layer, instead of three per segment.
+    """
+    slots: torch.Tensor        # [R] cache slot of each segment
+    write_slot: torch.Tensor   # [N] slot of each packed row
+    write_pos: torch.Tensor    # [N] cache position of each packed row
+    q_index: torch.Tensor      # [R, Q] packed row of each padded query (padding: row 0)
+    out_index: torch.Tensor    # [N] flat index into [R * Q] of each packed row
+    mask: torch.Tensor         # [R, 1, Q, E] bool
+    end: int                   # E: keys gathered per segment
+
+    @classmethod
+    def plan(cls, caches: list[KVCache], segments: list[Segment]) -> "PackedAttention | None":
+        """None unless there are several segments, all in one pool (then each is attended on its own)."""
+        if len(segments) < 2 or any(c.pool is not caches[0].pool for c in caches):
+            return None
+        device = segments[0].mask.device
+        q_len = max(seg.length for seg in segments)
+        end = max(seg.start + seg.length for seg in segments)
+        mask = torch.zeros(len(segments), q_len, end, dtype=torch.bool, device=device)
+        mask[:, :, 0] = True
+        write_slot, write_pos, q_index, out_index, row = [], [], [], [], 0
+        for r, (cache, seg) in enumerate(zip(caches, segments)):
+            mask[r, : seg.length, : seg.start + seg.length] = seg.mask
+            write_slot.append(torch.full((seg.length,), cache.slot, dtype=torch.long))
+            write_pos.append(torch.arange(seg.start, seg.start + seg.length))
+            q_index.append(torch.cat([torch.arange(row, row + seg.length), torch.zeros(q_len - seg.length, dtype=torch.long)]))
+            out_index.append(torch.arange(r * q_len, r * q_len + seg.length))
+            row += seg.length
+        host = torch.cat([torch.tensor([c.slot for c in caches]), torch.cat(write_slot), torch.cat(write_pos),
+                          torch.stack(q_index).flatten(), torch.cat(out_index)]).to(device)   # one copy to the device
+        n, r = row, len(segments)
+        slots, write_slot, write_pos, q_index, out_index = host.split([r, n, n, r * q_len, n])
+        return cls(slots=slots, write_slot=write_slot, write_pos=write_pos, q_index=q_index.view(r, q_len),
+                   out_index=out_index, mask=mask[:, None], end=end)
+
+    def attend(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """pool_k, pool_v  # [slots, max_len, kv_heads, d] of one layer; q  # [N, heads, d]; k, v  # [N, kv_heads, d]"""
+        pool_k[self.write_slot, self.write_pos] = k
+        pool_v[self.write_slot, self.write_pos] = v
+        keys = pool_k[self.slots, : self.end].transpose(1, 2)                  # [R, kv_heads, E, d]
+        values = pool_v[self.slots, : self.end].transpose(1, 2)
+        queries = q[self.q_index].transpose(1, 2)                              # [R, heads, Q, d]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).flatten(0, 1)[self.out_index]               # [N, heads, d]
+
+
 class Attention(nn.Module):
     def __init__(self, c: DenseConfig) -> None:
         super().__init__()
@@ -109,8 +176,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
-                layer: int) -> torch.Tensor:
-        """Projections for all packed rows at once; attention per segment over its own cache."""
+                layer: int, packed: PackedAttention | None = None) -> torch.Tensor:
+        """Projections for all packed rows at once; attention in one padded call (packed) or per segment."""
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
@@ -118,6 +185,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if packed is not None:
+            pool = segments[0].cache.pool
+            out = packed.attend(pool.k[layer], pool.v[layer], q, k, v, self.head_dim**-0.5)
+            return self.o_proj(out.reshape(n, -1))
         outputs, row = [], 0
         for seg in segments:
             rows = slice(row, row + seg.length)
@@ -140,8 +211,8 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
-                layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, segments, layer)
+                layer: int, packed: PackedAttention | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, segments, layer, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -158,8 +229,14 @@ class DenseTarget(TargetModel):
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def new_cache(self, max_len: int) -> KVCache:
+        return self.new_caches(1, max_len)[0]
+
+    def new_caches(self, slots: int, max_len: int) -> list[KVCache]:
+        """One cache per slot, all in one KVPool (packed forwards attend for all of them in one call)."""
         c, p = self.config, self.embed_tokens.weight
-        return KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+        pool = KVPool(c.num_hidden_layers, slots, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+        return [KVCache(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device,
+                        pool=pool, slot=i) for i in range(slots)]
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                        tap_layers: list[int] | None = None,
@@ -169,8 +246,9 @@ class DenseTarget(TargetModel):
         rope = self.rotary(positions, x.dtype)
         taps = {}
         wanted = set(tap_layers or ())
+        packed = PackedAttention.plan([seg.cache for seg in segments], segments)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, segments, i)
+            x = layer(x, rope, segments, i, packed)
             if i in wanted:
                 taps[i] = x
         return self.outputs(x, taps, tap_layers, logit_rows)

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from ddtree.models.dense import KVPool
 from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
@@ -99,11 +101,17 @@ class DraftLayer(nn.Module):
 
 
 class DraftCache:
-    """Context K/V per draft layer: [num_layers, max_len, kv_heads, head_dim]; length = context tokens."""
+    """Context K/V per draft layer: [num_layers, max_len, kv_heads, head_dim]; length = context tokens.
 
-    def __init__(self, c: DFlashConfig, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.k = torch.zeros(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+    A slot of a KVPool (its own pool of one slot unless one is given): packed drafter passes attend for every
+    slot of the pool in one call."""
+
+    def __init__(self, c: DFlashConfig, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 pool: KVPool | None = None, slot: int = 0) -> None:
+        self.pool = pool or KVPool(c.num_hidden_layers, 1, max_len, c.num_key_value_heads, c.head_dim, dtype, device)
+        self.slot = slot
+        self.k = self.pool.k[:, slot]
+        self.v = self.pool.v[:, slot]
         self.length = 0
 
 
@@ -122,20 +130,41 @@ class DFlashDrafter(nn.Module):
         return self.config.block_size
 
     def new_cache(self, max_len: int) -> DraftCache:
-        p = self.fc.weight
-        return DraftCache(self.config, max_len, p.dtype, p.device)
+        return self.new_caches(1, max_len)[0]
 
-    def add_context(self, cache: DraftCache, taps: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append context tokens: taps  # [m, len(target_layer_ids) * hidden], positions  # [m]."""
-        m = taps.shape[0]
-        ctx = self.hidden_norm(self.fc(taps))
+    def new_caches(self, slots: int, max_len: int) -> list[DraftCache]:
+        c, p = self.config, self.fc.weight
+        pool = KVPool(c.num_hidden_layers, slots, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+        return [DraftCache(c, max_len, p.dtype, p.device, pool=pool, slot=i) for i in range(slots)]
+
+    def add_context(self, cache: DraftCache, taps: torch.Tensor) -> None:
+        """Append context tokens at positions cache.length ...: taps  # [m, len(target_layer_ids) * hidden]."""
+        self.add_contexts([cache], [taps])
+
+    def add_contexts(self, caches: list[DraftCache], taps: list[torch.Tensor]) -> None:
+        """Append each cache's new context tokens (taps[j]  # [m_j, len(target_layer_ids) * hidden], at positions
+        cache.length ...) with one fc / norm / K-V projection for all of them; caches of one pool get one write."""
+        device = taps[0].device
+        lengths = [t.shape[0] for t in taps]
+        positions = torch.cat([torch.arange(c.length, c.length + m) for c, m in zip(caches, lengths)]).to(device)
+        ctx = self.hidden_norm(self.fc(torch.cat(taps)))
         rope = self.rotary(positions, ctx.dtype)
-        end = cache.length + m
+        pooled = all(c.pool is caches[0].pool for c in caches)
+        if pooled:
+            slots = torch.cat([torch.full((m,), c.slot, dtype=torch.long) for c, m in zip(caches, lengths)]).to(device)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, rope)
-            cache.k[i, cache.length : end] = k
-            cache.v[i, cache.length : end] = v
-        cache.length = end
+            if pooled:
+                caches[0].pool.k[i, slots, positions] = k
+                caches[0].pool.v[i, slots, positions] = v
+                continue
+            row = 0
+            for cache, m in zip(caches, lengths):
+                cache.k[i, cache.length : cache.length + m] = k[row : row + m]
+                cache.v[i, cache.length : cache.length + m] = v[row : row + m]
+                row += m
+        for cache, m in zip(caches, lengths):
+            cache.length += m
 
     def forward(self, cache: DraftCache, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
         """Hidden states of the block after the final norm.
@@ -154,21 +183,52 @@ class DFlashDrafter(nn.Module):
         ropes = [self.rotary(p, block_embeds.dtype) for p in positions]
         rope = (torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes]))
         h = block_embeds.reshape(r * b, -1)
+        packed = r > 1 and all(c.pool is caches[0].pool for c in caches)
+        if packed:   # all blocks in one attention call per layer: contexts padded to the longest, padding masked
+            slots = torch.tensor([c.slot for c in caches], device=device)
+            context = max(c.length for c in caches)
+            masks = {w: self._packed_mask(w, caches, torch.stack(positions), context) for w in set(self.config.sliding_windows)}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rotary(attn.q_norm(attn.q_proj(x).view(r * b, attn.num_heads, attn.head_dim)), *rope)
             k_block, v_block = attn.project_kv(x, rope)
-            outputs = []
-            for j, cache in enumerate(caches):
-                rows = slice(j * b, (j + 1) * b)
-                keys = torch.cat([cache.k[i, : cache.length], k_block[rows]])
-                values = torch.cat([cache.v[i, : cache.length], v_block[rows]])
-                outputs.append(attend(q[rows], keys, values, self._window_mask(attn, cache, positions[j]),
-                                      attn.head_dim**-0.5))
-            h = h + attn.o_proj(torch.cat(outputs).reshape(r * b, -1))
+            if packed:
+                pool = caches[0].pool
+                keys = torch.cat([pool.k[i, slots, :context], k_block.view(r, b, *k_block.shape[1:])], dim=1)
+                values = torch.cat([pool.v[i, slots, :context], v_block.view(r, b, *v_block.shape[1:])], dim=1)
+                out = F.scaled_dot_product_attention(
+                    q.view(r, b, attn.num_heads, attn.head_dim).transpose(1, 2), keys.transpose(1, 2),
+                    values.transpose(1, 2), attn_mask=masks[attn.window], scale=attn.head_dim**-0.5,
+                    enable_gqa=attn.num_heads != attn.num_kv_heads).transpose(1, 2)          # [R, b, heads, d]
+                h = h + attn.o_proj(out.reshape(r * b, -1))
+            else:
+                outputs = []
+                for j, cache in enumerate(caches):
+                    rows = slice(j * b, (j + 1) * b)
+                    keys = torch.cat([cache.k[i, : cache.length], k_block[rows]])
+                    values = torch.cat([cache.v[i, : cache.length], v_block[rows]])
+                    outputs.append(attend(q[rows], keys, values, self._window_mask(attn, cache, positions[j]),
+                                          attn.head_dim**-0.5))
+                h = h + attn.o_proj(torch.cat(outputs).reshape(r * b, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h).reshape(r, b, -1)
+
+    @staticmethod
+    def _packed_mask(window: int | None, caches: list[DraftCache], positions: torch.Tensor, context: int) -> torch.Tensor:
+        """[R, 1, b, context + b] bool: each block sees its own context (padding hidden) and all of its block;
+        a sliding-window layer also hides keys `window` or more positions behind the query."""
+        r, b = positions.shape
+        device = positions.device
+        lengths = torch.tensor([c.length for c in caches], device=device)
+        ctx_pos = torch.arange(context, device=device)
+        visible = (ctx_pos[None, None, :] < lengths[:, None, None]).expand(r, b, context)          # [R, b, context]
+        if window is not None:
+            visible = visible & ((positions[:, :, None] - ctx_pos[None, None, :]) < window)
+        block = torch.ones(r, b, b, dtype=torch.bool, device=device)
+        if window is not None:
+            block = (positions[:, :, None] - positions[:, None, :]) < window
+        return torch.cat([visible, block], dim=-1)[:, None]
 
     @staticmethod
     def _window_mask(attn: DraftAttention, cache: DraftCache, positions: torch.Tensor) -> torch.Tensor | None:

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import TargetModel
-from ddtree.models.dense import KVCache, Segment
+from ddtree.models.dense import KVCache, KVPool, PackedAttention, Segment
 from ddtree.models.gdn import conv_state_after, conv_tree, gdn_state_at, gdn_tree, parents_from_visibility
+from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla
 from ddtree.models.layers import GatedMLP, Rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
@@ -124,10 +125,12 @@ class GatedRMSNorm(nn.Module):
 class HybridCache:
     """Attention K/V for the full-attention layers, conv windows and recurrent states for the GDN layers."""
 
-    def __init__(self, c: HybridConfig, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, c: HybridConfig, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_pool: KVPool | None = None, slot: int = 0) -> None:
         self.attention_layers = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
         self.gdn_layers = [i for i, t in enumerate(c.layer_types) if t != "full_attention"]
-        self.kv = KVCache(len(self.attention_layers), max_len, c.num_key_value_heads, c.head_dim, dtype, device)
+        self.kv = KVCache(len(self.attention_layers), max_len, c.num_key_value_heads, c.head_dim, dtype, device,
+                          pool=kv_pool, slot=slot)
         self.max_len = max_len
         n = len(self.gdn_layers)
         self.conv = torch.zeros(n, c.conv_dim, c.conv_kernel, dtype=dtype, device=device)
@@ -175,20 +178,25 @@ class GatedAttention(nn.Module):
         return torch.cat([rot * cos[:, None] + rotated * sin[:, None], keep], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
-                slot: int) -> torch.Tensor:
+                slot: int, packed: PackedAttention | None = None) -> torch.Tensor:
         n = x.shape[0]
         q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self._rotate(self.q_norm(q), *rope)
         k = self._rotate(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), *rope)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        outputs, row = [], 0
-        for seg in segments:
-            rows, end, kv = slice(row, row + seg.length), seg.start + seg.length, seg.cache.kv
-            kv.k[slot, seg.start : end] = k[rows]
-            kv.v[slot, seg.start : end] = v[rows]
-            outputs.append(attend(q[rows], kv.k[slot, :end], kv.v[slot, :end], seg.mask, self.head_dim**-0.5))
-            row += seg.length
-        out = torch.cat(outputs).reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+        if packed is not None:
+            pool = segments[0].cache.kv.pool
+            out = packed.attend(pool.k[slot], pool.v[slot], q, k, v, self.head_dim**-0.5)
+        else:
+            outputs, row = [], 0
+            for seg in segments:
+                rows, end, kv = slice(row, row + seg.length), seg.start + seg.length, seg.cache.kv
+                kv.k[slot, seg.start : end] = k[rows]
+                kv.v[slot, seg.start : end] = v[rows]
+                outputs.append(attend(q[rows], kv.k[slot, :end], kv.v[slot, :end], seg.mask, self.head_dim**-0.5))
+                row += seg.length
+            out = torch.cat(outputs)
+        out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)
 
 
@@ -234,7 +242,11 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def _chunked_chain(q, k, v, g, beta, state):
-        """A chain in PREFILL_CHUNK pieces, each starting from the previous piece's final state."""
+        """A committed chain: fla's chunked kernel on CUDA where installed, else torch in PREFILL_CHUNK pieces,
+        each starting from the previous piece's final state."""
+        kernel = chain_gdn_kernel(q.device)
+        if kernel is not None:
+            return gdn_chain_fla(kernel, q, k, v, g, beta, state)
         outputs = []
         for s in range(0, q.shape[0], PREFILL_CHUNK):
             e = min(s + PREFILL_CHUNK, q.shape[0])
@@ -269,8 +281,14 @@ class HybridTarget(TargetModel):
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
 
     def new_cache(self, max_len: int) -> HybridCache:
-        p = self.embed_tokens.weight
-        return HybridCache(self.config, max_len, p.dtype, p.device)
+        return self.new_caches(1, max_len)[0]
+
+    def new_caches(self, slots: int, max_len: int) -> list[HybridCache]:
+        """One cache per slot; their attention K/V share one KVPool (packed attention for all slots at once)."""
+        c, p = self.config, self.embed_tokens.weight
+        n_attn = sum(t == "full_attention" for t in c.layer_types)
+        pool = KVPool(n_attn, slots, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+        return [HybridCache(c, max_len, p.dtype, p.device, kv_pool=pool, slot=i) for i in range(slots)]
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                        tap_layers: list[int] | None = None,
@@ -284,11 +302,12 @@ class HybridTarget(TargetModel):
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         taps, wanted = {}, set(tap_layers or ())
+        packed = PackedAttention.plan([seg.cache.kv for seg in segments], segments)
         attn_slot = gdn_slot = 0
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "full_attention":
-                h = layer.self_attn(h, rope, segments, attn_slot)
+                h = layer.self_attn(h, rope, segments, attn_slot, packed)
                 attn_slot += 1
             else:
                 outputs, row = [], 0

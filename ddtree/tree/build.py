@@ -49,7 +49,7 @@ def _add_node(tree: DraftTree, token: int, parent: int, depth: int, log_weight: 
 def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k log-probabilities and token ids per depth, ranks sorted descending.
 
-    draft_logits  # [depth_limit, vocab]
+    draft_logits  # [..., depth_limit, vocab] -> [..., depth_limit, k] each (one device-to-host copy)
     """
     logits = draft_logits.float()
     k = min(k, logits.shape[-1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ddtree.tree.build import DraftTree
@@ -17,14 +18,23 @@ class VerifyBatch:
 
 
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:
-    """visibility[i, j] = node j is node i or one of its ancestors."""
+    """visibility[i, j] = node j is node i or one of its ancestors.
+
+    One vectorised copy per depth level (a node's row is its parent's row plus itself), so the cost is
+    O(depth) array operations rather than O(nodes).
+    """
     n = len(parents)
-    visibility = torch.zeros((n, n), dtype=torch.bool)
+    par = np.asarray(parents, dtype=np.int64)
+    depth = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):                      # parents[i] < i: one pass gives every depth
+        depth[i] = depth[par[i]] + 1
+    visibility = np.zeros((n, n), dtype=bool)
     visibility[0, 0] = True
-    for i in range(1, n):
-        visibility[i, :i] = visibility[parents[i], :i]
-        visibility[i, i] = True
-    return visibility
+    for d in range(1, int(depth.max(initial=0)) + 1):
+        nodes = np.flatnonzero(depth == d)
+        visibility[nodes] = visibility[par[nodes]]
+        visibility[nodes, nodes] = True
+    return torch.from_numpy(visibility)
 
 
 def compile_tree(tree: DraftTree, root_token: int, start: int) -> VerifyBatch:

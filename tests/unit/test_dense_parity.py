@@ -47,3 +47,40 @@ def test_tree_verify_equals_per_branch_causal_forward(tiny_models, family):
             expected = reference(seq[None]).logits[0, -1]
             torch.testing.assert_close(logits[node], expected, rtol=1e-4, atol=1e-4,
                                        msg=f"{family} node {node} depth {tree.depths[node]}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_packed_segments_equal_one_at_a_time(tiny_models, family):
+    """Three sequences (a prompt, two trees after different prefixes) in one pooled forward, attention in one
+    padded call, == each sequence's forward on its own cache."""
+    from ddtree.models.dense import Segment
+
+    model = DenseTarget.from_pretrained(tiny_models / f"{family}-target")
+    gen = torch.Generator().manual_seed(3)
+    prefixes = [0, 17, 6]
+    rows = []
+    for start in prefixes:
+        if start == 0:
+            n = 9
+            ids, visibility = torch.randint(0, model.config.vocab_size, (n,), generator=gen), torch.ones(n, n).tril().bool()
+            rows.append((start, ids, torch.arange(n), visibility, None))
+            continue
+        prefix = torch.randint(0, model.config.vocab_size, (start,), generator=gen)
+        log_probs, token_ids = top_log_probs(torch.randn(4, model.config.vocab_size, generator=gen), 7)
+        batch = compile_tree(build_tree(log_probs, token_ids, 7), root_token=int(prefix[-1]), start=start)
+        rows.append((start, batch.input_ids, batch.positions, batch.visibility, prefix))
+    with torch.no_grad():
+        pooled = model.new_caches(len(rows), 64)
+        alone = [model.new_cache(64) for _ in rows]
+        for (start, _, _, _, prefix), p, a in zip(rows, pooled, alone):
+            if prefix is not None:
+                causal = torch.ones(start, start).tril().bool()
+                model(prefix, torch.arange(start), p, 0, causal)
+                model(prefix, torch.arange(start), a, 0, causal)
+        segments = [Segment.of(c, start, vis) for c, (start, _, _, vis, _) in zip(pooled, rows)]
+        logits, _ = model.forward_packed(torch.cat([r[1] for r in rows]), torch.cat([r[2] for r in rows]), segments)
+        offset = 0
+        for (start, ids, positions, vis, _), cache in zip(rows, alone):
+            expected, _ = model(ids, positions, cache, start, vis)
+            torch.testing.assert_close(logits[offset : offset + len(ids)], expected, rtol=1e-5, atol=1e-5)
+            offset += len(ids)

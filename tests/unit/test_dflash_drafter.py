@@ -120,7 +120,7 @@ def test_loads_published_layout_and_matches_reference(tmp_path, chunks):
     offset = 0
     with torch.no_grad():
         for size in chunks:   # context arrives round by round
-            drafter.add_context(cache, taps_all[offset : offset + size], torch.arange(offset, offset + size))
+            drafter.add_context(cache, taps_all[offset : offset + size])
             offset += size
         ours = drafter(cache, noise, start)
     torch.testing.assert_close(ours, reference_draft(state, taps_all, noise, start), rtol=2e-4, atol=2e-4)
@@ -153,9 +153,31 @@ def test_qwen36_drafter_format(tmp_path):
     noise = torch.randn(BLOCK, HIDDEN, generator=gen)
     cache = drafter.new_cache(64)
     with torch.no_grad():
-        drafter.add_context(cache, taps_all, torch.arange(start))
+        drafter.add_context(cache, taps_all)
         ours = drafter(cache, noise, start)
     expected = reference_draft(state, taps_all, noise, start, windows=(window,) * 4 + (None,))
     torch.testing.assert_close(ours, expected, rtol=2e-4, atol=2e-4)
     unwindowed = reference_draft(state, taps_all, noise, start)
     assert not torch.allclose(ours, unwindowed, atol=1e-3), "the window changed nothing: the test is vacuous"
+
+
+def test_packed_blocks_equal_one_at_a_time(tmp_path):
+    """Several requests' blocks in one pooled pass (contexts of different lengths, padding masked, sliding windows
+    that cut) == each block drafted alone from its own cache; contexts added for all requests at once."""
+    taps = [1, 16, 31, 46, 61]
+    write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
+                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 21, 9]
+    contexts = [torch.randn(n, HIDDEN * len(taps), generator=gen) for n in lengths]
+    blocks = torch.randn(len(lengths), BLOCK, HIDDEN, generator=gen)
+    with torch.no_grad():
+        pooled = drafter.new_caches(len(lengths), 64)
+        drafter.add_contexts(pooled, [c[:2] for c in contexts])     # context arrives in two rounds
+        drafter.add_contexts(pooled, [c[2:] for c in contexts])
+        packed = drafter.forward_packed(pooled, blocks, lengths)
+        for j, n in enumerate(lengths):
+            alone = drafter.new_cache(64)
+            drafter.add_context(alone, contexts[j])
+            torch.testing.assert_close(packed[j], drafter(alone, blocks[j], n), rtol=1e-5, atol=1e-5)

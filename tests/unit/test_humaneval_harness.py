@@ -94,3 +94,23 @@ def test_report(paths, tmp_path):
     assert "| ar | 0 | 1.00 |" in md and "| ddtree-16 | 0 |" in md
     assert [p.rsplit("/", 1)[1] for p in result["plots"]] == ["he_tau.png", "he_speedup.png"]
     assert all((tmp_path / p).stat().st_size > 1000 for p in ("he_tau.png", "he_speedup.png"))
+
+
+def test_acceptance_and_speed_in_separate_runs_merge(paths, tmp_path):
+    """A speed-only run (fewer budgets, one temperature) and an acceptance-only run combine into one table."""
+    common = ["--target", paths[0], "--drafter", paths[1], "--num-prompts", "2", "--budgets", "4,16",
+              "--max-new-tokens", "4", "--skip-triton", "--out", str(tmp_path)]
+    humaneval.main(common + ["--temperatures", "0,1", "--skip-in-process-speed", "--name", "acc"])
+    humaneval.main(common + ["--temperatures", "0", "--skip-acceptance", "--speed-prompts", "1", "--speed-budgets", "16",
+                             "--name", "speed"])
+    speed = json.loads((tmp_path / "speed.json").read_text())
+    assert speed["acceptance"] == {} and set(speed["in_process"]["0"]) == {"ar", "dflash", "ddtree-16"}
+    merged = humaneval.main(["--merge", str(tmp_path / "acc.json"), str(tmp_path / "speed.json"),
+                             "--out", str(tmp_path), "--name", "all"])
+    assert set(merged["acceptance"]) == {"0", "1"} and merged["speed_prompts"] == 1 and merged["num_prompts"] == 2
+    assert merged["greedy_outputs_identical"] is True and len(merged["runs"]) == 2
+    md = (tmp_path / "all.md").read_text()
+    assert "| ddtree-4 | 0 |" in md and "| ddtree-4 | 1 |" in md
+    speed_row = next(line for line in md.splitlines() if line.startswith("| ddtree-16 | 0 |"))
+    assert speed_row.split("|")[4].strip() != "-"      # tokens/s in process came from the speed run
+    assert (tmp_path / "all_speedup.png").stat().st_size > 1000

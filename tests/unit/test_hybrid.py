@@ -7,37 +7,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from ddtree.config import EngineConfig
-from ddtree.models.dflash import dflash_hf_config, init_random_drafter, save_drafter
 from ddtree.models.qwen3_5 import HybridTarget
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import build_tree, compile_tree, top_log_probs
-from tests.unit.oracle import OracleDraftEngine
-
-VOCAB = 96
+from tests.unit.oracle import VOCAB, OracleDraftEngine, make_tiny_hybrid
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid")
-    torch.manual_seed(0)
-    config = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                               eos_token_id=None, pad_token_id=None, bos_token_id=None, tie_word_embeddings=False)
-    model = Qwen3_5ForCausalLM(config).eval()
-    with torch.no_grad():   # non-trivial norms and gates (they start at 0 / 1), sharper logits
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn_like(p))
-        model.lm_head.weight.mul_(6.0)
-    model.save_pretrained(root / "target")
-    hf = json.loads((root / "target" / "config.json").read_text())
-    drafter_hf = dflash_hf_config(hf, num_layers=1, block_size=8, mask_token_id=VOCAB - 1)
-    save_drafter(root / "dflash", drafter_hf, init_random_drafter(drafter_hf, seed=1))
-    return root, AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
+    return make_tiny_hybrid(tmp_path_factory.mktemp("hybrid"))
 
 
 def test_prefill_logits_match_transformers(hybrid):

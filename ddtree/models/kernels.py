@@ -1,0 +1,60 @@
+"""Optional fused GPU kernels, looked up lazily and only for CUDA tensors.
+
+fla (flash-linear-attention) imports triton at import time; on a CPU machine where triton is
+installed, importing it breaks transformers' model selection. So nothing here imports fla unless a
+CUDA tensor asks for it, and `DDTREE_DISABLE_FLA=1` forces the plain torch path everywhere (the
+reference the kernels are tested against, tests/gpu/test_fla_path.py).
+
+Where fla applies: a chain whose whole result is committed (a prompt's prefill), through
+`chunk_gated_delta_rule`. Trees (and a dflash chain, whose accepted prefix is only known after the
+verify) stay on ddtree.models.gdn.gdn_tree: fla has no ancestor-masked form.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _fla_chunk_gdn() -> Callable | None:
+    if os.environ.get("DDTREE_DISABLE_FLA", "") not in ("", "0"):
+        logger.info("fla disabled by DDTREE_DISABLE_FLA: Gated DeltaNet prefill runs in plain torch")
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:   # the CPU image, or a GPU machine without the package
+        logger.info("fla not available (%s): Gated DeltaNet prefill runs in plain torch", exc)
+        return None
+    logger.info("Gated DeltaNet prefill uses fla.ops.gated_delta_rule.chunk_gated_delta_rule")
+    return chunk_gated_delta_rule
+
+
+def chain_gdn_kernel(device: torch.device) -> Callable | None:
+    """fla's chunked gated delta rule for tensors on `device`, or None (CPU, fla missing or disabled)."""
+    if device.type != "cuda":
+        return None
+    return _fla_chunk_gdn()
+
+
+def gdn_chain_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain through fla: o [N, HV, dv] in v's dtype and the final state [HV, dk, dv] in float32.
+
+    Same conventions as gdn.gdn_sequential with parents = [-1, 0, 1, ...]: q, k [N, HV, dk] raw (l2-normalised
+    in the kernel, q scaled by dk**-0.5), g [N, HV] log decay, beta [N, HV], initial_state [HV, dk, dv].
+    """
+    dtype = v.dtype
+    o, state = kernel(q[None].to(dtype), k[None].to(dtype), v[None], g[None].float(), beta[None].to(dtype),
+                      initial_state=initial_state[None].float().contiguous(), output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+    return o[0], state[0]
+
+
+__all__ = ["chain_gdn_kernel", "gdn_chain_fla"]

@@ -1,0 +1,92 @@
+"""The CUDA path of the hybrid target: fla's chunked gated delta rule for committed chains (prefills).
+
+These run only where CUDA and fla are present (the GPU machine: `bash perf/run_gpu.sh gpu-tests`);
+on the CPU CI they are skipped, and fla is never imported there. The reference is the plain per-path
+recurrence of ddtree.models.gdn in float64 on the CPU, and transformers' torch path for whole models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.models.gdn import gdn_sequential
+from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA or chain_gdn_kernel(torch.device("cuda")) is None,
+                                reason="needs a CUDA GPU with fla installed")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double().cpu() - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("n", [1, 17, 64, 65, 300])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
+def test_fla_chain_equals_sequential_recurrence(n, dtype, bound):
+    """Outputs and final state of fla's chunk kernel == the per-node recurrence (float64), from a non-zero
+    initial state, with grouped value heads (HV = 2 x key heads after the engine's repeat)."""
+    gen = torch.Generator().manual_seed(n)
+    hv, dk, dv = 8, 64, 32
+    q = torch.randn(n, hv, dk, generator=gen, dtype=torch.float64)
+    k = torch.randn(n, hv, dk, generator=gen, dtype=torch.float64)
+    v = torch.randn(n, hv, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(n, hv, generator=gen, dtype=torch.float64) * 0.3
+    beta = torch.rand(n, hv, generator=gen, dtype=torch.float64)
+    s0 = torch.randn(hv, dk, dv, generator=gen, dtype=torch.float64) * 0.1
+    chain = list(range(-1, n - 1))
+    expected_o, expected_states = gdn_sequential(q, k, v, g, beta, chain, s0)
+    cuda = [t.to("cuda", dtype) for t in (q, k, v)]
+    o, state = gdn_chain_fla(chain_gdn_kernel(torch.device("cuda")), *cuda, g.float().cuda(), beta.to("cuda", dtype),
+                             s0.float().cuda())
+    assert o.dtype == dtype and state.dtype == torch.float32
+    assert relative_error(o, expected_o) < bound
+    assert relative_error(state, expected_states[-1]) < bound
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from tests.unit.oracle import make_tiny_hybrid
+
+    return make_tiny_hybrid(tmp_path_factory.mktemp("hybrid_gpu"))
+
+
+def test_long_prefill_through_fla_matches_transformers(hybrid):
+    """A prompt longer than PREFILL_CHUNK (the fla path) on CUDA: logits and the committed state (seen through
+    the next step's logits) match transformers' torch reference on the CPU."""
+    from ddtree.models.qwen3_5 import PREFILL_CHUNK, HybridTarget
+
+    root, reference = hybrid
+    model = HybridTarget.from_pretrained(root / "target", device="cuda")
+    n = 2 * PREFILL_CHUNK + 37
+    ids = torch.randint(0, 96, (n + 1,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+        cache = model.new_cache(n + 8)
+        causal = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+        logits, _ = model(ids[:n].cuda(), torch.arange(n, device="cuda"), cache, 0, causal)
+        cache.compact(0, list(range(n)))
+        step, _ = model(ids[n:].cuda(), torch.tensor([n], device="cuda"), cache, n,
+                        torch.ones(1, 1, dtype=torch.bool, device="cuda"))
+    torch.testing.assert_close(logits.cpu(), expected[:n], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(step[0].cpu(), expected[n], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("mode,budget", [("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
+def test_greedy_speculative_equals_ar_on_cuda(hybrid, mode, budget):
+    """On CUDA (fp32, fla prefill, torch tree verify): greedy speculative output == greedy ar, token for token."""
+    from ddtree.config import EngineConfig
+    from ddtree.sampling_params import SamplingParams
+    from tests.unit.oracle import OracleDraftEngine
+
+    root, reference = hybrid
+    config = EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"), max_model_len=400,
+                          max_tree_budget=64, device="cuda")
+    engine = OracleDraftEngine(config, reference=reference)
+    prompt = torch.randint(0, 95, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = dict(max_tokens=40, ignore_eos=True)
+    expected = engine.generate_ids(prompt, SamplingParams(mode="ar", **params)).output_ids
+    request = engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, **params))
+    assert request.output_ids == expected
+    assert request.mean_acceptance_length > 1.3
