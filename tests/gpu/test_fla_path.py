@@ -1,11 +1,15 @@
 """The CUDA path of the hybrid target: fla's chunked gated delta rule for committed chains (prefills).
 
-These run only where CUDA and fla are present (the GPU machine: `bash perf/run_gpu.sh gpu-tests`);
-on the CPU CI they are skipped, and fla is never imported there. The reference is the plain per-path
-recurrence of ddtree.models.gdn in float64 on the CPU, and transformers' torch path for whole models.
+These run only where CUDA and fla are present (the GPU machine: `bash perf/run_gpu_training.sh verify`);
+on the CPU CI they are skipped, and fla is never imported there. The references are the plain per-path
+recurrence of ddtree.models.gdn in float64, and for whole models our own torch path on the CPU (tested
+against transformers in tests/unit/test_hybrid.py). transformers itself cannot be the reference here:
+with fla installed it routes its CPU model through fla's Triton kernels, which fail on CPU tensors.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -45,16 +49,32 @@ def test_fla_chain_equals_sequential_recurrence(n, dtype, bound):
     assert relative_error(state, expected_states[-1]) < bound
 
 
+class CpuReference:
+    """Our torch path on the CPU with transformers' calling convention (what OracleDraftEngine asks of it)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> SimpleNamespace:
+        n = ids.shape[1]
+        logits, _ = self.model(ids[0], torch.arange(n), self.model.new_cache(n + 1), 0,
+                               torch.ones(n, n, dtype=torch.bool).tril())
+        return SimpleNamespace(logits=logits[None])
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
+    from ddtree.models.qwen3_5 import HybridTarget
     from tests.unit.oracle import make_tiny_hybrid
 
-    return make_tiny_hybrid(tmp_path_factory.mktemp("hybrid_gpu"))
+    root, _ = make_tiny_hybrid(tmp_path_factory.mktemp("hybrid_gpu"))
+    return root, CpuReference(HybridTarget.from_pretrained(root / "target"))
 
 
-def test_long_prefill_through_fla_matches_transformers(hybrid):
+def test_long_prefill_through_fla_matches_the_cpu_path(hybrid):
     """A prompt longer than PREFILL_CHUNK (the fla path) on CUDA: logits and the committed state (seen through
-    the next step's logits) match transformers' torch reference on the CPU."""
+    the next step's logits) match the torch path on the CPU."""
     from ddtree.models.qwen3_5 import PREFILL_CHUNK, HybridTarget
 
     root, reference = hybrid
