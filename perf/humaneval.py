@@ -8,8 +8,8 @@ greedy text.
 Phase 1, acceptance (in process): every (prompt, method) request of one temperature goes through
 the engine's continuous batching together. tau of a method = mean over responses of the response's
 mean acceptance length (tokens committed per round; 1 for ar), plus a histogram of per-round
-acceptance lengths. Greedy output is batch-invariant in this engine (tests/unit/test_batching.py),
-so tau equals batch-1 tau.
+acceptance lengths. In float32 greedy output is batch-invariant in this engine
+(tests/unit/test_batching.py), so tau equals batch-1 tau; in bfloat16 near-ties may flip.
 
 Phase 2, speed at batch 1 on the first --speed-prompts prompts: in process (engine.generate_ids, one
 request at a time) and through a real tritonserver (gRPC streaming against the ensemble); tokens/s
@@ -52,8 +52,10 @@ from perf.common import ROOT, add_model_args, header, write_results  # noqa: E40
 PROMPT_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
 WARMUP_TOKENS = 8
-BATCH_INVARIANCE = ("tau is measured with all (prompt, method) requests of a temperature batched together; greedy "
-                    "output is batch-invariant in this engine (tests/unit/test_batching.py), so it equals batch-1 tau.")
+BATCH_INVARIANCE = ("tau is measured with all (prompt, method) requests of a temperature batched together; in float32 "
+                    "greedy output is batch-invariant in this engine (tests/unit/test_batching.py), so it equals batch-1 "
+                    "tau. In bfloat16 it is not: a verify of 17 rows rounds differently from a step of 1 row, so "
+                    "near-ties can flip and methods then continue different (equally greedy) texts.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +279,10 @@ def table(result: dict) -> str:
         ratio = triton / local if triton and local else None
         lines.append(f"| {name} | {key} | {_fmt(tau, '.2f')} | {_fmt(local)} | {_fmt(local_x, '.2f')} | "
                      f"{_fmt(triton)} | {_fmt(triton_x, '.2f')} | {_fmt(ratio, '.2f')} |")
-    lines += ["", f"τ over {result['num_prompts']} prompts; speed over {result['speed_prompts']} prompts at batch 1, "
+    by_t = result.get("num_prompts_by_temperature")
+    prompts = (", ".join(f"{n} at T={k}" for k, n in by_t.items()) if by_t and len(set(by_t.values())) > 1
+               else str(result["num_prompts"]))
+    lines += ["", f"τ over {prompts} prompts; speed over {result['speed_prompts']} prompts at batch 1, "
               f"max {result['max_new_tokens']} new tokens, stop at EOS. {BATCH_INVARIANCE}",
               f"Greedy outputs identical across methods: {result['greedy_outputs_identical']} "
               f"(mismatching prompts: {result['greedy_mismatches']}).",
@@ -388,8 +393,10 @@ def merge_results(paths: list[str]) -> dict:
         if run.get("greedy_outputs_identical") is not None:
             merged["greedy_outputs_identical"], merged["greedy_mismatches"] = (run["greedy_outputs_identical"],
                                                                               run["greedy_mismatches"])
+        for key in run.get("acceptance", {}):
+            merged.setdefault("num_prompts_by_temperature", {})[key] = run["num_prompts"]
         if run.get("acceptance"):
-            merged["num_prompts"] = run["num_prompts"]
+            merged["num_prompts"] = max(merged.get("num_prompts_by_temperature", {}).values())
         if run.get("in_process") or run.get("triton"):
             merged["speed_prompts"] = run["speed_prompts"]
     merged["budgets"] = sorted({b for run in runs for b in run["budgets"]})
