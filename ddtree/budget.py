@@ -8,11 +8,20 @@ tokens. The policy merges all requests' nodes by weight and keeps the top K over
 to maximise expected tokens per second of the round under a measured cost model of the verify
 pass (time against total nodes in the batch). K = 0 is plain decoding for everyone: trees are
 kept only where the cost model says they pay.
+
+The cost model is offline data and the surrogate is the drafter's belief, so on its own the policy
+can lose to a fixed method on a given machine and load (it did: 0.72x of `ar` at 16 streams on 2
+CPU cores, 0.83x of `ddtree-16` at 4 streams on the H200). `ArmSelector` closes that gap with
+measurements: per batch-size bucket it treats `ar`, `dflash`, `ddtree` at a few fixed budgets and
+the policy as arms, tries each a few rounds, then runs the one with the highest measured committed
+tokens per second of round wall time, re-probing the others every so often. `auto` is therefore at
+least as fast as the best of them up to the probing cost (1 round in `REPROBE_EVERY`).
 """
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,3 +86,90 @@ def choose_budgets(weights: list[np.ndarray], cost: CostModel, max_budgets: list
 
 def expected_tokens(weights: np.ndarray, budget: int) -> float:
     return 1.0 + float(np.sum(weights[:budget])) if budget > 0 else 1.0
+
+
+# -- measured selection among methods --------------------------------------------------------
+
+DEFAULT_ARMS = "ar,dflash,ddtree-4,ddtree-8,ddtree-16,ddtree-32,ddtree-64,policy"
+MIN_SAMPLES = 3          # rounds each arm is tried before its estimate is trusted
+REPROBE_EVERY = 32       # then one round in this many goes to the least recently tried arm
+DECAY = 0.9              # weight of an arm's past rounds against its newest one
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """What `auto` requests do in one round: mode "ar" (no draft), "dflash" (chain), "ddtree" with `budget`
+    (capped by each request's tree_budget), or "policy" (the cost-model policy above)."""
+    mode: str
+    budget: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"ddtree-{self.budget}" if self.mode == "ddtree" else self.mode
+
+    @classmethod
+    def parse(cls, name: str) -> "Arm":
+        name = name.strip()
+        if name in ("ar", "dflash", "policy"):
+            return cls(name)
+        if name.startswith("ddtree-") and name[7:].isdigit() and int(name[7:]) > 0:
+            return cls("ddtree", int(name[7:]))
+        raise ValueError(f"unknown auto arm {name!r}: use ar, dflash, policy or ddtree-<budget>")
+
+
+def parse_arms(spec: str) -> tuple[Arm, ...]:
+    arms = tuple(dict.fromkeys(Arm.parse(n) for n in spec.split(",") if n.strip()))
+    if not arms:
+        raise ValueError("auto_arms is empty")
+    return arms
+
+
+class ArmSelector:
+    """Per batch-size bucket (1, 2, 3-4, 5-8, ...): decayed sums of committed tokens and round seconds per arm."""
+
+    def __init__(self, arms: tuple[Arm, ...], min_samples: int = MIN_SAMPLES, reprobe_every: int = REPROBE_EVERY,
+                 decay: float = DECAY) -> None:
+        self.arms, self.min_samples, self.reprobe_every, self.decay = arms, min_samples, reprobe_every, decay
+        self.tokens: dict[tuple[int, Arm], float] = defaultdict(float)
+        self.seconds: dict[tuple[int, Arm], float] = defaultdict(float)
+        self.samples: dict[tuple[int, Arm], int] = defaultdict(int)
+        self.last_tried: dict[tuple[int, Arm], int] = defaultdict(lambda: -1)
+        self.rounds: dict[int, int] = defaultdict(int)
+
+    @staticmethod
+    def bucket(num_seqs: int) -> int:
+        return max(1, num_seqs - 1).bit_length() if num_seqs > 1 else 0
+
+    def rate(self, bucket: int, arm: Arm) -> float:
+        """Measured committed tokens per second (0 before any sample)."""
+        seconds = self.seconds[(bucket, arm)]
+        return self.tokens[(bucket, arm)] / seconds if seconds > 0 else 0.0
+
+    def choose(self, num_seqs: int, allowed: tuple[Arm, ...] | None = None) -> Arm:
+        b = self.bucket(num_seqs)
+        arms = allowed or self.arms
+        self.rounds[b] += 1
+        unexplored = [a for a in arms if self.samples[(b, a)] < self.min_samples]
+        if unexplored:
+            arm = unexplored[0]
+        elif self.rounds[b] % self.reprobe_every == 0:
+            arm = min(arms, key=lambda a: self.last_tried[(b, a)])
+        else:
+            arm = max(arms, key=lambda a: self.rate(b, a))
+        self.last_tried[(b, arm)] = self.rounds[b]
+        return arm
+
+    def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float) -> None:
+        key = (self.bucket(num_seqs), arm)
+        self.tokens[key] = self.decay * self.tokens[key] + tokens
+        self.seconds[key] = self.decay * self.seconds[key] + seconds
+        self.samples[key] += 1
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """{bucket label: {arm: tokens/s}} of what has been measured (for logs and benchmarks)."""
+        out: dict[str, dict[str, float]] = {}
+        for (b, arm), n in sorted(self.samples.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
+            if n:
+                label = "1" if b == 0 else f"{2 ** (b - 1) + 1}-{2 ** b}"
+                out.setdefault(label, {})[arm.name] = round(self.rate(b, arm), 2)
+        return out

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.budget import CostModel, choose_budgets, default_cost_model, node_weights
+from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, default_cost_model, node_weights, parse_arms
 from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
 from ddtree.models.dense import Segment
@@ -102,6 +102,8 @@ class Engine:
         self.stage_times = StageTimes()
         self._num_requests = 0
         self.cost_model = CostModel.load(config.cost_model_path or default_cost_model(config.device))
+        self.arm_selector = ArmSelector(parse_arms(config.auto_arms))
+        self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
 
@@ -219,6 +221,9 @@ class Engine:
 
     def _round(self, seqs: list[Sequence]) -> list[RequestOutput]:
         times, t_round = self.stage_times, time.perf_counter()
+        auto = [s for s in seqs if s.request.params.mode == "auto"]
+        self.arm = self.arm_selector.choose(len(seqs)) if auto else None
+        auto_tokens_before = sum(s.request.num_output_tokens for s in auto)
         trees = self._draft(seqs)
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
         times.tree_nodes += sum(tree.num_nodes for tree in trees)
@@ -241,6 +246,9 @@ class Engine:
                                                    None if choices is None else choices[rows]))
         self._sync()
         now = time.perf_counter()
+        if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
+            produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
+            self.arm_selector.record(len(seqs), self.arm, produced, now - t_round)
         times.verify += t_commit - t_verify
         times.commit += now - t_commit
         times.decode += now - t_round
@@ -256,7 +264,7 @@ class Engine:
             logits = suppress_tokens(logits, suppressed, seq.request.num_output_tokens + depth < params.min_tokens)
             greedy_choice = None
         acceptance = accept(tree, logits, params, seq.generator, greedy_choice)
-        if params.mode == "auto" and tree.num_nodes:
+        if params.mode == "auto" and self.arm is not None and self.arm.mode == "policy" and tree.num_nodes:
             # the drafter's own weights are its belief; scale them by how often that belief held
             expected = float(node_weights(tree.log_weights[1:]).sum())
             observed = (len(acceptance.accepted) - 1 + 0.1) / (expected + 0.1)
@@ -295,23 +303,35 @@ class Engine:
         # one lm_head pass, one top-k and one device-to-host copy for every drafting request
         depth = min(block - 1, max(seqs[i].depth_limit for i in drafting))
         draft_logits = self.draft_logits(hidden[:, 1 : 1 + depth], [seqs[i].request for i in drafting])  # [R, depth, V]
-        k = max(1 if seqs[i].request.params.mode == "dflash" else seqs[i].request.params.tree_budget for i in drafting)
+        plans = {i: self._draft_plan(seqs[i]) for i in drafting}               # (chain?, budget)
+        k = max(1 if chain else budget for chain, budget in plans.values())
         log_probs, token_ids = top_log_probs(draft_logits, k)                  # [R, depth, k] on the host
         for j, i in enumerate(drafting):
-            seq = seqs[i]
-            params, d = seq.request.params, min(seq.depth_limit, depth)
-            if params.mode == "dflash":
+            (chain, budget), d = plans[i], min(seqs[i].depth_limit, depth)
+            if chain:
                 trees[i] = build_chain(token_ids[j, :d, 0].tolist())
             else:
-                kb = min(params.tree_budget, k)
-                trees[i] = build_tree(log_probs[j, :d, :kb], token_ids[j, :d, :kb], params.tree_budget)
+                kb = min(budget, k)
+                trees[i] = build_tree(log_probs[j, :d, :kb], token_ids[j, :d, :kb], budget)
         self._apply_budget_policy(seqs, trees)
         self.stage_times.draft += t1 - t0
         self.stage_times.tree_build += time.perf_counter() - t1
         return trees
 
+    def _draft_plan(self, seq: Sequence) -> tuple[bool, int]:
+        """(draft a chain?, tree budget) of a drafting request this round; auto requests follow the round's arm."""
+        params = seq.request.params
+        mode = params.mode if params.mode != "auto" else self.arm.mode
+        if mode == "dflash":
+            return True, 1
+        if mode == "ddtree" and params.mode == "auto":
+            return False, min(self.arm.budget, params.tree_budget)
+        return False, params.tree_budget   # ddtree, and the policy arm (cut below by _apply_budget_policy)
+
     def _apply_budget_policy(self, seqs: list[Sequence], trees: list[DraftTree]) -> None:
-        """Mode "auto": cut each request's tree to the nodes that pay this round (ddtree.budget)."""
+        """Mode "auto" on the policy arm: cut each request's tree to the nodes that pay this round (ddtree.budget)."""
+        if self.arm is None or self.arm.mode != "policy":
+            return
         auto = [i for i, s in enumerate(seqs) if s.request.params.mode == "auto" and trees[i].num_nodes]
         if not auto:
             return
@@ -327,12 +347,12 @@ class Engine:
                 seq.backoff = 1
             self.auto_backoff = seq.backoff   # new requests start where the last decision left off
 
-    @staticmethod
-    def _drafts_this_round(seq: Sequence) -> bool:
-        if seq.request.params.mode == "ar" or seq.depth_limit <= 0:
+    def _drafts_this_round(self, seq: Sequence) -> bool:
+        mode = seq.request.params.mode
+        if mode == "ar" or seq.depth_limit <= 0 or (mode == "auto" and self.arm.mode == "ar"):
             return False
-        if seq.skip_rounds > 0:
-            seq.skip_rounds -= 1
+        if mode == "auto" and self.arm.mode == "policy" and seq.skip_rounds > 0:
+            seq.skip_rounds -= 1   # the policy found no tree worth it lately: back off
             return False
         return True
 

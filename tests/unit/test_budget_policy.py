@@ -1,4 +1,5 @@
-"""Budget policy: the chosen node counts maximise expected tokens per ms; `auto` stays exact."""
+"""Budget policy: the chosen node counts maximise expected tokens per ms; the arm selector picks the measured best
+method per batch size; `auto` stays exact."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from ddtree.budget import CostModel, choose_budgets, expected_tokens
+from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, expected_tokens, parse_arms
 from ddtree.config import EngineConfig
 from ddtree.engine import Engine
 from ddtree.sampling_params import SamplingParams
@@ -55,13 +56,13 @@ def test_truncated_tree_is_the_smaller_best_first_tree():
 
 
 @pytest.mark.parametrize("cost", [FLAT, STEEP], ids=["flat", "steep"])
-def test_auto_mode_is_exact(tiny_models, tmp_path, cost):
+def test_policy_arm_is_exact(tiny_models, tmp_path, cost):
     path = tmp_path / "cost.json"
     path.write_text(__import__("json").dumps({"rows": list(cost.rows), "verify_ms": list(cost.verify_ms),
                                               "draft_ms": cost.draft_ms}))
     engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
                                  drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=128,
-                                 max_tree_budget=64, cost_model_path=str(path)))
+                                 max_tree_budget=64, cost_model_path=str(path), auto_arms="policy"))
     prompt = [5, 6, 7, 8, 9]
     params = dict(max_tokens=30, ignore_eos=True)
     ar = engine.generate_ids(prompt, SamplingParams(mode="ar", **params)).output_ids
@@ -71,3 +72,57 @@ def test_auto_mode_is_exact(tiny_models, tmp_path, cost):
     assert (nodes > 0) if cost is FLAT else (nodes == 0), f"{nodes} tree nodes verified"
     if cost is STEEP:   # trees never pay: after back-off the drafter runs in few of the ~30 rounds
         assert engine.stage_times.draft_passes <= 8, engine.stage_times.draft_passes
+
+
+def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: int) -> dict[str, int]:
+    """Run the selector against arms of fixed true rates (tokens per second); how often each arm was chosen."""
+    chosen: dict[str, int] = {}
+    for _ in range(rounds):
+        arm = selector.choose(num_seqs)
+        chosen[arm.name] = chosen.get(arm.name, 0) + 1
+        selector.record(num_seqs, arm, tokens=int(rates[arm.name] * 10), seconds=10.0)
+    return chosen
+
+
+def test_selector_explores_then_runs_the_measured_best():
+    arms = parse_arms("ar,dflash,ddtree-16,policy")
+    selector = ArmSelector(arms, min_samples=3, reprobe_every=32)
+    rates = {"ar": 20.0, "dflash": 25.0, "ddtree-16": 40.0, "policy": 30.0}
+    chosen = play(selector, rates, num_seqs=1, rounds=320)
+    assert all(chosen[a.name] >= 3 for a in arms)                      # every arm was measured
+    assert chosen["ddtree-16"] >= 320 - 3 * 3 - 320 // 32              # the rest went to the best one
+    assert selector.table()["1"]["ddtree-16"] == pytest.approx(40.0)
+
+
+def test_selector_keeps_batch_sizes_apart_and_follows_a_change():
+    """What wins at 16 streams is learned separately from 1 stream; when the best arm gets slow (another load on
+    the machine), the re-probes and the decayed estimate move the choice."""
+    selector = ArmSelector(parse_arms("ar,ddtree-16"), min_samples=2, reprobe_every=8)
+    play(selector, {"ar": 10.0, "ddtree-16": 30.0}, num_seqs=1, rounds=50)
+    play(selector, {"ar": 100.0, "ddtree-16": 60.0}, num_seqs=16, rounds=50)
+    assert selector.choose(1).name == "ddtree-16" and selector.choose(16).name == "ar"
+    chosen = play(selector, {"ar": 10.0, "ddtree-16": 5.0}, num_seqs=1, rounds=200)
+    assert chosen["ar"] > 150
+
+
+def test_arm_names_are_checked():
+    assert parse_arms(" ar , ddtree-8,policy") == (Arm("ar"), Arm("ddtree", 8), Arm("policy"))
+    for bad in ("", "beam", "ddtree-0", "ddtree-x"):
+        with pytest.raises(ValueError):
+            parse_arms(bad)
+    with pytest.raises(ValueError, match="auto arm"):
+        EngineConfig(target_path="t", drafter_path="d", auto_arms="ar,sparse")
+
+
+def test_auto_mode_is_exact_with_every_arm(tiny_models):
+    """Default arms: the selector switches methods between rounds (exploration alone visits all 8 several
+    times); output == ar token for token, and every arm was measured."""
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=160, max_tree_budget=64))
+    prompt = [5, 6, 7, 8, 9]
+    params = dict(max_tokens=60, ignore_eos=True)
+    ar = engine.generate_ids(prompt, SamplingParams(mode="ar", **params)).output_ids
+    auto = engine.generate_ids(prompt, SamplingParams(mode="auto", tree_budget=64, **params))
+    assert auto.output_ids == ar
+    measured = engine.arm_selector.table()["1"]
+    assert set(measured) == {"ar", "dflash", "ddtree-4", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-64", "policy"}
