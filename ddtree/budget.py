@@ -94,6 +94,7 @@ DEFAULT_ARMS = "ar,dflash,ddtree-4,ddtree-8,ddtree-16,ddtree-32,ddtree-64,policy
 MIN_SAMPLES = 3          # rounds each arm is tried before its estimate is trusted
 REPROBE_EVERY = 32       # then one round in this many goes to the least recently tried arm
 DECAY = 0.9              # weight of an arm's past rounds against its newest one
+PRUNE = 0.8              # a tree arm measured below this fraction of the best arm rules out larger trees
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,9 +146,23 @@ class ArmSelector:
         seconds = self.seconds[(bucket, arm)]
         return self.tokens[(bucket, arm)] / seconds if seconds > 0 else 0.0
 
-    def choose(self, num_seqs: int, allowed: tuple[Arm, ...] | None = None) -> Arm:
+    def _pruned(self, b: int, arms: tuple[Arm, ...]) -> set[Arm]:
+        """Trees larger than an explored tree that already loses clearly (rate < PRUNE x the best measured): on this
+        machine and load, more nodes will not pay either, and trying them costs the slowest rounds."""
+        explored = [a for a in arms if self.samples[(b, a)] >= self.min_samples]
+        if not explored:
+            return set()
+        best = max(self.rate(b, a) for a in explored)
+        losing = [a.budget for a in explored if a.mode == "ddtree" and self.rate(b, a) < PRUNE * best]
+        return {a for a in arms if a.mode == "ddtree" and losing and a.budget > min(losing)}
+
+    def choose(self, num_seqs: int, max_budget: int | None = None) -> Arm:
+        """This round's arm for `num_seqs` running requests; ddtree arms above max_budget (the auto requests'
+        largest tree_budget) are left out, they would build the same trees as smaller ones."""
         b = self.bucket(num_seqs)
-        arms = allowed or self.arms
+        arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
+        arms = arms or self.arms
+        arms = tuple(a for a in arms if a not in self._pruned(b, arms)) or arms
         self.rounds[b] += 1
         unexplored = [a for a in arms if self.samples[(b, a)] < self.min_samples]
         if unexplored:

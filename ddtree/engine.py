@@ -222,7 +222,7 @@ class Engine:
     def _round(self, seqs: list[Sequence]) -> list[RequestOutput]:
         times, t_round = self.stage_times, time.perf_counter()
         auto = [s for s in seqs if s.request.params.mode == "auto"]
-        self.arm = self.arm_selector.choose(len(seqs)) if auto else None
+        self.arm = self.arm_selector.choose(len(seqs), max(s.request.params.tree_budget for s in auto)) if auto else None
         auto_tokens_before = sum(s.request.num_output_tokens for s in auto)
         trees = self._draft(seqs)
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]

@@ -115,8 +115,8 @@ def test_arm_names_are_checked():
 
 
 def test_auto_mode_is_exact_with_every_arm(tiny_models):
-    """Default arms: the selector switches methods between rounds (exploration alone visits all 8 several
-    times); output == ar token for token, and every arm was measured."""
+    """Default arms: the selector switches methods between rounds (exploration visits each arm it does not prune
+    several times); output == ar token for token."""
     engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
                                  drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=160, max_tree_budget=64))
     prompt = [5, 6, 7, 8, 9]
@@ -125,4 +125,20 @@ def test_auto_mode_is_exact_with_every_arm(tiny_models):
     auto = engine.generate_ids(prompt, SamplingParams(mode="auto", tree_budget=64, **params))
     assert auto.output_ids == ar
     measured = engine.arm_selector.table()["1"]
-    assert set(measured) == {"ar", "dflash", "ddtree-4", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-64", "policy"}
+    assert {"ar", "dflash", "ddtree-4", "policy"} <= set(measured), measured
+    assert engine.stage_times.tree_nodes > 0
+
+
+def test_selector_skips_larger_trees_once_a_tree_clearly_loses_and_trees_above_the_cap():
+    """On a compute-bound machine under load every tree loses to ar: once ddtree-4 is measured at < 0.8x of the
+    best, ddtree-8..64 are never tried (they are the slowest rounds). Arms above the requests' cap are not tried."""
+    selector = ArmSelector(parse_arms("ar,ddtree-4,ddtree-8,ddtree-16,ddtree-64"), min_samples=2, reprobe_every=4)
+    chosen = play(selector, {"ar": 100.0, "ddtree-4": 60.0, "ddtree-8": 50.0, "ddtree-16": 40.0, "ddtree-64": 10.0},
+                  num_seqs=16, rounds=100)
+    assert set(chosen) == {"ar", "ddtree-4"}
+    capped, names = ArmSelector(parse_arms("ar,ddtree-16,ddtree-64"), min_samples=1, reprobe_every=2), set()
+    for _ in range(20):
+        arm = capped.choose(1, max_budget=16)
+        capped.record(1, arm, tokens=10, seconds=1.0)
+        names.add(arm.name)
+    assert names == {"ar", "ddtree-16"}
