@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -31,6 +32,17 @@ METHODS = [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 32), ("ddtree", 
 
 def method_name(mode: str, budget: int) -> str:
     return f"ddtree-{budget}" if mode == "ddtree" else mode
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A decoding mode and its tree budget (the cap, for auto), as the benchmarks send them."""
+    mode: str
+    budget: int
+
+    @property
+    def name(self) -> str:
+        return method_name(self.mode, self.budget)
 
 
 def chat_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:

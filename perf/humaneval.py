@@ -34,7 +34,6 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -46,7 +45,7 @@ from ddtree.engine import Engine  # noqa: E402
 from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
-from perf.bench import method_name  # noqa: E402
+from perf.bench import Method  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 
 PROMPT_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
@@ -56,16 +55,6 @@ BATCH_INVARIANCE = ("tau is measured with all (prompt, method) requests of a tem
                     "greedy output is batch-invariant in this engine (tests/unit/test_batching.py), so it equals batch-1 "
                     "tau. In bfloat16 it is not: a verify of 17 rows rounds differently from a step of 1 row, so "
                     "near-ties can flip and methods then continue different (equally greedy) texts.")
-
-
-@dataclass(frozen=True, slots=True)
-class Method:
-    mode: str
-    budget: int
-
-    @property
-    def name(self) -> str:
-        return method_name(self.mode, self.budget)
 
 
 def methods_for(budgets: list[int]) -> list[Method]:

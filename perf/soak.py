@@ -45,6 +45,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 
 from client.chat import build_inputs  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
+from perf.bench import Method  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 from perf.triton_bench import TritonServer, make_repository  # noqa: E402
 
@@ -53,16 +54,6 @@ COUNTERS = ("ddtree_requests_finished_total", "ddtree_requests_cancelled_total",
             "ddtree_requests_overloaded_total", "ddtree_output_tokens_total", "ddtree_batch_rounds_total")
 LOG_ERRORS = ("engine step failed", "fatal engine error", "Stub process")   # any of these fails the soak
 LOG_NOTES = ("Traceback", "could not send")                                  # reported
-
-
-@dataclass(frozen=True, slots=True)
-class Method:
-    mode: str
-    budget: int
-
-    @property
-    def name(self) -> str:
-        return self.mode if self.mode in ("ar", "dflash") else f"{self.mode}-{self.budget}"
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,18 @@ def server(model_repository, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-log") / "tritonserver.log"
     with TritonServer(str(model_repository), log_path=str(log)) as running:
         yield running
+
+
+def metric(server, name: str) -> float:
+    """A counter or gauge from Triton's /metrics, summed over its label sets (models, instances)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def wait_for_cancellation(server, cancelled_before: float, timeout_s: float = 60.0) -> None:
+    """Wait until the server counts one more cancelled request and none is active (or the time is up: the
+    caller's asserts then say which part failed)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (metric(server, "ddtree_active_requests") > 0
+                                      or metric(server, "ddtree_requests_cancelled_total") <= cancelled_before):
+        time.sleep(0.2)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import queue
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -20,7 +19,7 @@ from ddtree.config import EngineConfig
 from ddtree.detokenize import decode
 from ddtree.engine import Engine
 from ddtree.sampling_params import SamplingParams
-from tests.server.conftest import DEFAULT_DRAFTER, DEFAULT_TARGET, MAX_MODEL_LEN, MAX_TOKENS_LIMIT
+from tests.server.conftest import DEFAULT_DRAFTER, DEFAULT_TARGET, MAX_MODEL_LEN, MAX_TOKENS_LIMIT, metric, wait_for_cancellation
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -132,12 +131,6 @@ def test_raw_text_input_with_echo(server):
     assert len(texts) == 1 and texts[0].startswith("Once upon a time") and len(texts[0]) > len("Once upon a time")
 
 
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
-    return sum(values)
-
-
 @pytest.mark.parametrize("model", ["ensemble", "ddtree"])
 def test_cancelled_stream_frees_its_request(server, tokenizer, model):
     responses: queue.Queue = queue.Queue()
@@ -158,10 +151,7 @@ def test_cancelled_stream_frees_its_request(server, tokenizer, model):
         assert error is None, error
     client.stop_stream(cancel_requests=True)
     client.close()
-    deadline = time.time() + 60
-    while time.time() < deadline and (metric(server, "ddtree_active_requests") > 0
-                                      or metric(server, "ddtree_requests_cancelled_total") <= cancelled_before):
-        time.sleep(0.2)
+    wait_for_cancellation(server, cancelled_before)
     assert metric(server, "ddtree_active_requests") == 0, "the cancelled request still holds the engine"
     assert metric(server, "ddtree_requests_cancelled_total") == cancelled_before + 1
     assert "cancelled after" in open(server.log_path).read()

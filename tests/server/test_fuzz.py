@@ -30,7 +30,7 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.grpc._utils import _get_inference_request
 
 from client.chat import build_inputs, stream_chat
-from tests.server.conftest import DEFAULT_TARGET, MAX_MODEL_LEN, MAX_TOKENS_LIMIT
+from tests.server.conftest import DEFAULT_TARGET, MAX_MODEL_LEN, MAX_TOKENS_LIMIT, metric
 
 FUZZ_SEED = 20261130
 NUM_CASES = 1100
@@ -542,11 +542,6 @@ def error_kind(message: str) -> str:
         if marker in message:
             return kind
     return "other"
-
-
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def greedy_text(server) -> str:

@@ -8,7 +8,6 @@ import queue
 import re
 import shutil
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client.chat import build_inputs
+from tests.server.conftest import wait_for_cancellation
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -66,12 +66,7 @@ def test_cancelled_streams_stop_on_whichever_instance_runs_them(two_instances):
             assert error is None, error
         client.stop_stream(cancel_requests=True)
         client.close()
-        deadline = time.time() + 20    # 1000 tokens would take minutes: only a relayed stop ends it this soon
-        while time.time() < deadline:
-            text = metrics(two_instances)
-            if total(text, "ddtree_active_requests") == 0 and total(text, "ddtree_requests_cancelled_total") > before:
-                break
-            time.sleep(0.2)
+        wait_for_cancellation(two_instances, before, timeout_s=20)   # 1000 tokens would take minutes: only a relayed stop ends it this soon
         text = metrics(two_instances)
         assert total(text, "ddtree_active_requests") == 0, f"trial {trial}: the cancelled request still runs"
         assert total(text, "ddtree_held_cache_slots") == 0

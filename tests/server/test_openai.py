@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -20,7 +19,7 @@ import requests
 from client.chat import bool_tensor, build_inputs, stream_chat, string_tensor
 from openai_frontend.protocol import parse_request
 from scripts.triton_env import free_port
-from tests.server.conftest import MAX_NUM_SEQS, MAX_QUEUE_SIZE, MAX_TOKENS_LIMIT, ROOT
+from tests.server.conftest import MAX_NUM_SEQS, MAX_QUEUE_SIZE, MAX_TOKENS_LIMIT, ROOT, metric, wait_for_cancellation
 
 CHAT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 CHAT_CJK = [{"role": "user", "content": "请用中文写一句关于春天的话，并加上表情符号🌸。"}]
@@ -79,11 +78,6 @@ def ensemble_whole(server, inputs) -> tuple[str, dict]:
     """The ensemble's own non-streamed answer over gRPC: (text, final outputs)."""
     results = list(stream_chat(server.grpc_url, "ensemble", inputs))
     return "".join(text for text, _ in results), results[-1][1]
-
-
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def check_error(response: requests.Response, status: int, text: str | None = None) -> dict:
@@ -270,10 +264,7 @@ def test_client_disconnect_cancels_the_request(server, frontend, stream):
             time.sleep(0.1)
     conn.sock.shutdown(2)
     conn.close()
-    deadline = time.time() + 60
-    while time.time() < deadline and (metric(server, "ddtree_active_requests") > 0
-                                      or metric(server, "ddtree_requests_cancelled_total") <= cancelled_before):
-        time.sleep(0.2)
+    wait_for_cancellation(server, cancelled_before)
     assert metric(server, "ddtree_active_requests") == 0, "the abandoned request still runs"
     assert metric(server, "ddtree_requests_cancelled_total") == cancelled_before + 1
     ok = post(frontend, "chat/completions", {"model": "ensemble", "messages": CHAT, "max_tokens": 4})
