@@ -137,7 +137,7 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
                  "verify_over_ar": statistics.median(times) / results["ar_step_ms"]}
         if device.startswith("cuda"):
             entry["verify_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        cache.pending.clear()
+        getattr(cache, "pending", {}).clear()   # hybrid: drop the uncommitted verify stash
         results["budgets"][budget] = entry
         print(f"budget {budget}: {entry}", flush=True)
     return results
@@ -169,7 +169,7 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
     results = {}
     for mode, budget in [("ar", 1), ("dflash", 1)] + [("ddtree", b) for b in budgets]:
-        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds, ignore_eos=True)
+        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds + 1, ignore_eos=True)   # +1: the prefill token
         engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
         before = {k: getattr(engine.stage_times, k) for k in ("draft", "tree_build", "verify", "commit", "decode",
                                                              "batch_rounds")}

@@ -8,7 +8,9 @@
 #           gguf.sha256 and target.digest in the last): rebuild the embedded default exactly
 #   train   like target, then generate the target's responses, train the DFlash drafter (time-boxed,
 #           resumable) and export it
-#   eval    carry .deps/bundle (tritonserver): HumanEval acceptance and speed, in process and Triton
+#   ratios  issue 6's ratio table (perf/gpu_ratios.py: 27B hybrid and 8B dense shapes, random weights)
+#   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; cat them into .deps/bundle/) and .deps/tc
+#           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
 # Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~40 MB)
 # stays under 64 MiB: `split -n 4 -d` into .deps/xa ... .deps/xd (~24.6 MB each), one carried per call.
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
@@ -48,6 +50,10 @@ target|train)
     tar -C "$run" -cf "$OUT/drafter_meta.tar" drafter/config.json drafter/model.safetensors.index.json \
       drafter/README.md drafter/loss_curve.png drafter/training_config.json train_log.jsonl
   fi
+  ;;
+ratios)
+  install_wheels
+  python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --out "$OUT" --name gpu_ratios_h200 "$@"
   ;;
 eval)
   install_wheels

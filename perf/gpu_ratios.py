@@ -1,0 +1,176 @@
+"""Issue 6's ratio table: how far one `ar` step and one DDTree round are from the physical floor, at batch 1.
+
+For each target shape (random weights, real dimensions) with a random 5-layer DFlash drafter of the
+published shape, in one run on one machine:
+  - floor: bytes one decode step must stream (every weight but the embedding table) / the device
+    copy bandwidth measured in the same run;
+  - the target's `ar` step (forward only) against that floor (goal: <= 1.10x);
+  - whole engine rounds (draft + tree build + verify + commit, the engine's own stage counters) for
+    ar, dflash, ddtree-16 and ddtree-64, against the `ar` round (goals: ddtree-16 <= 1.15x,
+    ddtree-64 <= 1.30x), and each round's host share = (round - draft - verify) / round (goal <= 5%);
+  - the verify-time curve against budget 16..1024 (what the budget policy's cost model needs).
+Writes perf/results/<name>.{json,md} and <name>.png (verify time against budget).
+
+    python perf/gpu_ratios.py --device cuda --dtype bfloat16 --shapes qwen36-27b,qwen3-8b --name gpu_ratios_h200
+    python perf/gpu_ratios.py --shapes tiny-hybrid,tiny-dense --budgets 16,64 --name gpu_ratios_cpu_tiny   # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.models.dense import DenseConfig, DenseTarget  # noqa: E402
+from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.hybrid_verify import (  # noqa: E402
+    DRAFTERS,
+    _fill_random,
+    copy_bandwidth,
+    measure_rounds,
+    measure_verify,
+    random_drafter,
+    random_target,
+    weight_bytes,
+)
+
+DENSE_SHAPES = {
+    # Qwen3-8B (36 layers); its z-lab drafter Qwen3-8B-DFlash-b16: 5 layers, block 16, taps [1, 9, 17, 25, 33]
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "tiny-dense": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+DENSE_DRAFTERS = {
+    "qwen3-8b": dict(num_layers=5, block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
+                     layer_types=None, sliding_window=None, heads=(32, 8, 128)),
+    "tiny-dense": dict(num_layers=2, block_size=8, mask_token_id=1023, target_layer_ids=[0, 2], layer_types=None,
+                       sliding_window=None, heads=(4, 2, 32)),
+}
+HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
+GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05}
+
+
+def dense_target(shape: str, dtype: torch.dtype, device: str) -> DenseTarget:
+    hf = {"model_type": "qwen3", "rope_theta": 1e6, "rms_norm_eps": 1e-6, "eos_token_id": 151645,
+          "tie_word_embeddings": False, **DENSE_SHAPES[shape]}
+    with torch.device("meta"):
+        model = DenseTarget(DenseConfig.from_hf(hf)).to(dtype)
+    model = model.to_empty(device=device)
+    _fill_random(model, device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)    # plain RMSNorm: weights start at 1
+    model.rotary = type(model.rotary)(model.config.head_dim, model.config.rope_theta)
+    return model.eval()
+
+
+def build(shape: str, dtype: torch.dtype, device: str):
+    """(target, drafter) of random weights for a shape name."""
+    if shape in HYBRID_ALIASES:
+        name = HYBRID_ALIASES[shape]
+        target = random_target(name, dtype, device)
+        return target, random_drafter(name, target, dtype, device)
+    target = dense_target(shape, dtype, device)
+    DRAFTERS.setdefault(shape, DENSE_DRAFTERS[shape])
+    return target, random_drafter(shape, target, dtype, device)
+
+
+def measure_shape(shape: str, args, bandwidth: float) -> dict:
+    dtype = getattr(torch, args.dtype)
+    target, drafter = build(shape, dtype, args.device)
+    floor_bytes = weight_bytes(target)
+    verify = measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats)
+    rounds = measure_rounds(target, drafter, args.device, args.dtype, [b for b in (16, 64) if b in args.budgets] or
+                            args.budgets[:1], args.prompt_len, args.rounds)
+    floor_ms = floor_bytes / bandwidth * 1e3
+    ratios = {"ar_over_floor": verify["ar_step_ms"] / floor_ms}
+    for name, entry in rounds.items():
+        entry["host_share"] = max(0.0, entry["round_ms"] - entry["draft_ms"] - entry["verify_ms"]) / entry["round_ms"]
+        if name != "ar":
+            ratios[f"{name}_over_ar"] = entry["round_over_ar"]
+    ratios["host_share"] = max(entry["host_share"] for entry in rounds.values())
+    del target, drafter
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"weight_bytes": floor_bytes, "floor_ms": floor_ms, **verify, "rounds": rounds, "ratios": ratios}
+
+
+def table(result: dict) -> str:
+    lines = [f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, measured in this run)", "",
+             "| shape | weights GB | floor ms | ar step ms | ar / floor | ddtree-16 / ar | ddtree-64 / ar | max host share |",
+             "|---|---|---|---|---|---|---|---|"]
+    for shape, r in result["shapes"].items():
+        q = r["ratios"]
+        lines.append(f"| {shape} | {r['weight_bytes'] / 1e9:.2f} | {r['floor_ms']:.2f} | {r['ar_step_ms']:.2f} | "
+                     f"{q['ar_over_floor']:.2f} | {q.get('ddtree-16_over_ar', float('nan')):.2f} | "
+                     f"{q.get('ddtree-64_over_ar', float('nan')):.2f} | {q['host_share']:.0%} |")
+    lines += ["", "Goals (issue 6): " + ", ".join(f"{k} <= {v:g}" for k, v in GOALS.items()) + "; met: "
+              + "; ".join(f"{shape} {sorted(k for k, v in r['ratios'].items() if k in GOALS and v <= GOALS[k])}"
+                          for shape, r in result["shapes"].items()), ""]
+    for shape, r in result["shapes"].items():
+        lines += [f"{shape}: whole rounds", "", "| method | round ms | / ar | draft | tree build | verify | commit | host share |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, e in r["rounds"].items():
+            lines.append(f"| {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {e['draft_ms']:.1f} | "
+                         f"{e['tree_build_ms']:.1f} | {e['verify_ms']:.1f} | {e['commit_ms']:.1f} | {e['host_share']:.0%} |")
+        lines += ["", "| budget | " + " | ".join(str(b) for b in r["budgets"]) + " |",
+                  "|---|" + "---|" * len(r["budgets"]),
+                  "| verify ms | " + " | ".join(f"{e['verify_ms']:.1f}" for e in r["budgets"].values()) + " |", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for shape, r in result["shapes"].items():
+        budgets = [int(b) for b in r["budgets"]]
+        ax.plot(budgets, [e["verify_over_ar"] for e in r["budgets"].values()], marker="o", label=shape)
+    ax.axhline(1.0, color="gray", linestyle=":", label="ar step")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="tree budget", ylabel="verify time / ar step", title=f"verify cost, {result['device']} {result['dtype']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen36-27b,qwen3-8b")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--budgets", default="16,32,64,128,256,512,1024")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="gpu_ratios")
+    args = parser.parse_args(argv)
+    args.budgets = [int(b) for b in args.budgets.split(",")]
+    bandwidth = copy_bandwidth(args.device)   # NaN without a GPU: the floor and ar / floor are then NaN
+    result = {"header": header(), "device": args.device, "dtype": args.dtype, "prompt_len": args.prompt_len,
+              "copy_bytes_per_s": bandwidth, "goals": GOALS, "shapes": {}}
+    for shape in args.shapes.split(","):
+        result["shapes"][shape] = measure_shape(shape, args, bandwidth)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result["plot"] = plot(result, out / f"{args.name}.png")
+    write_results(out, args.name, result, table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

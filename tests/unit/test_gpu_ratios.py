@@ -1,0 +1,26 @@
+"""perf/gpu_ratios.py end to end on tiny shapes (CPU): the table, the goals, the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from perf import gpu_ratios
+
+
+def test_ratio_table_on_tiny_shapes(tmp_path):
+    result = gpu_ratios.main(["--shapes", "tiny-hybrid,tiny-dense", "--dtype", "float32", "--budgets", "16,64",
+                              "--prompt-len", "24", "--repeats", "1", "--rounds", "3", "--out", str(tmp_path),
+                              "--name", "r"])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved["shapes"]) == {"tiny-hybrid", "tiny-dense"}
+    for shape in saved["shapes"].values():
+        assert set(shape["rounds"]) == {"ar", "dflash", "ddtree-16", "ddtree-64"}
+        assert all(1 <= e["rounds"] <= 3 and e["round_ms"] > 0 and 0 <= e["host_share"] < 1 for e in shape["rounds"].values())
+        assert shape["rounds"]["ar"]["draft_ms"] == 0 and shape["rounds"]["ddtree-64"]["draft_ms"] > 0
+        assert math.isnan(shape["ratios"]["ar_over_floor"])          # no GPU, no bandwidth floor
+        assert shape["ratios"]["ddtree-64_over_ar"] == shape["rounds"]["ddtree-64"]["round_over_ar"]
+        assert list(shape["budgets"]) == ["16", "64"]
+    md = (tmp_path / "r.md").read_text()
+    assert "| tiny-dense |" in md and "Goals (issue 6)" in md
+    assert (tmp_path / "r.png").stat().st_size > 1000 and result["plot"].endswith("r.png")
