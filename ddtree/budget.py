@@ -14,8 +14,9 @@ can lose to a fixed method on a given machine and load (it did: 0.72x of `ar` at
 CPU cores, 0.83x of `ddtree-16` at 4 streams on the H200). `ArmSelector` closes that gap with
 measurements: per batch-size bucket it treats `ar`, `dflash`, `ddtree` at a few fixed budgets and
 the policy as arms, tries each a few rounds, then runs the one with the highest measured committed
-tokens per second of round wall time, re-probing the others every so often. `auto` is therefore at
-least as fast as the best of them up to the probing cost (1 round in `REPROBE_EVERY`).
+tokens per second of round wall time, re-probing the others every so often. An arm whose rounds take
+s times as long as the best arm's is re-probed once in REPROBE_EVERY * s rounds, so each arm costs
+at most 1/REPROBE_EVERY of the time once explored: `auto` is as fast as the best arm up to that.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def expected_tokens(weights: np.ndarray, budget: int) -> float:
 # -- measured selection among methods --------------------------------------------------------
 
 DEFAULT_ARMS = "ar,dflash,ddtree-4,ddtree-8,ddtree-16,ddtree-32,ddtree-64,policy"
-MIN_SAMPLES = 3          # rounds each arm is tried before its estimate is trusted
-REPROBE_EVERY = 32       # then one round in this many goes to the least recently tried arm
+MIN_SAMPLES = 2          # rounds each arm is tried before its estimate is trusted
+REPROBE_EVERY = 128      # then an arm is tried again after this many rounds x its round time / the best arm's
 DECAY = 0.9              # weight of an arm's past rounds against its newest one
 PRUNE = 0.8              # a tree arm measured below this fraction of the best arm rules out larger trees
 
@@ -133,6 +134,7 @@ class ArmSelector:
         self.arms, self.min_samples, self.reprobe_every, self.decay = arms, min_samples, reprobe_every, decay
         self.tokens: dict[tuple[int, Arm], float] = defaultdict(float)
         self.seconds: dict[tuple[int, Arm], float] = defaultdict(float)
+        self.weight: dict[tuple[int, Arm], float] = defaultdict(float)     # decayed number of rounds
         self.samples: dict[tuple[int, Arm], int] = defaultdict(int)
         self.last_tried: dict[tuple[int, Arm], int] = defaultdict(lambda: -1)
         self.rounds: dict[int, int] = defaultdict(int)
@@ -156,6 +158,11 @@ class ArmSelector:
         losing = [a.budget for a in explored if a.mode == "ddtree" and self.rate(b, a) < PRUNE * best]
         return {a for a in arms if a.mode == "ddtree" and losing and a.budget > min(losing)}
 
+    def round_seconds(self, bucket: int, arm: Arm) -> float:
+        """Measured seconds of one round of this arm (decayed mean)."""
+        weight = self.weight[(bucket, arm)]
+        return self.seconds[(bucket, arm)] / weight if weight > 0 else 0.0
+
     def choose(self, num_seqs: int, max_budget: int | None = None) -> Arm:
         """This round's arm for `num_seqs` running requests; ddtree arms above max_budget (the auto requests'
         largest tree_budget) are left out, they would build the same trees as smaller ones."""
@@ -167,10 +174,11 @@ class ArmSelector:
         unexplored = [a for a in arms if self.samples[(b, a)] < self.min_samples]
         if unexplored:
             arm = unexplored[0]
-        elif self.rounds[b] % self.reprobe_every == 0:
-            arm = min(arms, key=lambda a: self.last_tried[(b, a)])
         else:
-            arm = max(arms, key=lambda a: self.rate(b, a))
+            best = max(arms, key=lambda a: self.rate(b, a))
+            due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)]
+                   >= self.reprobe_every * max(1.0, self.round_seconds(b, a) / max(self.round_seconds(b, best), 1e-9))]
+            arm = min(due, key=lambda a: self.last_tried[(b, a)]) if due else best
         self.last_tried[(b, arm)] = self.rounds[b]
         return arm
 
@@ -178,6 +186,7 @@ class ArmSelector:
         key = (self.bucket(num_seqs), arm)
         self.tokens[key] = self.decay * self.tokens[key] + tokens
         self.seconds[key] = self.decay * self.seconds[key] + seconds
+        self.weight[key] = self.decay * self.weight[key] + 1.0
         self.samples[key] += 1
 
     def table(self) -> dict[str, dict[str, float]]:

@@ -74,14 +74,26 @@ def test_policy_arm_is_exact(tiny_models, tmp_path, cost):
         assert engine.stage_times.draft_passes <= 8, engine.stage_times.draft_passes
 
 
-def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: int) -> dict[str, int]:
-    """Run the selector against arms of fixed true rates (tokens per second); how often each arm was chosen."""
+def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: int,
+         round_seconds: dict[str, float] | None = None) -> dict[str, int]:
+    """Run the selector against arms of fixed true rates (tokens per second) and round times; how often each arm
+    was chosen."""
     chosen: dict[str, int] = {}
     for _ in range(rounds):
         arm = selector.choose(num_seqs)
         chosen[arm.name] = chosen.get(arm.name, 0) + 1
-        selector.record(num_seqs, arm, tokens=int(rates[arm.name] * 10), seconds=10.0)
+        seconds = (round_seconds or {}).get(arm.name, 1.0)
+        selector.record(num_seqs, arm, tokens=round(rates[arm.name] * seconds), seconds=seconds)
     return chosen
+
+
+def test_slow_arms_are_reprobed_less_often():
+    """An arm whose rounds take 4x as long is tried again 4x less often: its probes cost the same time."""
+    selector = ArmSelector(parse_arms("ar,dflash,ddtree-16"), min_samples=2, reprobe_every=16)
+    chosen = play(selector, {"ar": 100.0, "dflash": 50.0, "ddtree-16": 50.0}, num_seqs=4, rounds=2000,
+                  round_seconds={"ar": 0.1, "dflash": 0.1, "ddtree-16": 0.4})
+    assert 2000 // 16 * 0.7 < chosen["dflash"] < 2000 // 16 * 1.3
+    assert 2000 // 64 * 0.7 < chosen["ddtree-16"] < 2000 // 64 * 1.3
 
 
 def test_selector_explores_then_runs_the_measured_best():
@@ -89,8 +101,8 @@ def test_selector_explores_then_runs_the_measured_best():
     selector = ArmSelector(arms, min_samples=3, reprobe_every=32)
     rates = {"ar": 20.0, "dflash": 25.0, "ddtree-16": 40.0, "policy": 30.0}
     chosen = play(selector, rates, num_seqs=1, rounds=320)
-    assert all(chosen[a.name] >= 3 for a in arms)                      # every arm was measured
-    assert chosen["ddtree-16"] >= 320 - 3 * 3 - 320 // 32              # the rest went to the best one
+    assert all(chosen[a.name] >= 4 for a in arms)                      # every arm was measured, and re-probed
+    assert chosen["ddtree-16"] >= 320 - 3 * 3 - 3 * (320 // 32)        # the rest went to the best one
     assert selector.table()["1"]["ddtree-16"] == pytest.approx(40.0)
 
 
