@@ -148,15 +148,26 @@ class ArmSelector:
         seconds = self.seconds[(bucket, arm)]
         return self.tokens[(bucket, arm)] / seconds if seconds > 0 else 0.0
 
-    def _pruned(self, b: int, arms: tuple[Arm, ...]) -> set[Arm]:
-        """Trees larger than an explored tree that already loses clearly (rate < PRUNE x the best measured): on this
-        machine and load, more nodes will not pay either, and trying them costs the slowest rounds."""
+    def _losing(self, b: int, arms: tuple[Arm, ...]) -> set[Arm]:
+        """Explored arms of bucket b measured below PRUNE x its best arm."""
         explored = [a for a in arms if self.samples[(b, a)] >= self.min_samples]
         if not explored:
             return set()
         best = max(self.rate(b, a) for a in explored)
-        losing = [a.budget for a in explored if a.mode == "ddtree" and self.rate(b, a) < PRUNE * best]
-        return {a for a in arms if a.mode == "ddtree" and losing and a.budget > min(losing)}
+        return {a for a in explored if self.rate(b, a) < PRUNE * best}
+
+    def _pruned(self, b: int, arms: tuple[Arm, ...]) -> set[Arm]:
+        """Arms not worth trying in bucket b: trees larger than an explored tree that already loses clearly (more
+        nodes will not pay either, and they cost the slowest rounds), and arms that lost clearly at a smaller batch
+        size once that bucket was explored (drafting pays less as the batch grows: the verify of more rows costs
+        more and the drafter's own pass is shared by fewer idle cycles)."""
+        pruned: set[Arm] = set()
+        for smaller in range(b):
+            if self.rounds[smaller] and all(self.samples[(smaller, a)] >= self.min_samples for a in arms):
+                pruned |= {a for a in self._losing(smaller, arms) if a.mode != "ar"}
+        losing = [a.budget for a in self._losing(b, arms) if a.mode == "ddtree"]
+        pruned |= {a for a in arms if a.mode == "ddtree" and losing and a.budget > min(losing)}
+        return pruned
 
     def round_seconds(self, bucket: int, arm: Arm) -> float:
         """Measured seconds of one round of this arm (decayed mean)."""

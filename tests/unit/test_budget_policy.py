@@ -154,3 +154,10 @@ def test_selector_skips_larger_trees_once_a_tree_clearly_loses_and_trees_above_t
         capped.record(1, arm, tokens=10, seconds=1.0)
         names.add(arm.name)
     assert names == {"ar", "ddtree-16"}
+
+
+def test_arms_that_lost_at_a_smaller_batch_are_not_explored_at_a_larger_one():
+    selector = ArmSelector(parse_arms("ar,dflash,ddtree-16"), min_samples=2, reprobe_every=1000)
+    play(selector, {"ar": 20.0, "dflash": 10.0, "ddtree-16": 30.0}, num_seqs=1, rounds=20)    # dflash loses at 1
+    chosen = play(selector, {"ar": 100.0, "dflash": 10.0, "ddtree-16": 90.0}, num_seqs=16, rounds=20)
+    assert "dflash" not in chosen and chosen["ddtree-16"] == 2 and chosen["ar"] == 18
