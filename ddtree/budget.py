@@ -14,7 +14,8 @@ can lose to a fixed method on a given machine and load (it did: 0.72x of `ar` at
 CPU cores, 0.83x of `ddtree-16` at 4 streams on the H200). `ArmSelector` closes that gap with
 measurements: per batch-size bucket it treats `ar`, `dflash`, `ddtree` at a few fixed budgets and
 the policy as arms, tries each a few rounds, then runs the one with the highest measured committed
-tokens per second of round wall time, re-probing the others every so often. An arm whose rounds take
+tokens per second of round wall time (plus a small optimism bonus for arms measured in few rounds, so
+that an unlucky estimate of a close competitor gets corrected), re-probing the others every so often. An arm whose rounds take
 s times as long as the best arm's is re-probed once in REPROBE_EVERY * s rounds, so each arm costs
 at most 1/REPROBE_EVERY of the time once explored: `auto` is as fast as the best arm up to that.
 """
@@ -96,6 +97,7 @@ MIN_SAMPLES = 2          # rounds each arm is tried before its estimate is trust
 REPROBE_EVERY = 128      # then an arm is tried again after this many rounds x its round time / the best arm's
 DECAY = 0.9              # weight of an arm's past rounds against its newest one
 PRUNE = 0.8              # a tree arm measured below this fraction of the best arm rules out larger trees
+UCB = 0.2                # optimism bonus of an arm measured in n rounds: rate x (1 + UCB / sqrt(n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +171,12 @@ class ArmSelector:
         pruned |= {a for a in arms if a.mode == "ddtree" and losing and a.budget > min(losing)}
         return pruned
 
+    def score(self, bucket: int, arm: Arm) -> float:
+        """The measured rate plus an optimism bonus that shrinks with the arm's (decayed) number of rounds: an arm
+        whose few rounds came out unluckily low, but that is close to the best, gets tried again soon (UCB)."""
+        weight = self.weight[(bucket, arm)]
+        return self.rate(bucket, arm) * (1.0 + UCB / weight**0.5) if weight > 0 else float("inf")
+
     def round_seconds(self, bucket: int, arm: Arm) -> float:
         """Measured seconds of one round of this arm (decayed mean)."""
         weight = self.weight[(bucket, arm)]
@@ -186,7 +194,7 @@ class ArmSelector:
         if unexplored:
             arm = unexplored[0]
         else:
-            best = max(arms, key=lambda a: self.rate(b, a))
+            best = max(arms, key=lambda a: self.score(b, a))
             due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)]
                    >= self.reprobe_every * max(1.0, self.round_seconds(b, a) / max(self.round_seconds(b, best), 1e-9))]
             arm = min(due, key=lambda a: self.last_tried[(b, a)]) if due else best
