@@ -15,9 +15,10 @@ CPU cores, 0.83x of `ddtree-16` at 4 streams on the H200). `ArmSelector` closes 
 measurements: per batch-size bucket it treats `ar`, `dflash`, `ddtree` at a few fixed budgets and
 the policy as arms, tries each a few rounds, then runs the one with the highest measured committed
 tokens per second of round wall time (plus a small optimism bonus for arms measured in few rounds, so
-that an unlucky estimate of a close competitor gets corrected), re-probing the others every so often. An arm whose rounds take
-s times as long as the best arm's is re-probed once in REPROBE_EVERY * s rounds, so each arm costs
-at most 1/REPROBE_EVERY of the time once explored: `auto` is as fast as the best arm up to that.
+that an unlucky estimate of a close competitor gets corrected), re-probing the others every so often.
+An arm whose rounds take s times as long as the best arm's is re-probed once in REPROBE_EVERY * s
+rounds, so each arm costs at most 1/REPROBE_EVERY of the time once explored: `auto` is as fast as
+the best arm up to that.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ class ArmSelector:
         b = self.bucket(num_seqs)
         arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
         arms = arms or self.arms
-        arms = tuple(a for a in arms if a not in self._pruned(b, arms)) or arms
+        pruned = self._pruned(b, arms)
+        arms = tuple(a for a in arms if a not in pruned) or arms
         self.rounds[b] += 1
         unexplored = [a for a in arms if self.samples[(b, a)] < self.min_samples]
         if unexplored:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ddtree.budget import DEFAULT_ARMS, parse_arms
+
 MODES = ("ar", "dflash", "ddtree", "auto")   # auto: ddtree with per-round budgets from ddtree.budget
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,7 +40,7 @@ class EngineConfig:
     max_queue_size: int = 256          # requests waiting for a slot; beyond it: an overload error
     cost_model_path: str | None = None   # verify-cost data for mode "auto" (default: ddtree/data/cost_model_{cpu,h200}.json by device)
     # what mode "auto" measures and picks from each round (ddtree.budget.ArmSelector)
-    auto_arms: str = "ar,dflash,ddtree-4,ddtree-8,ddtree-16,ddtree-32,ddtree-64,policy"
+    auto_arms: str = DEFAULT_ARMS
     num_threads: int = 0               # torch CPU threads; 0 keeps torch's default
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
@@ -62,8 +64,6 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        from ddtree.budget import parse_arms
-
         parse_arms(self.auto_arms)   # raises ValueError on an unknown arm
 
     @classmethod

@@ -76,10 +76,9 @@ def build(shape: str, dtype: torch.dtype, device: str):
     if shape in HYBRID_ALIASES:
         name = HYBRID_ALIASES[shape]
         target = random_target(name, dtype, device)
-        return target, random_drafter(name, target, dtype, device)
+        return target, random_drafter(DRAFTERS[name], target, dtype, device)
     target = dense_target(shape, dtype, device)
-    DRAFTERS.setdefault(shape, DENSE_DRAFTERS[shape])
-    return target, random_drafter(shape, target, dtype, device)
+    return target, random_drafter(DENSE_DRAFTERS[shape], target, dtype, device)
 
 
 def measure_shape(shape: str, args, bandwidth: float) -> dict:

@@ -66,8 +66,9 @@ def _fill_random(model: torch.nn.Module, device: str) -> None:
                 p.normal_(0.0, 0.02, generator=generator)
 
 
-def random_drafter(shape: str, target: HybridTarget, dtype: torch.dtype, device: str) -> DFlashDrafter:
-    spec = dict(DRAFTERS[shape])
+def random_drafter(spec: dict, target: torch.nn.Module, dtype: torch.dtype, device: str) -> DFlashDrafter:
+    """A random drafter for `target` from a DRAFTERS-style spec (layers, block, mask id, taps, windows, heads)."""
+    spec = dict(spec)
     heads, kv_heads, head_dim = spec.pop("heads")
     c = target.config
     hf = dflash_hf_config({"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
@@ -236,7 +237,7 @@ def main() -> None:
                        "floor_ms": weight_bytes(model) / bandwidth * 1e3}
     result["floor"]["ar_step_over_floor"] = result["ar_step_ms"] / result["floor"]["floor_ms"]
     if args.rounds:
-        drafter = random_drafter(args.shape, model, dtype, args.device)
+        drafter = random_drafter(DRAFTERS[args.shape], model, dtype, args.device)
         result["drafter_weight_bytes"] = weight_bytes(drafter, exclude=())
         round_budgets = [b for b in budgets if b in (16, 64)] or budgets[:1]
         result["rounds"] = measure_rounds(model, drafter, args.device, args.dtype, round_budgets, args.prompt_len,

@@ -164,6 +164,23 @@ class PackedAttention:
         return out.transpose(1, 2).flatten(0, 1)[self.out_index]               # [N, heads, d]
 
 
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[KVCache], segments: list[Segment],
+                    layer: int, scale: float, packed: PackedAttention | None) -> torch.Tensor:
+    """Write the packed rows' K/V into their segments' caches at `layer` and attend over them: one padded call when
+    `packed`, else per segment. q  # [N, heads, d]; k, v  # [N, kv_heads, d] -> [N, heads, d]"""
+    if packed is not None:
+        pool = caches[0].pool
+        return packed.attend(pool.k[layer], pool.v[layer], q, k, v, scale)
+    outputs, row = [], 0
+    for kv, seg in zip(caches, segments):
+        rows, end = slice(row, row + seg.length), seg.start + seg.length
+        kv.k[layer, seg.start : end] = k[rows]
+        kv.v[layer, seg.start : end] = v[rows]
+        outputs.append(attend(q[rows], kv.k[layer, :end], kv.v[layer, :end], seg.mask, scale))
+        row += seg.length
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
 class Attention(nn.Module):
     def __init__(self, c: DenseConfig) -> None:
         super().__init__()
@@ -185,20 +202,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if packed is not None:
-            pool = segments[0].cache.pool
-            out = packed.attend(pool.k[layer], pool.v[layer], q, k, v, self.head_dim**-0.5)
-            return self.o_proj(out.reshape(n, -1))
-        outputs, row = [], 0
-        for seg in segments:
-            rows = slice(row, row + seg.length)
-            end = seg.start + seg.length
-            seg.cache.k[layer, seg.start : end] = k[rows]
-            seg.cache.v[layer, seg.start : end] = v[rows]
-            outputs.append(attend(q[rows], seg.cache.k[layer, :end], seg.cache.v[layer, :end], seg.mask,
-                                  self.head_dim**-0.5))
-            row += seg.length
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        out = attend_segments(q, k, v, [seg.cache for seg in segments], segments, layer, self.head_dim**-0.5, packed)
         return self.o_proj(out.reshape(n, -1))
 
 

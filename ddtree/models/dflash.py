@@ -143,26 +143,21 @@ class DFlashDrafter(nn.Module):
 
     def add_contexts(self, caches: list[DraftCache], taps: list[torch.Tensor]) -> None:
         """Append each cache's new context tokens (taps[j]  # [m_j, len(target_layer_ids) * hidden], at positions
-        cache.length ...) with one fc / norm / K-V projection for all of them; caches of one pool get one write."""
+        cache.length ...) with one fc / norm / K-V projection and one write per layer for all of them (the caches
+        are slots of one pool, as new_caches makes them)."""
+        pool = caches[0].pool
+        if any(c.pool is not pool for c in caches):
+            raise ValueError("add_contexts needs caches of one pool (DFlashDrafter.new_caches)")
         device = taps[0].device
         lengths = [t.shape[0] for t in taps]
         positions = torch.cat([torch.arange(c.length, c.length + m) for c, m in zip(caches, lengths)]).to(device)
+        slots = torch.cat([torch.full((m,), c.slot, dtype=torch.long) for c, m in zip(caches, lengths)]).to(device)
         ctx = self.hidden_norm(self.fc(torch.cat(taps)))
         rope = self.rotary(positions, ctx.dtype)
-        pooled = all(c.pool is caches[0].pool for c in caches)
-        if pooled:
-            slots = torch.cat([torch.full((m,), c.slot, dtype=torch.long) for c, m in zip(caches, lengths)]).to(device)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, rope)
-            if pooled:
-                caches[0].pool.k[i, slots, positions] = k
-                caches[0].pool.v[i, slots, positions] = v
-                continue
-            row = 0
-            for cache, m in zip(caches, lengths):
-                cache.k[i, cache.length : cache.length + m] = k[row : row + m]
-                cache.v[i, cache.length : cache.length + m] = v[row : row + m]
-                row += m
+            pool.k[i, slots, positions] = k
+            pool.v[i, slots, positions] = v
         for cache, m in zip(caches, lengths):
             cache.length += m
 
@@ -225,8 +220,9 @@ class DFlashDrafter(nn.Module):
         visible = (ctx_pos[None, None, :] < lengths[:, None, None]).expand(r, b, context)          # [R, b, context]
         if window is not None:
             visible = visible & ((positions[:, :, None] - ctx_pos[None, None, :]) < window)
-        block = torch.ones(r, b, b, dtype=torch.bool, device=device)
-        if window is not None:
+        if window is None:
+            block = torch.ones(r, b, b, dtype=torch.bool, device=device)
+        else:
             block = (positions[:, :, None] - positions[:, None, :]) < window
         return torch.cat([visible, block], dim=-1)[:, None]
 

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import TargetModel
-from ddtree.models.dense import KVCache, KVPool, PackedAttention, Segment
+from ddtree.models.dense import KVCache, KVPool, PackedAttention, Segment, attend_segments
 from ddtree.models.gdn import conv_state_after, conv_tree, gdn_state_at, gdn_tree, parents_from_visibility
 from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla
-from ddtree.models.layers import GatedMLP, Rotary, attend
+from ddtree.models.layers import GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -184,18 +184,7 @@ class GatedAttention(nn.Module):
         q = self._rotate(self.q_norm(q), *rope)
         k = self._rotate(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), *rope)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if packed is not None:
-            pool = segments[0].cache.kv.pool
-            out = packed.attend(pool.k[slot], pool.v[slot], q, k, v, self.head_dim**-0.5)
-        else:
-            outputs, row = [], 0
-            for seg in segments:
-                rows, end, kv = slice(row, row + seg.length), seg.start + seg.length, seg.cache.kv
-                kv.k[slot, seg.start : end] = k[rows]
-                kv.v[slot, seg.start : end] = v[rows]
-                outputs.append(attend(q[rows], kv.k[slot, :end], kv.v[slot, :end], seg.mask, self.head_dim**-0.5))
-                row += seg.length
-            out = torch.cat(outputs)
+        out = attend_segments(q, k, v, [seg.cache.kv for seg in segments], segments, slot, self.head_dim**-0.5, packed)
         out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)
 
@@ -286,8 +275,8 @@ class HybridTarget(TargetModel):
     def new_caches(self, slots: int, max_len: int) -> list[HybridCache]:
         """One cache per slot; their attention K/V share one KVPool (packed attention for all slots at once)."""
         c, p = self.config, self.embed_tokens.weight
-        n_attn = sum(t == "full_attention" for t in c.layer_types)
-        pool = KVPool(n_attn, slots, max_len, c.num_key_value_heads, c.head_dim, p.dtype, p.device)
+        pool = KVPool(c.layer_types.count("full_attention"), slots, max_len, c.num_key_value_heads, c.head_dim,
+                      p.dtype, p.device)
         return [HybridCache(c, max_len, p.dtype, p.device, kv_pool=pool, slot=i) for i in range(slots)]
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],

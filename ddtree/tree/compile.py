@@ -17,17 +17,14 @@ class VerifyBatch:
     visibility: torch.Tensor  # [num_nodes + 1, num_nodes + 1] bool; ancestors and self
 
 
-def ancestor_matrix(parents: list[int]) -> torch.Tensor:
+def ancestor_matrix(parents: list[int], depths: list[int]) -> torch.Tensor:
     """visibility[i, j] = node j is node i or one of its ancestors.
 
     One vectorised copy per depth level (a node's row is its parent's row plus itself), so the cost is
     O(depth) array operations rather than O(nodes).
     """
     n = len(parents)
-    par = np.asarray(parents, dtype=np.int64)
-    depth = np.zeros(n, dtype=np.int64)
-    for i in range(1, n):                      # parents[i] < i: one pass gives every depth
-        depth[i] = depth[par[i]] + 1
+    par, depth = np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64)
     visibility = np.zeros((n, n), dtype=bool)
     visibility[0, 0] = True
     for d in range(1, int(depth.max(initial=0)) + 1):
@@ -43,5 +40,5 @@ def compile_tree(tree: DraftTree, root_token: int, start: int) -> VerifyBatch:
     return VerifyBatch(
         input_ids=torch.tensor(tokens, dtype=torch.long),
         positions=depths + start,
-        visibility=ancestor_matrix(tree.parents),
+        visibility=ancestor_matrix(tree.parents, tree.depths),
     )
