@@ -255,7 +255,8 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         for key, methods in result.get(side, {}).items():
             for name in methods:
                 rows[(key, name)] = None
-    return sorted(rows, key=lambda r: (float(r[0]), list(dict.fromkeys(n for _, n in rows)).index(r[1])))
+    names = list(dict.fromkeys(name for _, name in rows))
+    return sorted(rows, key=lambda r: (float(r[0]), names.index(r[1])))
 
 
 def table(result: dict) -> str:
