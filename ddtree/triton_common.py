@@ -131,7 +131,9 @@ class TritonMetrics:
         self.pb_utils, self.lock, self.last, self.metrics = pb_utils, lock, {}, []
         kinds = pb_utils.MetricFamily
         try:
-            for kind, table in ((kinds.GAUGE, self.GAUGES), (kinds.COUNTER, self.COUNTERS), (kinds.HISTOGRAM, self.HISTOGRAMS)):
+            # update order = this order: a scrape that sees a request finished (a counter) and the engine idle
+            # (a gauge) also sees that request's rounds in the histogram (an update is not atomic to scrapes)
+            for kind, table in ((kinds.HISTOGRAM, self.HISTOGRAMS), (kinds.COUNTER, self.COUNTERS), (kinds.GAUGE, self.GAUGES)):
                 for name, field, text in table:
                     family = pb_utils.MetricFamily(name, text, kind)
                     self.metrics.append((family, family.Metric(labels=labels, **self.BUCKETS.get(field, {})), field, kind))
