@@ -42,6 +42,10 @@ class EngineConfig:
     # what mode "auto" measures and picks from each round (ddtree.budget.ArmSelector)
     auto_arms: str = DEFAULT_ARMS
     num_threads: int = 0               # torch CPU threads; 0 keeps torch's default
+    # batch-1 verify as a static forward (ddtree.models.graphs): "auto" = on CUDA, captured as CUDA graphs;
+    # "on" = also elsewhere (run eagerly: how the CPU tests check it); "off" = always the dynamic forward
+    static_forward: str = "auto"
+    cuda_graphs: bool = True           # capture static forwards as CUDA graphs (off: run them eagerly)
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 
@@ -58,6 +62,8 @@ class EngineConfig:
             )
         if self.default_mode != "ar" and not self.drafter_path:
             raise ValueError(f"default_mode {self.default_mode!r} needs drafter_path")
+        if self.static_forward not in ("auto", "on", "off"):
+            raise ValueError(f"static_forward must be auto, on or off, got {self.static_forward!r}")
         if self.max_queue_size < 0:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
         if not 1 <= self.max_num_seqs <= 1024:

@@ -20,6 +20,7 @@ from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
 from ddtree.models.dense import Segment
 from ddtree.models.dflash import DFlashDrafter
+from ddtree.models.graphs import GraphPool, StaticDrafter, StaticTarget
 from ddtree.models.loader import dtype_of
 from ddtree.models.target import load_target
 from ddtree.request import Request, RequestOutput
@@ -103,6 +104,10 @@ class Engine:
         self._num_requests = 0
         self.cost_model = CostModel.load(config.cost_model_path or default_cost_model(config.device))
         self.arm_selector = ArmSelector(parse_arms(config.auto_arms))
+        static = config.static_forward == "on" or (config.static_forward == "auto" and self.device.type == "cuda")
+        self.graphs = GraphPool(self.device, capture=config.cuda_graphs)
+        self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs) if static else None
+        self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs) if static and drafter else None
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -197,7 +202,7 @@ class Engine:
             ids.append(torch.tensor(seq.request.prompt_ids, dtype=torch.long, device=self.device))
             positions.append(torch.arange(n, device=self.device))
             causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            segments.append(Segment.of(self.caches[seq.slot], 0, causal))
+            segments.append(Segment.of(self.caches[seq.slot], 0, causal, parents=list(range(-1, n - 1))))
             last_rows.append(sum(s.length for s in segments) - 1)
         logits, taps = self.target.forward_packed(torch.cat(ids), torch.cat(positions), segments, self.tap_layers,
                                                   logit_rows=torch.tensor(last_rows, device=self.device))
@@ -227,21 +232,17 @@ class Engine:
         trees = self._draft(seqs)
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
         times.tree_nodes += sum(tree.num_nodes for tree in trees)
-        segments = [Segment.of(self.caches[seq.slot], seq.start, b.visibility.to(self.device))
-                    for seq, b in zip(seqs, batches)]
-        ids = torch.cat([b.input_ids for b in batches]).to(self.device)
-        positions = torch.cat([b.positions for b in batches]).to(self.device)
         t_verify = time.perf_counter()
-        logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers)
+        logits, taps = self._verify(seqs, trees, batches)
         self._sync()
         t_commit = time.perf_counter()
         # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
         # suppress tokens are recomputed per request)
         choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None
         outputs, row = [], 0
-        for seq, tree, seg in zip(seqs, trees, segments):
-            rows = slice(row, row + seg.length)
-            row += seg.length
+        for seq, tree in zip(seqs, trees):
+            rows = slice(row, row + tree.num_nodes + 1)
+            row = rows.stop
             outputs.append(self._accept_and_commit(seq, tree, logits[rows], None if taps is None else taps[rows],
                                                    None if choices is None else choices[rows]))
         self._sync()
@@ -254,6 +255,21 @@ class Engine:
         times.decode += now - t_round
         times.batch_rounds += 1
         return outputs
+
+    def _verify(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target pass over every request's tree: logits and taps of all rows, packed in request order. A lone
+        request goes through the static forward where one fits (a CUDA graph replay on CUDA)."""
+        if len(seqs) == 1 and self.static_target is not None:
+            seq, batch = seqs[0], batches[0]
+            result = self.static_target(self.caches[seq.slot], seq.start, batch.input_ids, batch.positions,
+                                        trees[0].parents)
+            if result is not None:
+                return result
+        segments = [Segment.of(self.caches[seq.slot], seq.start, b.visibility.to(self.device), parents=tree.parents)
+                    for seq, tree, b in zip(seqs, trees, batches)]
+        ids = torch.cat([b.input_ids for b in batches]).to(self.device)
+        positions = torch.cat([b.positions for b in batches]).to(self.device)
+        return self.target.forward_packed(ids, positions, segments, self.tap_layers)
 
     def _accept_and_commit(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor,
                            taps: torch.Tensor | None, greedy_choice: list[int] | None = None) -> RequestOutput:
@@ -289,15 +305,19 @@ class Engine:
         t0 = time.perf_counter()
         self.stage_times.draft_passes += 1
         drafter, block = self.drafter, self.drafter.block_size
-        blocks = torch.full((len(drafting), block), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-        drafter.add_contexts([self.draft_caches[seqs[i].slot] for i in drafting], [seqs[i].pending_taps for i in drafting])
-        for j, i in enumerate(drafting):
-            seq = seqs[i]
-            assert self.draft_caches[seq.slot].length == seq.start, "drafter context out of step with the target"
-            seq.pending_taps = None
-        blocks[:, 0] = torch.tensor([seqs[i].root for i in drafting], device=self.device)
-        hidden = drafter.forward_packed([self.draft_caches[seqs[i].slot] for i in drafting], self.target.embed(blocks),
-                                        [seqs[i].start for i in drafting])
+        caches = [self.draft_caches[seqs[i].slot] for i in drafting]
+        taps = [seqs[i].pending_taps for i in drafting]
+        blocks = [[seqs[i].root] + [drafter.config.mask_token_id] * (block - 1) for i in drafting]
+        hidden = None
+        if len(drafting) == 1 and self.static_drafter is not None:
+            hidden = self.static_drafter(caches[0], taps[0], blocks[0])
+        if hidden is None:
+            drafter.add_contexts(caches, taps)
+            hidden = drafter.forward_packed(caches, self.target.embed(torch.tensor(blocks, device=self.device)),
+                                            [seqs[i].start for i in drafting])
+        for cache, i in zip(caches, drafting):
+            assert cache.length == seqs[i].start, "drafter context out of step with the target"
+            seqs[i].pending_taps = None
         self._sync()
         t1 = time.perf_counter()
         # one lm_head pass, one top-k and one device-to-host copy for every drafting request

@@ -30,7 +30,9 @@ from ddtree.models.gdn import gdn_sequential, gdn_tree  # noqa: E402
 from ddtree.models.kernels import chain_gdn_kernel  # noqa: E402
 from ddtree.models.qwen3_5 import HybridConfig, HybridTarget  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
 from ddtree.tree import build_tree, compile_tree, top_log_probs  # noqa: E402
+from ddtree.tree.compile import VerifyBatch  # noqa: E402
 from perf.common import ROOT, header, write_results  # noqa: E402
 
 SHAPES = {
@@ -111,34 +113,46 @@ def timed(fn, device: str, repeats: int) -> list[float]:
 
 
 @torch.inference_mode()
-def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_len: int, repeats: int) -> dict:
+def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_len: int, repeats: int,
+                   static: bool = False) -> dict:
+    """One ar step and one tree verify per budget, through the dynamic forward or (static) the engine's static
+    forward: CUDA graphs on CUDA, bucketed shapes (ddtree.models.graphs); a static forward's first call captures."""
     c = model.config
     cache = model.new_cache(prompt_len + max(budgets) + 2)
     ids = torch.randint(0, c.vocab_size, (prompt_len,), device=device)
     causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
     model(ids, torch.arange(prompt_len, device=device), cache, 0, causal)
     cache.compact(0, list(range(prompt_len)))
-    one = torch.ones(1, 1, dtype=torch.bool, device=device)
+    runner = StaticTarget(model, [], GraphPool(torch.device(device), capture=True)) if static else None
+    if runner is not None:
+        def verify(batch, parents):
+            return runner(cache, prompt_len, batch.input_ids, batch.positions, parents)
+    else:
+        def verify(batch, parents):
+            return model(batch.input_ids, batch.positions, cache, prompt_len, batch.visibility)
     root = ids[-1:]
-    pos = torch.tensor([prompt_len], device=device)
-    ar = timed(lambda: model(root, pos, cache, prompt_len, one), device, repeats + 1)[1:]
-    results = {"ar_step_ms": statistics.median(ar), "budgets": {}}
+    step = VerifyBatch(root.cpu() if static else root, torch.tensor([prompt_len], device="cpu" if static else device),
+                       torch.ones(1, 1, dtype=torch.bool, device=device))
+    ar = timed(lambda: verify(step, [-1]), device, repeats + 1)[1:]
+    results = {"forward": "static" if static else "dynamic", "ar_step_ms": statistics.median(ar), "budgets": {}}
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
         log_probs, token_ids = top_log_probs(torch.randn(15, c.vocab_size, generator=gen), budget)
         tree = build_tree(log_probs, token_ids, budget)
         batch = compile_tree(tree, root_token=int(root[0]), start=prompt_len)
-        args = (batch.input_ids.to(device), batch.positions.to(device), cache, prompt_len, batch.visibility.to(device))
+        if not static:   # the dynamic forward takes device tensors, the static one host integers
+            batch = VerifyBatch(*(t.to(device) for t in (batch.input_ids, batch.positions, batch.visibility)))
         if device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        times = timed(lambda: model(*args), device, repeats + 1)[1:]
+        times = timed(lambda: verify(batch, tree.parents), device, repeats + 1)[1:]
         entry = {"num_nodes": tree.num_nodes + 1, "verify_ms": statistics.median(times),
                  "verify_over_ar": statistics.median(times) / results["ar_step_ms"]}
         if device.startswith("cuda"):
             entry["verify_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        getattr(cache, "pending", {}).clear()   # hybrid: drop the uncommitted verify stash
+        if hasattr(cache, "pending"):
+            cache.pending = None   # hybrid: drop the uncommitted verify stash
         results["budgets"][budget] = entry
         print(f"budget {budget}: {entry}", flush=True)
     return results
@@ -161,11 +175,13 @@ def weight_bytes(model: torch.nn.Module, exclude: tuple[str, ...] = ("embed_toke
 
 @torch.inference_mode()
 def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
-                   prompt_len: int, rounds: int) -> dict:
+                   prompt_len: int, rounds: int, static_forward: str = "auto") -> dict:
     """Whole engine rounds at batch 1: ar, dflash and ddtree at each budget (random drafter: ~1 token a round,
-    so every round drafts and verifies a full tree). Stage times come from the engine's own counters."""
+    so every round drafts and verifies a full tree). Stage times come from the engine's own counters.
+    static_forward: the engine's setting (auto: static forwards captured as CUDA graphs on CUDA)."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
-                          max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets))
+                          max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets),
+                          static_forward=static_forward)
     engine = Engine(config, target=target, drafter=drafter)
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
     results = {}

@@ -100,14 +100,15 @@ class Segment:
     start: int
     length: int
     mask: torch.Tensor     # [length, start + length] bool: the prefix, then ancestors among the queries
+    parents: list[int] | None = None   # parent row of each query row (-1: continues the prefix), where known
 
     @classmethod
-    def of(cls, cache: KVCache, start: int, visibility: torch.Tensor) -> "Segment":
+    def of(cls, cache: KVCache, start: int, visibility: torch.Tensor, parents: list[int] | None = None) -> "Segment":
         n = visibility.shape[0]
         assert start + n <= cache.max_len, f"cache overflow: {start} + {n} > {cache.max_len}"
         mask = torch.ones(n, start + n, dtype=torch.bool, device=visibility.device)
         mask[:, start:] = visibility
-        return cls(cache=cache, start=start, length=n, mask=mask)
+        return cls(cache=cache, start=start, length=n, mask=mask, parents=parents)
 
 
 @dataclass(slots=True)
@@ -151,6 +152,18 @@ class PackedAttention:
         return cls(slots=slots, write_slot=write_slot, write_pos=write_pos, q_index=q_index.view(r, q_len),
                    out_index=out_index, mask=mask[:, None], end=end)
 
+    @classmethod
+    def static(cls, slot: torch.Tensor, start: torch.Tensor, ancestors: torch.Tensor, end: int) -> "PackedAttention":
+        """One segment from device tensors only (no host reads: a CUDA graph's static forward): slot, start  # [1]
+        long; ancestors  # [Q, Q] bool among the queries; keys 0..end-1, of which the prefix < start is visible."""
+        q_len, device = ancestors.shape[0], ancestors.device
+        rows = torch.arange(q_len, device=device)
+        rel = torch.arange(end, device=device)[None, :] - start                # [1, E] key position - start
+        tree = ancestors.gather(1, rel.clamp(0, q_len - 1).expand(q_len, end))
+        mask = (rel < 0) | ((rel < q_len) & tree)                               # [Q, E]
+        return cls(slots=slot, write_slot=slot.expand(q_len), write_pos=start + rows, q_index=rows[None],
+                   out_index=rows, mask=mask[None, None], end=end)
+
     def attend(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """pool_k, pool_v  # [slots, max_len, kv_heads, d] of one layer; q  # [N, heads, d]; k, v  # [N, kv_heads, d]"""
@@ -179,6 +192,13 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: l
         outputs.append(attend(q[rows], kv.k[layer, :end], kv.v[layer, :end], seg.mask, scale))
         row += seg.length
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+@dataclass(slots=True)
+class ForwardPlan:
+    """A forward's structure when built outside it (a static forward for CUDA graphs builds it from static buffers)."""
+    packed: PackedAttention
+    layouts: list | None = None    # hybrid targets: one gdn.TreeLayout per segment
 
 
 class Attention(nn.Module):
@@ -243,14 +263,14 @@ class DenseTarget(TargetModel):
                         pool=pool, slot=i) for i in range(slots)]
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                       tap_layers: list[int] | None = None,
-                       logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       tap_layers: list[int] | None = None, logit_rows: torch.Tensor | None = None,
+                       plan: ForwardPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Several sequences' query rows packed in one pass (continuous batching); rows follow `segments`."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         taps = {}
         wanted = set(tap_layers or ())
-        packed = PackedAttention.plan([seg.cache for seg in segments], segments)
+        packed = plan.packed if plan is not None else PackedAttention.plan([seg.cache for seg in segments], segments)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, segments, i, packed)
             if i in wanted:

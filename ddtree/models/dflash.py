@@ -152,14 +152,18 @@ class DFlashDrafter(nn.Module):
         lengths = [t.shape[0] for t in taps]
         positions = torch.cat([torch.arange(c.length, c.length + m) for c, m in zip(caches, lengths)]).to(device)
         slots = torch.cat([torch.full((m,), c.slot, dtype=torch.long) for c, m in zip(caches, lengths)]).to(device)
-        ctx = self.hidden_norm(self.fc(torch.cat(taps)))
+        self.write_context(pool, slots, positions, torch.cat(taps))
+        for cache, m in zip(caches, lengths):
+            cache.length += m
+
+    def write_context(self, pool: KVPool, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
+        """Context K/V of target features taps  # [m, len(target_layer_ids) * hidden] into pool rows (slots, positions)."""
+        ctx = self.hidden_norm(self.fc(taps))
         rope = self.rotary(positions, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.project_kv(ctx, rope)
             pool.k[i, slots, positions] = k
             pool.v[i, slots, positions] = v
-        for cache, m in zip(caches, lengths):
-            cache.length += m
 
     def forward(self, cache: DraftCache, block_embeds: torch.Tensor, start: int) -> torch.Tensor:
         """Hidden states of the block after the final norm.
@@ -174,22 +178,33 @@ class DFlashDrafter(nn.Module):
         """Blocks of several requests at once: block_embeds  # [R, block_size, hidden] -> same shape."""
         r, b, _ = block_embeds.shape
         device = block_embeds.device
-        positions = [torch.arange(s, s + b, device=device) for s in starts]
-        ropes = [self.rotary(p, block_embeds.dtype) for p in positions]
-        rope = (torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes]))
+        positions = torch.stack([torch.arange(s, s + b) for s in starts]).to(device)     # [R, b]
+        if r > 1 and all(c.pool is caches[0].pool for c in caches):
+            # all blocks in one attention call per layer: contexts padded to the longest, padding masked
+            host = torch.tensor([[c.slot for c in caches], [c.length for c in caches]]).to(device)
+            return self.forward_pooled(caches[0].pool, host[0], host[1], positions, max(c.length for c in caches),
+                                       block_embeds)
+        return self._forward_layers(block_embeds, positions, caches=caches)
+
+    def forward_pooled(self, pool: KVPool, slots: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
+                       context: int, block_embeds: torch.Tensor) -> torch.Tensor:
+        """Blocks whose contexts are pool rows: slots, lengths  # [R] long (device); positions  # [R, b]; keys
+        0..context-1 of each slot are gathered and those >= its length masked. No host reads (static forwards)."""
+        masks = {w: self._packed_mask(w, lengths, positions, context) for w in set(self.config.sliding_windows)}
+        return self._forward_layers(block_embeds, positions, pooled=(pool, slots, context, masks))
+
+    def _forward_layers(self, block_embeds: torch.Tensor, positions: torch.Tensor, caches: list[DraftCache] | None = None,
+                        pooled: tuple | None = None) -> torch.Tensor:
+        r, b, _ = block_embeds.shape
+        rope = self.rotary(positions.flatten(), block_embeds.dtype)
         h = block_embeds.reshape(r * b, -1)
-        packed = r > 1 and all(c.pool is caches[0].pool for c in caches)
-        if packed:   # all blocks in one attention call per layer: contexts padded to the longest, padding masked
-            slots = torch.tensor([c.slot for c in caches], device=device)
-            context = max(c.length for c in caches)
-            masks = {w: self._packed_mask(w, caches, torch.stack(positions), context) for w in set(self.config.sliding_windows)}
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = apply_rotary(attn.q_norm(attn.q_proj(x).view(r * b, attn.num_heads, attn.head_dim)), *rope)
             k_block, v_block = attn.project_kv(x, rope)
-            if packed:
-                pool = caches[0].pool
+            if pooled is not None:
+                pool, slots, context, masks = pooled
                 keys = torch.cat([pool.k[i, slots, :context], k_block.view(r, b, *k_block.shape[1:])], dim=1)
                 values = torch.cat([pool.v[i, slots, :context], v_block.view(r, b, *v_block.shape[1:])], dim=1)
                 out = F.scaled_dot_product_attention(
@@ -210,12 +225,11 @@ class DFlashDrafter(nn.Module):
         return self.norm(h).reshape(r, b, -1)
 
     @staticmethod
-    def _packed_mask(window: int | None, caches: list[DraftCache], positions: torch.Tensor, context: int) -> torch.Tensor:
+    def _packed_mask(window: int | None, lengths: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
         """[R, 1, b, context + b] bool: each block sees its own context (padding hidden) and all of its block;
-        a sliding-window layer also hides keys `window` or more positions behind the query."""
+        a sliding-window layer also hides keys `window` or more positions behind the query. lengths  # [R] long"""
         r, b = positions.shape
         device = positions.device
-        lengths = torch.tensor([c.length for c in caches], device=device)
         ctx_pos = torch.arange(context, device=device)
         visible = (ctx_pos[None, None, :] < lengths[:, None, None]).expand(r, b, context)          # [R, b, context]
         if window is not None:

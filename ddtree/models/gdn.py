@@ -76,13 +76,62 @@ def _path_reduce(x: Tensor, parents: Sequence[int], combine, fill) -> Tensor:
 
 def _ancestor_mask(parents: Sequence[int], device: torch.device) -> Tensor:
     """[N, N] bool, mask[i, j] = j is i or an ancestor of i."""
-    eye = torch.eye(len(parents), dtype=torch.bool, device=device)
-    return _path_reduce(eye, parents, torch.logical_or, False)
+    steps = max(_depths(parents), default=0).bit_length()
+    return ancestors_from_parents(torch.tensor(list(parents), dtype=torch.long, device=device), steps)
 
 
 def _path_sum(x: Tensor, parents: Sequence[int]) -> Tensor:
     """x [N, ...] summed over each node's root path (anc-or-self)."""
     return _path_reduce(x, parents, torch.add, 0.0)
+
+
+def ancestors_from_parents(parents: Tensor, steps: int | None = None) -> Tensor:
+    """[N, N] bool anc-or-self matrix from a parents tensor [N] long (-1: a root) on any device, by pointer doubling.
+
+    `steps` doublings cover paths up to 2**steps nodes (default: enough for any tree of N nodes). No host reads,
+    so it runs inside a CUDA graph with parents in a static buffer.
+    """
+    n = parents.shape[0]
+    steps = max(n - 1, 0).bit_length() if steps is None else steps
+    reach = torch.eye(n, dtype=torch.bool, device=parents.device)
+    ptr = torch.where(parents < 0, n, parents)                                # [N]; n = past the root
+    sentinel = torch.full((1,), n, dtype=parents.dtype, device=parents.device)
+    pad = torch.zeros(1, n, dtype=torch.bool, device=parents.device)
+    for _ in range(steps):
+        # reach[i] covers the nodes at distance [0, 2**s) above i, ptr[i] is the ancestor at distance 2**s (or n)
+        reach = reach | torch.cat([reach, pad])[ptr]
+        ptr = torch.cat([ptr, sentinel])[ptr]
+    return reach
+
+
+def conv_window_index(parents: Tensor, kernel: int) -> Tensor:
+    """[N, K] long indices into cat(conv_state.T [K, C], x [N, C]): node n's window, oldest first.
+
+    parents  # [N] long on any device; no host reads (runs inside a CUDA graph).
+    """
+    n = parents.shape[0]
+    cur = torch.arange(n, device=parents.device)                              # walking node (or -1 once past the root)
+    used = torch.zeros(n, dtype=torch.long, device=parents.device)            # committed inputs consumed so far
+    columns = []
+    for _ in range(kernel):
+        inside = cur >= 0
+        columns.append(torch.where(inside, kernel + cur, kernel - 1 - used))
+        used = used + (~inside).long()
+        cur = torch.where(inside, parents[cur.clamp(min=0)], -1)
+    return torch.stack(columns[::-1], dim=1)
+
+
+@dataclass(slots=True)
+class TreeLayout:
+    """One forward's tree structure on the device, built once and shared by every GDN layer of it."""
+    ancestors: Tensor   # [N, N] bool anc-or-self
+    window: Tensor      # [N, K] long conv window index (conv_window_index)
+
+    @classmethod
+    def of(cls, parents: Tensor, kernel: int, ancestors: Tensor | None = None) -> "TreeLayout":
+        """parents  # [N] long on the forward's device; ancestors where the caller has them already."""
+        return cls(ancestors=ancestors_from_parents(parents) if ancestors is None else ancestors.bool(),
+                   window=conv_window_index(parents, kernel))
 
 
 def parents_from_visibility(visibility: Tensor) -> list[int]:
@@ -188,15 +237,19 @@ def _tree_heads(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, c: Tensor, hidden
     return o, v_new
 
 
-def gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Sequence[int], initial_state: Tensor,
-             head_chunk: int | None = None) -> tuple[Tensor, GDNStash]:
+def gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: Sequence[int] | None, initial_state: Tensor,
+             head_chunk: int | None = None, ancestors: Tensor | None = None,
+             out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, GDNStash]:
     """Outputs of every node with the ancestor-masked chunked (WY/UT) form of hybrid_gdn.md §2.2; same input conventions.
 
     Computes internally in float32 (float64 if q is float64; cumulative decays always in float64) and returns o [N, HV, dv]
     in q's dtype, plus the stash for gdn_state_at. Memory: O(N^2 * heads_in_flight + N * HV * (dk + dv)); value heads are
     processed in groups of head_chunk (None: as many as keep one [heads, N, N] buffer <= AUTO_HEAD_ELEMENTS elements).
+    `ancestors` [N, N] bool (a TreeLayout's) replaces the parents list: no host work, so it runs inside a CUDA graph
+    (parents may then be None; the stash has no parents). `out` = (k, v_new, log_decay) buffers the stash is written to.
     """
-    _check_shapes(q, k, v, g, beta, parents, initial_state)
+    if ancestors is None:
+        _check_shapes(q, k, v, g, beta, parents, initial_state)
     n, hv, dk = q.shape
     dv = v.shape[-1]
     dtype = _compute_dtype(q)
@@ -205,11 +258,20 @@ def gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: 
     if head_chunk < 1:
         raise ValueError(f"head_chunk = {head_chunk} must be >= 1")
     qn, kn = _normalize_qk(q, k, dtype)                                       # [N, HV, dk]
-    c = _path_sum(g.to(torch.float64), parents)                               # [N, HV] float64
-    hidden = ~_ancestor_mask(parents, q.device)                               # [N, N] bool, True = not anc-or-self
+    if ancestors is None:
+        c = _path_sum(g.to(torch.float64), parents)                           # [N, HV] float64
+        hidden = ~_ancestor_mask(parents, q.device)                           # [N, N] bool, True = not anc-or-self
+    else:
+        c = ancestors.to(torch.float64) @ g.to(torch.float64)                 # sums over anc-or-self
+        hidden = ~ancestors
     s0 = initial_state.to(dtype)                                              # [HV, dk, dv]
     o = torch.empty(n, hv, dv, dtype=q.dtype, device=q.device)                # [N, HV, dv]
-    v_new = torch.empty(n, hv, dv, dtype=dtype, device=q.device)              # [N, HV, dv]
+    if out is None:
+        v_new = torch.empty(n, hv, dv, dtype=dtype, device=q.device)          # [N, HV, dv]
+    else:
+        out[0].copy_(kn)
+        out[2].copy_(c)
+        kn, v_new, c = out
     for h0 in range(0, hv, head_chunk):
         hs = slice(h0, min(h0 + head_chunk, hv))
         o_h, v_new_h = _tree_heads(
@@ -218,7 +280,7 @@ def gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: 
             c[:, hs].transpose(0, 1), hidden, s0[hs])
         o[:, hs] = o_h.transpose(0, 1)
         v_new[:, hs] = v_new_h.transpose(0, 1)
-    return o, GDNStash(k=kn, v_new=v_new, log_decay=c, parents=tuple(parents))
+    return o, GDNStash(k=kn, v_new=v_new, log_decay=c, parents=tuple(parents) if parents is not None else ())
 
 
 def gdn_state_at(stash: GDNStash, node: int, initial_state: Tensor) -> Tensor:
@@ -242,35 +304,24 @@ def gdn_state_at(stash: GDNStash, node: int, initial_state: Tensor) -> Tensor:
 # depthwise causal conv along ancestors
 
 
-def _conv_window_index(parents: Sequence[int], kernel: int) -> Tensor:
-    """[N, K] long indices into cat(conv_state.T [K, C], x [N, C]): node n's window, oldest first."""
-    n = len(parents)
-    par = torch.tensor(list(parents), dtype=torch.long)                       # [N]
-    cur = torch.arange(n)                                                     # walking node (or -1 once past the root)
-    used = torch.zeros(n, dtype=torch.long)                                   # committed inputs consumed so far
-    idx = torch.empty(n, kernel, dtype=torch.long)
-    for t in range(kernel - 1, -1, -1):
-        inside = cur >= 0
-        idx[:, t] = torch.where(inside, kernel + cur, kernel - 1 - used)
-        used += (~inside).long()
-        cur = torch.where(inside, par[cur.clamp(min=0)], torch.full_like(cur, -1))
-    return idx
-
-
-def conv_tree(x: Tensor, parents: Sequence[int], conv_state: Tensor, weight: Tensor) -> Tensor:
+def conv_tree(x: Tensor, parents: Sequence[int] | None, conv_state: Tensor, weight: Tensor,
+              window: Tensor | None = None) -> Tensor:
     """Depthwise causal conv (kernel K) + SiLU along each node's ancestors, continuing into the committed inputs.
 
     x  # [N, C] pre-conv inputs of the tree nodes;  conv_state  # [C, K] last K committed pre-conv inputs, oldest first
     weight  # [C, K] (conv1d.weight.squeeze(1)); node n's window = [x(a_{K-1}), ..., x(parent), x(n)], continuing into
     conv_state's last columns. Accumulates in float32 (float64 for float64 x); returns [N, C] in x's dtype.
+    `window` (a TreeLayout's, [N, K]) replaces the parents list (no host work).
     """
     n, ch = x.shape
     kernel = weight.shape[-1]
     if conv_state.shape != (ch, kernel) or weight.shape != (ch, kernel):
         raise ValueError(f"x {tuple(x.shape)} conv_state {tuple(conv_state.shape)} weight {tuple(weight.shape)}")
-    _check_parents(parents, n)
+    if window is None:
+        _check_parents(parents, n)
+        window = conv_window_index(torch.tensor(list(parents), dtype=torch.long), kernel).to(x.device)
+    idx = window                                                              # [N, K]
     dtype = _compute_dtype(x)
-    idx = _conv_window_index(parents, kernel).to(x.device)                    # [N, K]
     src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])     # [K + N, C]
     w = weight.to(dtype)                                                      # [C, K]
     acc = src[idx[:, 0]] * w[:, 0]                                            # [N, C]
@@ -288,4 +339,49 @@ def conv_state_after(x: Tensor, parents: Sequence[int], node: int, conv_state: T
     return torch.cat([conv_state[:, len(path):], tail], dim=1)               # [C, K]
 
 
-__all__ = ["GDNStash", "conv_state_after", "conv_tree", "gdn_sequential", "gdn_state_at", "gdn_tree", "parents_from_visibility"]
+@dataclass(slots=True)
+class TreeStash:
+    """Every GDN layer's stash of one forward, stacked: the commit of an accepted path is one batched computation
+    over all layers (commit_path) instead of one per layer."""
+    k: Tensor           # [L, N, HV, dk] l2-normalised keys (compute dtype)
+    v_new: Tensor       # [L, N, HV, dv] corrected values (compute dtype)
+    log_decay: Tensor   # [L, N, HV] float64 decay sums along root paths
+    x: Tensor           # [L, N, C] pre-conv inputs
+
+    @classmethod
+    def empty(cls, layers: int, n: int, heads: int, key_dim: int, value_dim: int, channels: int,
+              dtype: torch.dtype, x_dtype: torch.dtype, device: torch.device) -> "TreeStash":
+        return cls(k=torch.empty(layers, n, heads, key_dim, dtype=dtype, device=device),
+                   v_new=torch.empty(layers, n, heads, value_dim, dtype=dtype, device=device),
+                   log_decay=torch.empty(layers, n, heads, dtype=torch.float64, device=device),
+                   x=torch.empty(layers, n, channels, dtype=x_dtype, device=device))
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        """gdn_tree's `out` buffers of layer i."""
+        return self.k[i], self.v_new[i], self.log_decay[i]
+
+
+def commit_path(stash: TreeStash, path: Sequence[int], state: Tensor, conv: Tensor) -> None:
+    """Commit the root path `path` (node indices, root first) of every layer in place:
+    state  # [L, HV, dk, dv] <- the state after path[-1] (gdn_state_at, batched over layers);
+    conv   # [L, C, K] <- the last K pre-conv inputs along the path, continuing into conv (conv_state_after)."""
+    if not path:
+        return
+    index = torch.tensor(list(path), dtype=torch.long, device=stash.k.device)   # [P]
+    dtype = stash.k.dtype
+    c = stash.log_decay[:, index]                                             # [L, P, HV] float64
+    last = c[:, -1]                                                           # [L, HV]
+    w = (last.unsqueeze(1) - c).exp().to(dtype)                               # [L, P, HV] e^{c_n - c_j}
+    layers, p, heads, dk = stash.k.shape[0], index.shape[0], stash.k.shape[2], stash.k.shape[3]
+    dv = stash.v_new.shape[-1]
+    kw = (stash.k[:, index] * w.unsqueeze(-1)).permute(0, 2, 3, 1).reshape(layers * heads, dk, p)
+    vv = stash.v_new[:, index].permute(0, 2, 1, 3).reshape(layers * heads, p, dv)
+    s0 = (state.to(dtype) * last.exp().to(dtype)[..., None, None]).reshape(layers * heads, dk, dv)
+    state.copy_(torch.baddbmm(s0, kw, vv).view(layers, heads, dk, dv))
+    kernel = conv.shape[-1]
+    tail = stash.x[:, index[-kernel:]].transpose(1, 2).to(conv.dtype)        # [L, C, min(P, K)]
+    conv.copy_(torch.cat([conv[:, :, tail.shape[-1]:], tail], dim=2))
+
+
+__all__ = ["GDNStash", "TreeLayout", "TreeStash", "ancestors_from_parents", "commit_path", "conv_state_after", "conv_tree",
+           "conv_window_index", "gdn_sequential", "gdn_state_at", "gdn_tree", "parents_from_visibility"]

@@ -18,8 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import TargetModel
-from ddtree.models.dense import KVCache, KVPool, PackedAttention, Segment, attend_segments
-from ddtree.models.gdn import conv_state_after, conv_tree, gdn_state_at, gdn_tree, parents_from_visibility
+from ddtree.models.dense import ForwardPlan, KVCache, KVPool, PackedAttention, Segment, attend_segments
+from ddtree.models.gdn import (
+    TreeLayout,
+    TreeStash,
+    commit_path,
+    conv_state_after,
+    conv_tree,
+    gdn_state_at,
+    gdn_tree,
+    parents_from_visibility,
+)
 from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla
 from ddtree.models.layers import GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
@@ -136,26 +145,24 @@ class HybridCache:
         self.conv = torch.zeros(n, c.conv_dim, c.conv_kernel, dtype=dtype, device=device)
         self.state = torch.zeros(n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                                  dtype=torch.float32, device=device)
-        self.pending: dict[int, tuple] = {}    # gdn slot -> (pre-conv inputs, stash, parents) of the last forward
+        self.pending: TreeStash | dict[int, CommittedState] | None = None   # the last forward's, until compact
 
     def reset(self) -> None:
         self.conv.zero_()
         self.state.zero_()
-        self.pending.clear()
+        self.pending = None
 
     def compact(self, start: int, accepted: list[int]) -> None:
-        """Commit the accepted root path of the last forward: attention K/V rows, GDN state and conv window."""
+        """Commit the accepted root path (row indices, root first) of the last forward: attention K/V rows, and the
+        GDN state and conv window of every layer in one batched computation."""
         self.kv.compact(start, accepted)
-        last = accepted[-1]
-        for slot, pending in self.pending.items():
-            if isinstance(pending, CommittedState):
-                assert last == pending.last, f"a chunked prefill commits whole: accepted ends at {last}"
-                self.state[slot], self.conv[slot] = pending.state, pending.conv
-                continue
-            x, stash, parents = pending
-            self.state[slot] = gdn_state_at(stash, last, self.state[slot])
-            self.conv[slot] = conv_state_after(x, parents, last, self.conv[slot])
-        self.pending.clear()
+        pending, self.pending = self.pending, None
+        if isinstance(pending, TreeStash):
+            commit_path(pending, accepted, self.state, self.conv)
+        elif pending:   # a chunked prefill
+            for slot, chain in pending.items():
+                assert accepted[-1] == chain.last, f"a chunked prefill commits whole: accepted ends at {accepted[-1]}"
+                self.state[slot], self.conv[slot] = chain.state, chain.conv
 
 
 class GatedAttention(nn.Module):
@@ -205,11 +212,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, parents: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, layout: TreeLayout,
+                stash: TreeStash | None) -> torch.Tensor:
+        """Rows of one sequence; `stash` None: they are a chain committed whole (a prompt), run in chunks."""
         c, n = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         mixed = self.in_proj_qkv(x)                                          # [n, conv_dim] pre-conv
-        conv = conv_tree(mixed, parents, cache.conv[slot], self.conv1d.weight.squeeze(1))
+        conv = conv_tree(mixed, None, cache.conv[slot], self.conv1d.weight.squeeze(1), window=layout.window)
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = hv // c.linear_num_key_heads
         q = q.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
@@ -217,13 +226,13 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(n, hv, dv)
         beta = torch.sigmoid(self.in_proj_b(x))                                # [n, hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if n > PREFILL_CHUNK and parents == list(range(-1, n - 1)):
+        if stash is None:
             o, state = self._chunked_chain(q, k, v, g, beta, cache.state[slot])
-            conv_state = conv_state_after(mixed, parents, n - 1, cache.conv[slot])
+            conv_state = conv_state_after(mixed, list(range(-1, n - 1)), n - 1, cache.conv[slot])
             cache.pending[slot] = CommittedState(state=state, conv=conv_state, last=n - 1)
         else:
-            o, stash = gdn_tree(q, k, v, g, beta, parents, cache.state[slot])
-            cache.pending[slot] = (mixed, stash, parents)
+            o, _ = gdn_tree(q, k, v, g, beta, None, cache.state[slot], ancestors=layout.ancestors, out=stash.layer(slot))
+            stash.x[slot].copy_(mixed)
         z = self.in_proj_z(x).reshape(n, hv, dv)
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
@@ -279,31 +288,50 @@ class HybridTarget(TargetModel):
                       p.dtype, p.device)
         return [HybridCache(c, max_len, p.dtype, p.device, kv_pool=pool, slot=i) for i in range(slots)]
 
-    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                       tap_layers: list[int] | None = None,
-                       logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Several sequences' rows in one pass; attention and GDN run per sequence on its own cache."""
-        parents = []
+    def plan(self, segments: list[Segment]) -> ForwardPlan:
+        """The eager forward's structure: packed attention and one TreeLayout per segment (one small host-to-device
+        copy of its parents; the ancestors are the segment's own mask)."""
+        layouts = []
         for seg in segments:
-            if seg.start == 0:
-                seg.cache.reset()   # a new sequence: no committed recurrent state
-            parents.append(parents_from_visibility(seg.mask[:, seg.start :].cpu()))
-        x = self.embed_tokens(input_ids)
+            if seg.parents is None:
+                seg.parents = parents_from_visibility(seg.mask[:, seg.start :].cpu())
+            index = torch.tensor(seg.parents, dtype=torch.long).to(seg.mask.device)
+            layouts.append(TreeLayout.of(index, self.config.conv_kernel, ancestors=seg.mask[:, seg.start :]))
+        return ForwardPlan(PackedAttention.plan([seg.cache.kv for seg in segments], segments), layouts)
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                       tap_layers: list[int] | None = None, logit_rows: torch.Tensor | None = None,
+                       plan: ForwardPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sequences' rows in one pass; attention and GDN run per sequence on its own cache. A given `plan`
+        (a static forward's) means: no host work at all, every segment is a tree to verify."""
+        if plan is None:
+            for seg in segments:
+                if seg.start == 0:
+                    seg.cache.reset()   # a new sequence: no committed recurrent state
+            plan = self.plan(segments)
+        c, x = self.config, self.embed_tokens(input_ids)
+        stashes = []
+        for seg, layout in zip(segments, plan.layouts):
+            chunked = seg.length > PREFILL_CHUNK and seg.parents == list(range(-1, seg.length - 1))
+            stashes.append(None if chunked else TreeStash.empty(
+                len(seg.cache.gdn_layers), seg.length, c.linear_num_value_heads, c.linear_key_head_dim,
+                c.linear_value_head_dim, c.conv_dim, torch.float64 if x.dtype == torch.float64 else torch.float32,
+                x.dtype, x.device))
+            seg.cache.pending = stashes[-1] or {}
         rope = self.rotary(positions, x.dtype)
         taps, wanted = {}, set(tap_layers or ())
-        packed = PackedAttention.plan([seg.cache.kv for seg in segments], segments)
         attn_slot = gdn_slot = 0
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "full_attention":
-                h = layer.self_attn(h, rope, segments, attn_slot, packed)
+                h = layer.self_attn(h, rope, segments, attn_slot, plan.packed)
                 attn_slot += 1
             else:
                 outputs, row = [], 0
-                for seg, seg_parents in zip(segments, parents):
-                    outputs.append(layer.linear_attn(h[row : row + seg.length], seg.cache, gdn_slot, seg_parents))
+                for seg, layout, stash in zip(segments, plan.layouts, stashes):
+                    outputs.append(layer.linear_attn(h[row : row + seg.length], seg.cache, gdn_slot, layout, stash))
                     row += seg.length
-                h = torch.cat(outputs)
+                h = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
                 gdn_slot += 1
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -15,12 +15,16 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert set(saved["shapes"]) == {"tiny-hybrid", "tiny-dense"}
     for shape in saved["shapes"].values():
-        assert set(shape["rounds"]) == {"ar", "dflash", "ddtree-16", "ddtree-64"}
-        assert all(1 <= e["rounds"] <= 3 and e["round_ms"] > 0 and 0 <= e["host_share"] < 1 for e in shape["rounds"].values())
-        assert shape["rounds"]["ar"]["draft_ms"] == 0 and shape["rounds"]["ddtree-64"]["draft_ms"] > 0
+        assert set(shape["rounds"]) == set(shape["verify"]) == {"dynamic", "static"}
+        for rounds in shape["rounds"].values():
+            assert set(rounds) == {"ar", "dflash", "ddtree-16", "ddtree-64"}
+            assert all(1 <= e["rounds"] <= 3 and e["round_ms"] > 0 and 0 <= e["host_share"] < 1 for e in rounds.values())
+            assert rounds["ar"]["draft_ms"] == 0 and rounds["ddtree-64"]["draft_ms"] > 0
         assert math.isnan(shape["ratios"]["ar_over_floor"])          # no GPU, no bandwidth floor
-        assert shape["ratios"]["ddtree-64_over_ar"] == shape["rounds"]["ddtree-64"]["round_over_ar"]
-        assert list(shape["budgets"]) == ["16", "64"]
+        assert shape["ratios"]["ddtree-64_over_ar"] == shape["rounds"]["static"]["ddtree-64"]["round_over_ar"]
+        for forward, verify in shape["verify"].items():
+            assert verify["forward"] == forward and list(verify["budgets"]) == ["16", "64"]
+            assert verify["ar_step_ms"] > 0 and all(e["verify_ms"] > 0 for e in verify["budgets"].values())
     md = (tmp_path / "r.md").read_text()
     assert "| tiny-dense |" in md and "Goals (issue 6)" in md
     assert (tmp_path / "r.png").stat().st_size > 1000 and result["plot"].endswith("r.png")

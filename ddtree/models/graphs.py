@@ -1,0 +1,209 @@
+"""Static forwards for batch-1 decoding: bucketed shapes, inputs in static buffers, CUDA graphs on CUDA.
+
+At batch 1 a 27B hybrid step is a few thousand small kernels; launched one by one from Python, the host,
+not the memory bus, sets the pace. A static forward has fixed shapes (rows padded to a bucket, keys to a
+power of two), reads every per-round value from static device buffers, and derives the rest there (the
+tree's ancestor matrix, conv windows, attention mask and cache write positions, from the parents and the
+start position), with no host reads. So on CUDA it is captured once per shape and replayed: one copy of a
+few integers to the device and one graph launch per pass. Off CUDA the same code runs eagerly, which is
+how the CPU tests check it against the dynamic forward and against target-only decoding.
+
+Padding rows are harmless by construction: their parent is -1 (they see the committed prefix and
+themselves), their cache writes land beyond the tree where nothing reads before the next overwrite,
+and their outputs are cut off before anyone sees them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddtree.models.dense import ForwardPlan, PackedAttention, Segment
+from ddtree.models.gdn import TreeLayout, ancestors_from_parents, conv_window_index
+
+logger = logging.getLogger(__name__)
+
+MIN_KEYS = 256   # the smallest key bucket
+
+
+def row_bucket(n: int) -> int:
+    """Rows a forward of n rows is padded to: 1, 2, 3, 4, 5, 8, 9, 16, 17, ... (a budget b verifies b + 1 rows)."""
+    if n <= 2:
+        return max(n, 1)
+    power = 1 << (n - 1).bit_length()          # the next power of two >= n
+    return power // 2 + 1 if n <= power // 2 + 1 else power
+
+
+def key_bucket(n: int, limit: int) -> int | None:
+    """Keys an attention over n cache positions is padded to (a power of two >= MIN_KEYS, at most limit)."""
+    keys = max(MIN_KEYS, 1 << (n - 1).bit_length())
+    keys = min(keys, limit)
+    return keys if keys >= n else None
+
+
+@dataclass(slots=True)
+class Program:
+    """One static forward: its buffers, the body that computes from them, and (on CUDA) its captured graph."""
+    body: Callable[[], Any]
+    host: torch.Tensor                 # int64 inputs on the host (pinned on CUDA), copied to `inputs` per call
+    inputs: torch.Tensor               # the same on the device
+    graph: Any = None                  # torch.cuda.CUDAGraph once captured; False: capture failed, runs eagerly
+    outputs: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+class GraphPool:
+    """Programs by shape key; captured lazily on first use into one shared memory pool (their outputs are only
+    valid until the next replay of any of them: callers consume them first)."""
+
+    def __init__(self, device: torch.device, capture: bool) -> None:
+        self.device = device
+        self.capture = capture and device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.programs: dict[tuple, Program] = {}
+
+    def program(self, key: tuple, make: Callable[[], Program]) -> Program:
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = make()
+        return program
+
+    def new_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        host = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return host, torch.zeros(size, dtype=torch.long, device=self.device)
+
+    def run(self, key: tuple, program: Program) -> Any:
+        """Copy the program's host inputs to the device and run it (replay its graph, capturing it the first time)."""
+        program.inputs.copy_(program.host, non_blocking=True)
+        if not self.capture or program.graph is False:
+            return program.body()
+        if program.graph is None:
+            try:
+                program.graph, program.outputs = self._capture(program.body)
+                logger.info("captured a CUDA graph for %s (%d graphs)", key, len(self.programs))
+            except Exception as exc:   # an op that cannot be captured: this shape runs eagerly from now on
+                logger.warning("CUDA graph capture failed for %s (%s: %s); it runs eagerly", key, type(exc).__name__, exc)
+                program.graph = False
+                torch.cuda.synchronize(self.device)
+                return program.body()
+        program.graph.replay()
+        return program.outputs
+
+    def _capture(self, body: Callable[[], Any]) -> tuple[Any, Any]:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            body()       # warm-up off the capture: lazy initialisations, library handles, autotuning
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = body()
+        return graph, outputs
+
+
+class StaticTarget:
+    """The target's verify (or ar step) of one sequence as a static forward."""
+
+    def __init__(self, target, tap_layers: list[int], graphs: GraphPool) -> None:
+        self.target, self.tap_layers, self.graphs = target, list(tap_layers), graphs
+        self.conv_kernel = getattr(target.config, "conv_kernel", None)   # hybrid targets only
+
+    def shape(self, cache, start: int, n: int) -> tuple[int, int] | None:
+        """(rows, keys) of a static forward of n rows after `start` cached ones, or None if none fits the cache."""
+        rows = row_bucket(n)
+        keys = key_bucket(start + rows, cache.max_len)
+        if start < 1 or keys is None:
+            return None
+        return rows, keys
+
+    def __call__(self, cache, start: int, input_ids, positions, parents: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """logits [n, vocab] and taps [n, ...] of the n tree rows (views of static outputs: read them before the next
+        static forward), or None where no static shape fits (the caller runs the dynamic forward).
+        input_ids, positions  # n host integers (lists, numpy or CPU tensors); parents  # n, -1 for the root"""
+        n = len(parents)
+        shape = self.shape(cache, start, n)
+        if shape is None:
+            return None
+        rows, keys = shape
+        key = ("target", rows, keys, id(cache))
+        program = self.graphs.program(key, lambda: self._make(cache, rows, keys))
+        host = program.host.numpy()
+        host[: 3 * rows] = 0
+        host[2 * rows : 3 * rows] = -1                              # padding rows: roots of their own
+        host[:n], host[rows : rows + n], host[2 * rows : 2 * rows + n] = input_ids, positions, parents
+        host[rows + n : 2 * rows] = start
+        host[3 * rows] = start
+        logits, taps, stash = self.graphs.run(key, program)
+        if stash is not None:
+            cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
+        return logits[:n], None if taps is None else taps[:n]
+
+    def _make(self, cache, rows: int, keys: int) -> Program:
+        host, inputs = self.graphs.new_inputs(3 * rows + 1)
+        kv = getattr(cache, "kv", cache)                             # a hybrid cache's attention K/V
+        slot = torch.tensor([kv.slot], dtype=torch.long, device=inputs.device)
+
+        def body():
+            ids, positions, parents, start = inputs[:rows], inputs[rows : 2 * rows], inputs[2 * rows : 3 * rows], inputs[3 * rows :]
+            ancestors = ancestors_from_parents(parents)
+            layouts = None
+            if self.conv_kernel is not None:
+                layouts = [TreeLayout(ancestors=ancestors, window=conv_window_index(parents, self.conv_kernel))]
+            plan = ForwardPlan(PackedAttention.static(slot, start, ancestors, keys), layouts)
+            segment = Segment(cache=cache, start=-1, length=rows, mask=ancestors)   # start and mask: the plan's
+            logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None, plan=plan)
+            return logits, taps, getattr(cache, "pending", None)
+
+        return Program(body=body, host=host, inputs=inputs)
+
+
+class StaticDrafter:
+    """The drafter's pass for one request (append its new context features, then draft its block) as a static
+    forward; the block's embedding (the target's table) runs inside it too."""
+
+    def __init__(self, drafter, embed: Callable[[torch.Tensor], torch.Tensor], graphs: GraphPool) -> None:
+        self.drafter, self.embed, self.graphs = drafter, embed, graphs
+        self.block = drafter.block_size
+
+    def __call__(self, cache, taps: torch.Tensor | None, block_ids: list[int]) -> torch.Tensor | None:
+        """Hidden states [1, block, hidden] of the block after the final norm (a view of a static output), having
+        appended taps  # [m, features] to the cache's context; None where no static shape fits (nothing done)."""
+        m = 0 if taps is None else taps.shape[0]
+        max_len = cache.pool.k.shape[2]
+        rows = row_bucket(m)
+        keys = key_bucket(cache.length + m, max_len)
+        if m == 0 or keys is None or cache.length + rows > max_len:
+            return None
+        key = ("draft", rows, keys, cache.slot)
+        program = self.graphs.program(key, lambda: self._make(cache, rows, keys, taps))
+        host = program.host.numpy()
+        host[: self.block] = block_ids
+        host[self.block :] = cache.length, m
+        program.extra["taps"][:m].copy_(taps)        # rows past m keep earlier (finite) features; they are masked
+        hidden = self.graphs.run(key, program)
+        cache.length += m
+        return hidden
+
+    def _make(self, cache, rows: int, keys: int, taps: torch.Tensor) -> Program:
+        b = self.block
+        host, inputs = self.graphs.new_inputs(b + 2)
+        features = torch.zeros(rows, taps.shape[1], dtype=taps.dtype, device=taps.device)
+        slot = torch.tensor([cache.slot], dtype=torch.long, device=inputs.device)
+        offsets = torch.arange(max(rows, b), device=inputs.device)
+
+        def body():
+            ids, length, m = inputs[:b], inputs[b : b + 1], inputs[b + 1 :]
+            self.drafter.write_context(cache.pool, slot.expand(rows), length + offsets[:rows], features)
+            start = length + m                                        # the root's position = the new context length
+            positions = (start + offsets[:b])[None]                   # [1, b]
+            return self.drafter.forward_pooled(cache.pool, slot, start, positions, keys, self.embed(ids)[None])
+
+        return Program(body=body, host=host, inputs=inputs, extra={"taps": features})
+
+
+__all__ = ["GraphPool", "Program", "StaticDrafter", "StaticTarget", "key_bucket", "row_bucket"]

@@ -1,0 +1,68 @@
+"""Static forwards captured as CUDA graphs (ddtree.models.graphs) on the GPU.
+
+tests/unit/test_static_forward.py checks the same code run eagerly on the CPU; here it is captured and
+replayed: a replay on new inputs must give the dynamic forward's logits, taps and committed state (fp32),
+and the engine with graphs must decode exactly the tokens it decodes without them. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from tests.unit.oracle import make_tiny_hybrid
+
+    root, _ = make_tiny_hybrid(tmp_path_factory.mktemp("hybrid_graphs"))
+    return root
+
+
+def captured(static) -> int:
+    graphs = [p.graph for p in static.graphs.programs.values()]
+    assert all(g is not False for g in graphs), "a capture failed and fell back to eager"
+    return sum(g is not None for g in graphs)
+
+
+def test_hybrid_target_graphs_equal_dynamic(hybrid):
+    from ddtree.models.qwen3_5 import HybridTarget
+    from tests.unit.test_static_forward import check_static_equals_dynamic
+
+    model = HybridTarget.from_pretrained(hybrid / "target", device="cuda")
+    static = check_static_equals_dynamic(model, model.new_cache(400), model.new_cache(400), model.config.vocab_size,
+                                         [1, 2], tolerance=1e-4)
+    assert captured(static) == 5
+
+
+def test_dense_target_graphs_equal_dynamic(tiny_models):
+    from ddtree.models.dense import DenseTarget
+    from tests.unit.test_static_forward import check_static_equals_dynamic
+
+    model = DenseTarget.from_pretrained(tiny_models / "qwen3-target", device="cuda")
+    a, b = model.new_caches(2, 400)
+    static = check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1], tolerance=1e-4)
+    assert captured(static) == 5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models, hybrid):
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.sampling_params import SamplingParams
+
+    root = hybrid if family == "hybrid" else tiny_models
+    target = root / "target" if family == "hybrid" else root / "qwen3-target"
+    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
+    plain = Engine(EngineConfig(**base, static_forward="off"))
+    graphed = Engine(EngineConfig(**base, static_forward="auto"))
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)]:
+        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=48, ignore_eos=True)
+        expected = plain.generate_ids(prompt, params).output_ids
+        assert graphed.generate_ids(prompt, params).output_ids == expected, f"{family} {mode}-{budget}"
+    assert captured(graphed.static_target) >= 3       # target and drafter programs, captured and replayed

@@ -1,0 +1,168 @@
+"""Static forwards (ddtree.models.graphs), run eagerly on the CPU: the code a CUDA graph captures.
+
+They pad rows and keys to buckets and derive the tree structure on the device from static buffers, so
+they must give the dynamic forward's logits, taps and committed state for the real rows, and the engine
+with them must still decode exactly the target's greedy tokens (fp32). tests/gpu captures them as graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.config import EngineConfig
+from ddtree.models.dense import DenseTarget
+from ddtree.models.gdn import ancestors_from_parents, conv_window_index
+from ddtree.models.graphs import GraphPool, StaticTarget, key_bucket, row_bucket
+from ddtree.models.qwen3_5 import HybridTarget
+from ddtree.sampling_params import SamplingParams
+from ddtree.tree import build_tree, compile_tree, top_log_probs
+from ddtree.tree.compile import ancestor_matrix
+from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return make_tiny_hybrid(tmp_path_factory.mktemp("hybrid_static"))
+
+
+def test_buckets():
+    for n in range(1, 1100):
+        rows = row_bucket(n)
+        assert rows >= n and (rows - 1 == 0 or (rows & (rows - 1)) == 0 or ((rows - 1) & (rows - 2)) == 0), (n, rows)
+        assert rows <= 2 * n, (n, rows)       # never more than twice the work
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 6, 17, 18, 65)] == [1, 2, 3, 4, 5, 8, 17, 32, 65]
+    assert key_bucket(10, 4096) == 256 and key_bucket(257, 4096) == 512 and key_bucket(3000, 3100) == 3100
+    assert key_bucket(300, 299) is None
+
+
+def random_tree(vocab: int, budget: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    log_probs, token_ids = top_log_probs(torch.randn(7, vocab, generator=gen), min(budget, vocab))
+    return build_tree(log_probs, token_ids, budget)
+
+
+@pytest.mark.parametrize("budget", [1, 5, 12, 40])
+def test_device_tree_structure_matches_host(budget):
+    tree = random_tree(64, budget, budget)
+    parents = torch.tensor(tree.parents)
+    assert torch.equal(ancestors_from_parents(parents), ancestor_matrix(tree.parents, tree.depths))
+    # padding rows (parent -1) are roots of their own
+    padded = torch.cat([parents, torch.full((3,), -1)])
+    anc = ancestors_from_parents(padded)
+    assert torch.equal(anc[-3:], torch.eye(len(padded), dtype=torch.bool)[-3:])
+    window = conv_window_index(padded, 4)
+    assert window.shape == (len(padded), 4) and window[:, -1].tolist() == [4 + i for i in range(len(padded))]
+
+
+@torch.inference_mode()
+def check_static_equals_dynamic(model, cache_a, cache_b, vocab: int, taps: list[int], prompt: int = 21,
+                                tolerance: float = 1e-5) -> StaticTarget:
+    """Prefill both caches alike, then verify several trees: the static forward on cache_a (captured as CUDA graphs
+    on CUDA), the dynamic one on cache_b; logits and taps agree, and so does every later forward after committing
+    a path. Shapes recur, so a captured graph is replayed on new inputs."""
+    device = next(model.parameters()).device
+    static = StaticTarget(model, taps, GraphPool(device, capture=True))
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (prompt,), generator=gen)
+    causal = torch.ones(prompt, prompt, dtype=torch.bool, device=device).tril()
+    for cache in (cache_a, cache_b):
+        model(ids.to(device), torch.arange(prompt, device=device), cache, 0, causal, tap_layers=taps)
+        cache.compact(0, list(range(prompt)))
+    start = prompt
+    for round_, budget in enumerate([1, 4, 12, 30, 0, 4, 12, 1]):
+        tree = random_tree(vocab, budget, round_) if budget else random_tree(vocab, 1, 0).truncated(0)
+        batch = compile_tree(tree, root_token=int(ids[round_]), start=start)
+        got = static(cache_a, start, batch.input_ids, batch.positions, tree.parents)
+        assert got is not None
+        expected = model(batch.input_ids.to(device), batch.positions.to(device), cache_b, start,
+                         batch.visibility.to(device), tap_layers=taps)
+        torch.testing.assert_close(got[0], expected[0], rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(got[1], expected[1], rtol=tolerance, atol=tolerance)
+        leaf = max(range(tree.num_nodes + 1), key=lambda i: tree.depths[i])
+        path = []
+        while leaf >= 0:
+            path.append(leaf)
+            leaf = tree.parents[leaf]
+        path = path[::-1]
+        cache_a.compact(start, path)
+        cache_b.compact(start, path)
+        start += len(path)
+    assert len(static.graphs.programs) == 5          # one program per shape (rows 2, 5, 16, 32, 1), each used again
+    return static
+
+
+def test_static_hybrid_equals_dynamic(hybrid):
+    root, _ = hybrid
+    model = HybridTarget.from_pretrained(root / "target")
+    check_static_equals_dynamic(model, model.new_cache(400), model.new_cache(400), model.config.vocab_size, [1, 2])
+
+
+def test_static_dense_equals_dynamic(tiny_models):
+    model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
+    a, b = model.new_caches(2, 400)      # two slots of one pool: the static forward writes only its own
+    check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
+
+
+def test_static_forward_declines_when_the_cache_is_too_short(tiny_models):
+    model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
+    static = StaticTarget(model, [], GraphPool(torch.device("cpu"), capture=False))
+    cache = model.new_cache(40)
+    assert static(cache, 30, [1] * 17, list(range(30, 47)), [-1] + [0] * 16) is None   # 30 + 17 > 40
+    assert static(cache, 0, [1], [0], [-1]) is None                                       # no prefix: a prefill
+
+
+def greedy(mode: str, budget: int) -> SamplingParams:
+    return SamplingParams(max_tokens=32, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_engine_with_static_forward_decodes_the_targets_greedy_tokens(family, tiny_models, hybrid):
+    if family == "hybrid":
+        root, reference = hybrid
+        target, drafter = root / "target", root / "dflash"
+        prompts = [[5, 9, 17, 33, 2, 71], list(range(3, 40))]
+    else:
+        from transformers import AutoModelForCausalLM
+
+        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+        reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        prompts = [[5, 9, 17, 33, 2, 71], list(range(3, 40))]
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=160, max_tree_budget=64)
+    dynamic = OracleDraftEngine(EngineConfig(**base, static_forward="off"), reference=reference)
+    static = OracleDraftEngine(EngineConfig(**base, static_forward="on"), reference=reference)
+    assert dynamic.static_target is None and static.static_target is not None
+    for ids in prompts:
+        expected = dynamic.generate_ids(ids, greedy("ar", 1)).output_ids
+        for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
+            request = static.generate_ids(ids, greedy(mode, budget))
+            assert request.output_ids == expected, f"{family} {mode}-{budget}"
+    assert static.graphs.programs, "the static forward never ran"
+
+
+def test_static_drafter_equals_dynamic(tmp_path):
+    """Context rows padded to a bucket and keys to a power of two, sliding windows that cut: the static drafter
+    pass gives the dynamic pass's hidden states round after round, and leaves the same context length."""
+    from ddtree.models.dflash import DFlashDrafter
+    from ddtree.models.graphs import StaticDrafter
+    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
+
+    taps = [1, 16, 31, 46, 61]
+    write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
+                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
+    embed = torch.nn.Embedding(50, HIDDEN)
+    static = StaticDrafter(drafter, embed, GraphPool(torch.device("cpu"), capture=False))
+    gen = torch.Generator().manual_seed(6)
+    ours, theirs = drafter.new_caches(2, 300)
+    with torch.no_grad():
+        for m in (13, 1, 3, 7, 2, 6):
+            features = torch.randn(m, HIDDEN * len(taps), generator=gen)
+            ids = torch.randint(0, 50, (BLOCK,), generator=gen).tolist()
+            got = static(ours, features, ids)
+            start = theirs.length + m
+            drafter.add_context(theirs, features)
+            expected = drafter(theirs, embed(torch.tensor(ids)), start)
+            assert ours.length == theirs.length == start
+            torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
+    assert static(ours, None, ids) is None
