@@ -8,7 +8,8 @@
 #           gguf.sha256 and target.digest in the last): rebuild the embedded default exactly
 #   train   like target, then generate the target's responses, train the DFlash drafter (time-boxed,
 #           resumable) and export it
-#   ratios  issue 6's ratio table (perf/gpu_ratios.py: 27B hybrid and 8B dense shapes, random weights)
+#   ratios  carry .deps/xa: tests/gpu (fla prefill, captured CUDA graphs), then issue 6's ratio table
+#           (perf/gpu_ratios.py: 27B hybrid and 8B dense shapes, random weights, static vs dynamic forward)
 #   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; cat them into .deps/bundle/) and .deps/tc
 #           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
 # Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~40 MB)
@@ -52,7 +53,10 @@ target|train)
   fi
   ;;
 ratios)
+  # carry .deps/xa (fla for the prefill); the CUDA tests first (captured graphs == dynamic forward), then the table
   install_wheels
+  python3 -m pytest -q -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.log" 2>&1 || true   # judged from the log
+  tail -3 "$OUT/gpu_tests.log"
   python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --out "$OUT" --name gpu_ratios_h200 "$@"
   ;;
 eval)

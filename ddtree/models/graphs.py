@@ -100,7 +100,8 @@ class GraphPool:
             body()       # warm-up off the capture: lazy initialisations, library handles, autotuning
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls from other threads of the server (Triton's) do not break this capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = body()
         return graph, outputs
 
