@@ -99,6 +99,7 @@ REPROBE_EVERY = 128      # then an arm is tried again after this many rounds x i
 DECAY = 0.9              # weight of an arm's past rounds against its newest one
 PRUNE = 0.8              # a tree arm measured below this fraction of the best arm rules out larger trees
 UCB = 0.2                # optimism bonus of an arm measured in n rounds: rate x (1 + UCB / sqrt(n))
+MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,8 @@ class ArmSelector:
         self.weight: dict[tuple[int, Arm], float] = defaultdict(float)     # decayed number of rounds
         self.samples: dict[tuple[int, Arm], int] = defaultdict(int)
         self.last_tried: dict[tuple[int, Arm], int] = defaultdict(lambda: -1)
+        self.misses: dict[tuple[int, Arm], int] = defaultdict(int)        # re-probes since the arm last led
+        self.probing: dict[int, tuple[Arm, float]] = {}                   # bucket -> (arm re-probed, best's rate)
         self.rounds: dict[int, int] = defaultdict(int)
 
     @staticmethod
@@ -197,14 +200,31 @@ class ArmSelector:
             arm = unexplored[0]
         else:
             best = max(arms, key=lambda a: self.score(b, a))
-            due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)]
-                   >= self.reprobe_every * max(1.0, self.round_seconds(b, a) / max(self.round_seconds(b, best), 1e-9))]
+            due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_interval(b, a, best)]
             arm = min(due, key=lambda a: self.last_tried[(b, a)]) if due else best
+            if arm == best:
+                self.misses[(b, arm)] = 0
+            else:   # counted as lost until the arm leads again: the next re-probe waits twice as long
+                self.misses[(b, arm)] = min(self.misses[(b, arm)] + 1, MAX_BACKOFF)
+                self.probing[b] = (arm, self.rate(b, best))
         self.last_tried[(b, arm)] = self.rounds[b]
         return arm
 
+    def reprobe_interval(self, bucket: int, arm: Arm, best: Arm) -> float:
+        """Rounds between re-probes of a non-leading arm: reprobe_every x its round time / the best arm's (so each
+        re-probe costs the same time), doubled for every re-probe since it last led (a clearly losing arm's
+        probes fade out: their share of the time goes to 0 instead of staying at 1/reprobe_every per arm)."""
+        slowdown = max(1.0, self.round_seconds(bucket, arm) / max(self.round_seconds(bucket, best), 1e-9))
+        return self.reprobe_every * slowdown * 2 ** self.misses[(bucket, arm)]
+
     def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float) -> None:
-        key = (self.bucket(num_seqs), arm)
+        b = self.bucket(num_seqs)
+        key = (b, arm)
+        probed, best_rate = self.probing.pop(b, (None, 0.0))
+        if probed == arm and seconds > 0 and tokens / seconds > best_rate:
+            # a re-probe beat the leader: try it again at once until its estimate (old rounds decayed) leads or a
+            # round of it loses, instead of waiting out a backed-off interval with a stale estimate
+            self.misses[key], self.last_tried[key] = 0, -(1 << 30)
         self.tokens[key] = self.decay * self.tokens[key] + tokens
         self.seconds[key] = self.decay * self.seconds[key] + seconds
         self.weight[key] = self.decay * self.weight[key] + 1.0

@@ -87,13 +87,35 @@ def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: 
     return chosen
 
 
-def test_slow_arms_are_reprobed_less_often():
-    """An arm whose rounds take 4x as long is tried again 4x less often: its probes cost the same time."""
+def test_slow_arms_are_reprobed_less_often_and_losing_probes_back_off():
+    """An arm whose rounds take 4x as long is tried again 4x less often (its probes cost the same time), and every
+    probe that does not win doubles the wait (up to 2**MAX_BACKOFF): intervals 16, 32, ..., 512 rounds."""
+    from ddtree.budget import MAX_BACKOFF
+
     selector = ArmSelector(parse_arms("ar,dflash,ddtree-16"), min_samples=2, reprobe_every=16)
-    chosen = play(selector, {"ar": 100.0, "dflash": 50.0, "ddtree-16": 50.0}, num_seqs=4, rounds=2000,
+    chosen = play(selector, {"ar": 100.0, "dflash": 50.0, "ddtree-16": 50.0}, num_seqs=4, rounds=4000,
                   round_seconds={"ar": 0.1, "dflash": 0.1, "ddtree-16": 0.4})
-    assert 2000 // 16 * 0.7 < chosen["dflash"] < 2000 // 16 * 1.3
-    assert 2000 // 64 * 0.7 < chosen["ddtree-16"] < 2000 // 64 * 1.3
+    # dflash: 2 exploration rounds, then probes after 16, 32, 64, 128, 256, 512, 512, ... rounds
+    expected, gap, elapsed = 2, 16, 0
+    while elapsed + gap < 4000:
+        elapsed, expected, gap = elapsed + gap, expected + 1, min(2 * gap, 16 * 2**MAX_BACKOFF)
+    assert abs(chosen["dflash"] - expected) <= 2, (chosen, expected)
+    assert 2 < chosen["ddtree-16"] < chosen["dflash"]
+    assert chosen["ar"] > 4000 - 30
+
+
+def test_a_reprobe_that_wins_resets_the_backoff():
+    """After the machine changes, the arm that used to lose wins its next re-probe (at most 2**MAX_BACKOFF x
+    reprobe_every rounds later), is tried again at once instead of waiting with a stale estimate, leads from then
+    on, and its backoff starts over."""
+    from ddtree.budget import MAX_BACKOFF
+
+    selector = ArmSelector(parse_arms("ar,ddtree-16"), min_samples=2, reprobe_every=8)
+    play(selector, {"ar": 100.0, "ddtree-16": 50.0}, num_seqs=1, rounds=300)
+    assert selector.misses[(0, Arm("ddtree", 16))] >= 3
+    chosen = play(selector, {"ar": 100.0, "ddtree-16": 300.0}, num_seqs=1, rounds=1000)
+    assert chosen["ddtree-16"] >= 1000 - 8 * 2**MAX_BACKOFF - 3
+    assert selector.misses[(0, Arm("ddtree", 16))] == 0
 
 
 def test_selector_explores_then_runs_the_measured_best():
