@@ -97,7 +97,8 @@ DEFAULT_ARMS = "ar,dflash,ddtree-4,ddtree-8,ddtree-16,ddtree-32,ddtree-64,policy
 MIN_SAMPLES = 2          # rounds each arm is tried before its estimate is trusted
 REPROBE_EVERY = 128      # then an arm is tried again after this many rounds x its round time / the best arm's
 DECAY = 0.9              # weight of an arm's past rounds against its newest one
-PRUNE = 0.8              # a tree arm measured below this fraction of the best arm rules out larger trees
+PRUNE = 0.8              # a tree below this fraction of a lighter arm (fewer draft nodes) rules out larger trees
+PRUNE_ACROSS = 0.95      # an arm below this fraction of a lighter arm at a smaller batch is not tried at larger ones
 UCB = 0.2                # optimism bonus of an arm measured in n rounds: rate x (1 + UCB / sqrt(n))
 MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
 
@@ -134,8 +135,10 @@ class ArmSelector:
     """Per batch-size bucket (1, 2, 3-4, 5-8, ...): decayed sums of committed tokens and round seconds per arm."""
 
     def __init__(self, arms: tuple[Arm, ...], min_samples: int = MIN_SAMPLES, reprobe_every: int = REPROBE_EVERY,
-                 decay: float = DECAY) -> None:
+                 decay: float = DECAY, chain_nodes: int = 15) -> None:
         self.arms, self.min_samples, self.reprobe_every, self.decay = arms, min_samples, reprobe_every, decay
+        self.chain_nodes = chain_nodes            # draft nodes of a dflash round (block size - 1)
+        self.settled: dict[int, set[Arm]] = {}    # bucket -> arms it pruned, once every other arm was explored
         self.tokens: dict[tuple[int, Arm], float] = defaultdict(float)
         self.seconds: dict[tuple[int, Arm], float] = defaultdict(float)
         self.weight: dict[tuple[int, Arm], float] = defaultdict(float)     # decayed number of rounds
@@ -154,26 +157,35 @@ class ArmSelector:
         seconds = self.seconds[(bucket, arm)]
         return self.tokens[(bucket, arm)] / seconds if seconds > 0 else 0.0
 
-    def _losing(self, b: int, arms: tuple[Arm, ...]) -> set[Arm]:
-        """Explored arms of bucket b measured below PRUNE x its best arm."""
-        explored = [a for a in arms if self.samples[(b, a)] >= self.min_samples]
-        if not explored:
-            return set()
-        best = max(self.rate(b, a) for a in explored)
-        return {a for a in explored if self.rate(b, a) < PRUNE * best}
+    def draft_nodes(self, arm: Arm) -> int:
+        """Draft nodes an arm verifies per request and round (its weight against the batch's verify)."""
+        return {"ar": 0, "dflash": self.chain_nodes}.get(arm.mode, arm.budget)
 
     def _pruned(self, b: int, arms: tuple[Arm, ...]) -> set[Arm]:
-        """Arms not worth trying in bucket b: trees larger than an explored tree that already loses clearly (more
-        nodes will not pay either, and they cost the slowest rounds), and arms that lost clearly at a smaller batch
-        size once that bucket was explored (drafting pays less as the batch grows: the verify of more rows costs
-        more and the drafter's own pass is shared by fewer idle cycles)."""
+        """Arms not worth trying in bucket b: trees larger than an explored tree that already loses clearly here
+        (more nodes will not pay either, and they cost the slowest rounds), i.e. below PRUNE x an arm that drafts
+        fewer nodes; and, from every smaller batch size whose exploration is done, the arms it pruned and those it
+        measured below PRUNE_ACROSS x an arm that drafts fewer nodes (drafting pays less as the batch grows: the verify of more rows costs more, and the drafter's
+        pass fills fewer idle cycles; so what lost to lighter drafting at a smaller batch loses at a larger one).
+        ar and the policy arm are never pruned."""
         pruned: set[Arm] = set()
         for smaller in range(b):
-            if self.rounds[smaller] and all(self.samples[(smaller, a)] >= self.min_samples for a in arms):
-                pruned |= {a for a in self._losing(smaller, arms) if a.mode != "ar"}
-        losing = [a.budget for a in self._losing(b, arms) if a.mode == "ddtree"]
+            if smaller in self.settled:
+                pruned |= self.settled[smaller] | self._lost_to_lighter(smaller, arms, PRUNE_ACROSS)
+        losing = [a.budget for a in self._lost_to_lighter(b, arms, PRUNE) if a.mode == "ddtree"]
         pruned |= {a for a in arms if a.mode == "ddtree" and losing and a.budget > min(losing)}
-        return pruned
+        return {a for a in pruned if a.mode not in ("ar", "policy")}
+
+    def _lost_to_lighter(self, b: int, arms: tuple[Arm, ...], margin: float) -> set[Arm]:
+        """Arms explored in bucket b measured below margin x an explored arm that drafts fewer nodes (losing to a
+        heavier arm says nothing: a larger tree may pay more still)."""
+        explored = [a for a in arms if self.samples[(b, a)] >= self.min_samples and a.mode != "policy"]
+        lost = set()
+        for a in explored:
+            lighter = [self.rate(b, o) for o in explored if self.draft_nodes(o) < self.draft_nodes(a)]
+            if lighter and self.rate(b, a) < margin * max(lighter):
+                lost.add(a)
+        return lost
 
     def score(self, bucket: int, arm: Arm) -> float:
         """The measured rate plus an optimism bonus that shrinks with the arm's (decayed) number of rounds: an arm
@@ -199,6 +211,7 @@ class ArmSelector:
         if unexplored:
             arm = unexplored[0]
         else:
+            self.settled.setdefault(b, pruned)
             best = max(arms, key=lambda a: self.score(b, a))
             due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_interval(b, a, best)]
             arm = min(due, key=lambda a: self.last_tried[(b, a)]) if due else best

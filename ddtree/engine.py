@@ -103,7 +103,8 @@ class Engine:
         self.stage_times = StageTimes()
         self._num_requests = 0
         self.cost_model = CostModel.load(config.cost_model_path or default_cost_model(config.device))
-        self.arm_selector = ArmSelector(parse_arms(config.auto_arms))
+        self.arm_selector = ArmSelector(parse_arms(config.auto_arms),
+                                        chain_nodes=drafter.block_size - 1 if drafter is not None else 15)
         static = config.static_forward == "on" or (config.static_forward == "auto" and self.device.type == "cuda")
         self.graphs = GraphPool(self.device, capture=config.cuda_graphs)
         self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs) if static else None
@@ -215,7 +216,7 @@ class Engine:
                                          torch.tensor([params.min_tokens > 0], device=self.device))
             seq.root = self._choose(row_logits[0], params, seq.generator)
             seq.start = n
-            seq.pending_taps = taps[row : row + n] if taps is not None else None
+            seq.pending_taps = taps[row : row + n] if taps is not None and params.mode != "ar" else None
             row += n
             if self.draft_caches:
                 self.draft_caches[seq.slot].length = 0
@@ -287,7 +288,7 @@ class Engine:
             seq.calibration = 0.5 * seq.calibration + 0.5 * min(observed, 1.0)
             self.auto_calibration = 0.5 * self.auto_calibration + 0.5 * seq.calibration   # prior for new requests
         self.caches[seq.slot].compact(seq.start, acceptance.accepted)
-        if taps is not None:
+        if taps is not None and params.mode != "ar":   # an ar request never drafts: its features are not kept
             new_taps = taps[torch.tensor(acceptance.accepted, device=self.device)]
             # a round without drafting leaves earlier features unseen: they accumulate
             seq.pending_taps = new_taps if seq.pending_taps is None else torch.cat([seq.pending_taps, new_taps])

@@ -82,28 +82,27 @@ class GraphPool:
         if not self.capture or program.graph is False:
             return program.body()
         if program.graph is None:
+            # the first call runs eagerly (its results are this call's) and then captures: a capture records
+            # without executing, so the body's in-place writes (cache rows, a committed recurrent state) happen once
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                outputs = program.body()   # also the warm-up: lazy initialisations, library handles, autotuning
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             try:
-                program.graph, program.outputs = self._capture(program.body)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls from other threads of the server (Triton's) do not break this capture
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    program.outputs = program.body()
+                program.graph = graph
                 logger.info("captured a CUDA graph for %s (%d graphs)", key, len(self.programs))
             except Exception as exc:   # an op that cannot be captured: this shape runs eagerly from now on
                 logger.warning("CUDA graph capture failed for %s (%s: %s); it runs eagerly", key, type(exc).__name__, exc)
-                program.graph = False
+                program.graph, program.outputs = False, None
                 torch.cuda.synchronize(self.device)
-                return program.body()
+            return outputs
         program.graph.replay()
         return program.outputs
-
-    def _capture(self, body: Callable[[], Any]) -> tuple[Any, Any]:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            body()       # warm-up off the capture: lazy initialisations, library handles, autotuning
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls from other threads of the server (Triton's) do not break this capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            outputs = body()
-        return graph, outputs
 
 
 class StaticTarget:

@@ -6,7 +6,7 @@ CUDA tensor asks for it, and `DDTREE_DISABLE_FLA=1` forces the plain torch path 
 reference the kernels are tested against, tests/gpu/test_fla_path.py).
 
 Where fla applies: a chain whose whole result is committed (a prompt's prefill), through
-`chunk_gated_delta_rule`. Trees (and a dflash chain, whose accepted prefix is only known after the
+`chunk_gated_delta_rule`, and a one-token step (an `ar` round), through `fused_recurrent_gated_delta_rule`. Trees (and a dflash chain, whose accepted prefix is only known after the
 verify) stay on ddtree.models.gdn.gdn_tree: fla has no ancestor-masked form.
 """
 
@@ -36,6 +36,32 @@ def _fla_chunk_gdn() -> Callable | None:
     return chunk_gated_delta_rule
 
 
+@functools.cache
+def _fla_fused_recurrent() -> Callable | None:
+    if _fla_chunk_gdn() is None:        # disabled or missing: logged there
+        return None
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    return fused_recurrent_gated_delta_rule
+
+
+def step_gdn_kernel(device: torch.device) -> Callable | None:
+    """fla's fused recurrent gated delta rule (one kernel per layer for a decode step) on `device`, or None."""
+    if device.type != "cuda":
+        return None
+    return _fla_fused_recurrent()
+
+
+def gdn_step_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token through fla's fused recurrent kernel: o [1, HV, dv] in v's dtype, the new state [HV, dk, dv] in
+    float32. Same conventions as gdn_chain_fla (q, k [1, HV, dk] raw, l2-normalised in the kernel)."""
+    dtype = v.dtype
+    o, new_state = kernel(q[None].to(dtype), k[None].to(dtype), v[None], g=g[None].float(), beta=beta[None].to(dtype),
+                          initial_state=state[None].float().contiguous(), output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+    return o[0], new_state[0]
+
+
 def chain_gdn_kernel(device: torch.device) -> Callable | None:
     """fla's chunked gated delta rule for tensors on `device`, or None (CPU, fla missing or disabled)."""
     if device.type != "cuda":
@@ -57,4 +83,4 @@ def gdn_chain_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return o[0], state[0]
 
 
-__all__ = ["chain_gdn_kernel", "gdn_chain_fla"]
+__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "gdn_step_fla", "step_gdn_kernel"]

@@ -29,7 +29,7 @@ from ddtree.models.gdn import (
     gdn_tree,
     parents_from_visibility,
 )
-from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla
+from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_step_fla, step_gdn_kernel
 from ddtree.models.layers import GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
@@ -214,7 +214,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, layout: TreeLayout,
                 stash: TreeStash | None) -> torch.Tensor:
-        """Rows of one sequence; `stash` None: they are a chain committed whole (a prompt), run in chunks."""
+        """Rows of one sequence: a tree whose accepted path is committed later from `stash`; without a stash, rows
+        committed whole: one token (an `ar` step or a one-token prompt: its state and conv window are committed here,
+        in place) or a long prompt (run in chunks; committed by compact)."""
         c, n = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         mixed = self.in_proj_qkv(x)                                          # [n, conv_dim] pre-conv
@@ -226,7 +228,12 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(n, hv, dv)
         beta = torch.sigmoid(self.in_proj_b(x))                                # [n, hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if stash is None:
+        if stash is None and n == 1:
+            o, state = self._step(q, k, v, g, beta, cache.state[slot])
+            window = cache.conv[slot]
+            window.copy_(torch.cat([window[:, 1:], mixed.transpose(0, 1).to(window.dtype)], dim=1))
+            cache.state[slot].copy_(state)
+        elif stash is None:
             o, state = self._chunked_chain(q, k, v, g, beta, cache.state[slot])
             conv_state = conv_state_after(mixed, list(range(-1, n - 1)), n - 1, cache.conv[slot])
             cache.pending[slot] = CommittedState(state=state, conv=conv_state, last=n - 1)
@@ -237,6 +244,15 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
 
+
+    @staticmethod
+    def _step(q, k, v, g, beta, state):
+        """One token from the committed state: fla's fused recurrent kernel on CUDA where installed, else torch."""
+        kernel = step_gdn_kernel(q.device)
+        if kernel is not None:
+            return gdn_step_fla(kernel, q, k, v, g, beta, state)
+        o, stash = gdn_tree(q, k, v, g, beta, [-1], state)
+        return o, gdn_state_at(stash, 0, state)
 
     @staticmethod
     def _chunked_chain(q, k, v, g, beta, state):
@@ -312,8 +328,9 @@ class HybridTarget(TargetModel):
         c, x = self.config, self.embed_tokens(input_ids)
         stashes = []
         for seg, layout in zip(segments, plan.layouts):
-            chunked = seg.length > PREFILL_CHUNK and seg.parents == list(range(-1, seg.length - 1))
-            stashes.append(None if chunked else TreeStash.empty(
+            # rows committed whole need no stash: one token (committed in place), a long prompt (chunks)
+            whole = seg.length == 1 or (seg.length > PREFILL_CHUNK and seg.parents == list(range(-1, seg.length - 1)))
+            stashes.append(None if whole else TreeStash.empty(
                 len(seg.cache.gdn_layers), seg.length, c.linear_num_value_heads, c.linear_key_head_dim,
                 c.linear_value_head_dim, c.conv_dim, torch.float64 if x.dtype == torch.float64 else torch.float32,
                 x.dtype, x.device))

@@ -183,3 +183,23 @@ def test_arms_that_lost_at_a_smaller_batch_are_not_explored_at_a_larger_one():
     play(selector, {"ar": 20.0, "dflash": 10.0, "ddtree-16": 30.0}, num_seqs=1, rounds=20)    # dflash loses at 1
     chosen = play(selector, {"ar": 100.0, "dflash": 10.0, "ddtree-16": 90.0}, num_seqs=16, rounds=20)
     assert "dflash" not in chosen and chosen["ddtree-16"] == 2 and chosen["ar"] == 18
+
+
+def test_what_lost_to_lighter_drafting_at_a_smaller_batch_is_not_explored_at_a_larger_one():
+    """CPU-like: at one stream every drafting arm loses to ar, so at 16 streams only ar and the policy are explored
+    (two rounds each) instead of paying two slow rounds per arm again. GPU-like: at one stream ddtree-64 leads and
+    ddtree-16 loses only to that heavier tree, so at 4 streams both are explored (a smaller tree may win there)."""
+    arms = "ar,dflash,ddtree-4,ddtree-16,ddtree-64,policy"
+    cpu = ArmSelector(parse_arms(arms), min_samples=2, reprobe_every=1000)
+    play(cpu, {"ar": 20.0, "dflash": 8.0, "ddtree-4": 15.0, "ddtree-16": 18.0, "ddtree-64": 9.0, "policy": 19.0},
+         num_seqs=1, rounds=30)
+    chosen = play(cpu, {"ar": 100.0, "dflash": 20.0, "ddtree-4": 60.0, "ddtree-16": 50.0, "ddtree-64": 10.0,
+                        "policy": 95.0}, num_seqs=16, rounds=40)
+    assert set(chosen) == {"ar", "policy"} and chosen["policy"] <= 6      # 2 to explore, a few from its UCB bonus
+    gpu = ArmSelector(parse_arms(arms), min_samples=2, reprobe_every=1000)
+    play(gpu, {"ar": 20.0, "dflash": 25.0, "ddtree-4": 30.0, "ddtree-16": 40.0, "ddtree-64": 50.0, "policy": 45.0},
+         num_seqs=1, rounds=30)
+    chosen = play(gpu, {"ar": 60.0, "dflash": 50.0, "ddtree-4": 80.0, "ddtree-16": 90.0, "ddtree-64": 70.0,
+                        "policy": 85.0}, num_seqs=4, rounds=40)
+    assert set(chosen) == {"ar", "ddtree-4", "ddtree-16", "ddtree-64", "policy"}   # dflash lost to ddtree-4 at 1
+    assert chosen["ddtree-16"] >= 40 - 4 * 2 - 6
