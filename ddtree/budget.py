@@ -162,12 +162,12 @@ class ArmSelector:
         return {"ar": 0, "dflash": self.chain_nodes}.get(arm.mode, arm.budget)
 
     def _pruned(self, b: int, arms: tuple[Arm, ...]) -> set[Arm]:
-        """Arms not worth trying in bucket b: trees larger than an explored tree that already loses clearly here
-        (more nodes will not pay either, and they cost the slowest rounds), i.e. below PRUNE x an arm that drafts
-        fewer nodes; and, from every smaller batch size whose exploration is done, the arms it pruned and those it
-        measured below PRUNE_ACROSS x an arm that drafts fewer nodes (drafting pays less as the batch grows: the verify of more rows costs more, and the drafter's
-        pass fills fewer idle cycles; so what lost to lighter drafting at a smaller batch loses at a larger one).
-        ar and the policy arm are never pruned."""
+        """Arms not worth trying in bucket b: trees larger than an explored tree that already loses clearly
+        here (more nodes will not pay either, and they cost the slowest rounds), i.e. below PRUNE x an arm that
+        drafts fewer nodes; and, from every smaller batch size whose exploration is done, the arms it pruned and
+        those it measured below PRUNE_ACROSS x an arm that drafts fewer nodes (drafting pays less as the batch
+        grows: the verify of more rows costs more, and the drafter's pass fills fewer idle cycles; so what lost to
+        lighter drafting at a smaller batch loses at a larger one). ar and the policy arm are never pruned."""
         pruned: set[Arm] = set()
         for smaller in range(b):
             if smaller in self.settled:

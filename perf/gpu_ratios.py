@@ -135,10 +135,12 @@ def table(result: dict) -> str:
                 lines.append(f"| {forward} | {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {e['draft_ms']:.1f} | "
                              f"{e['tree_build_ms']:.1f} | {e['verify_ms']:.1f} | {e['commit_ms']:.1f} | {e['host_share']:.0%} |")
         budgets = list(r["verify"]["static"]["budgets"])
-        lines += ["", f"{shape}: target verify alone (ms)", "", "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+        lines += ["", f"{shape}: target verify alone (ms)", "",
+                  "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
                   "|---|---|" + "---|" * len(budgets)]
         for forward, v in r["verify"].items():
-            lines.append(f"| {forward} | {v['ar_step_ms']:.2f} | " + " | ".join(f"{e['verify_ms']:.2f}" for e in v["budgets"].values()) + " |")
+            cells = " | ".join(f"{e['verify_ms']:.2f}" for e in v["budgets"].values())
+            lines.append(f"| {forward} | {v['ar_step_ms']:.2f} | {cells} |")
         lines.append("")
     return "\n".join(lines)
 

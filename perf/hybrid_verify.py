@@ -27,10 +27,10 @@ from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.models.dflash import DFlashConfig, DFlashDrafter, dflash_hf_config  # noqa: E402
 from ddtree.models.gdn import gdn_sequential, gdn_tree  # noqa: E402
+from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
 from ddtree.models.kernels import chain_gdn_kernel  # noqa: E402
 from ddtree.models.qwen3_5 import HybridConfig, HybridTarget  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
-from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
 from ddtree.tree import build_tree, compile_tree, top_log_probs  # noqa: E402
 from ddtree.tree.compile import VerifyBatch  # noqa: E402
 from perf.common import ROOT, header, write_results  # noqa: E402

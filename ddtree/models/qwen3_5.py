@@ -244,7 +244,6 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
 
-
     @staticmethod
     def _step(q, k, v, g, beta, state):
         """One token from the committed state: fla's fused recurrent kernel on CUDA where installed, else torch."""
@@ -319,7 +318,7 @@ class HybridTarget(TargetModel):
                        tap_layers: list[int] | None = None, logit_rows: torch.Tensor | None = None,
                        plan: ForwardPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Several sequences' rows in one pass; attention and GDN run per sequence on its own cache. A given `plan`
-        (a static forward's) means: no host work at all, every segment is a tree to verify."""
+        (a static forward's) means no host work at all: each segment is a tree to verify (one row: a step)."""
         if plan is None:
             for seg in segments:
                 if seg.start == 0:
