@@ -62,6 +62,8 @@ class ServiceStats:
     engine_healthy: int = 1          # 0 after a fatal engine error: the instance answers UNAVAILABLE from then on
 
 
+METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engine works
+
 # Errors after which the engine's device state cannot be trusted: the instance stops serving.
 FATAL_MARKERS = ("CUDA error", "CUDA out of memory", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error",
                  "device-side assert", "NCCL error", "illegal memory access", "out of memory", "can't allocate memory")
@@ -95,6 +97,7 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.stats = ServiceStats()
         self.on_stats = on_stats          # called from the engine thread after stats change (metrics)
+        self._last_published = 0.0        # when on_stats last ran
         self.max_queue_size = max_queue_size
         self.fatal_error: str | None = None     # set once, by the first fatal engine error; never cleared
         self._fault_after_rounds = parse_fault_injection(fault_injection)
@@ -179,7 +182,12 @@ class GenerationService:
         self.stats.draft_seconds, self.stats.verify_seconds = times.draft, times.verify
         self.stats.host_seconds = times.host
         self.stats.acceptance_histogram = dict(times.acceptance_histogram)
-        if self.on_stats is not None:
+        # publishing costs one IPC call per changed metric in Triton (several per round): at most every
+        # METRICS_INTERVAL_S while the engine works, and always once it is idle (scrapes then see final values)
+        now = time.monotonic()
+        if self.on_stats is not None and (now - self._last_published >= METRICS_INTERVAL_S or not engine.has_work
+                                          or self.fatal_error is not None):
+            self._last_published = now
             self.on_stats(self.stats)
 
     def _loop(self) -> None:
