@@ -112,9 +112,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -126,9 +124,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        o32 = o.float()
-        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * o32.to(o.dtype)) * F.silu(z.float())).to(o.dtype)
+        return ((self.weight * F.rms_norm(o, (o.shape[-1],), None, self.eps)) * F.silu(z.float())).to(o.dtype)
 
 
 class HybridCache:
