@@ -88,7 +88,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     # the engine's static forward (CUDA graphs on CUDA) is what it serves batch 1 with; the dynamic forward is
     # measured beside it to show what the graphs buy
     verify = {forward: measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
-                                      static=forward == "static") for forward in ("dynamic", "static")}
+                                      static=forward == "static", profile=(16, 64))
+              for forward in ("dynamic", "static")}
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
@@ -141,6 +142,14 @@ def table(result: dict) -> str:
         for forward, v in r["verify"].items():
             cells = " | ".join(f"{e['verify_ms']:.2f}" for e in v["budgets"].values())
             lines.append(f"| {forward} | {v['ar_step_ms']:.2f} | {cells} |")
+        for forward, v in r["verify"].items():
+            for name, p in v.get("profile", {}).items():
+                if "error" in p:
+                    lines += [f"{shape}, {forward} {name}: no kernel profile ({p['error']})", ""]
+                    continue
+                lines += [f"{shape}, {forward} {name}: {p['kernels']} kernels, {p['device_ms']:.2f} ms of device time "
+                          f"(floor {r['floor_ms']:.2f} ms)", "", "| kernel | per call | ms per call |", "|---|---|---|"]
+                lines += [f"| `{k}` | {n} | {ms:.3f} |" for k, n, ms in p["top"]] + [""]
         lines.append("")
     return "\n".join(lines)
 

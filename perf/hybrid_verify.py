@@ -112,11 +112,36 @@ def timed(fn, device: str, repeats: int) -> list[float]:
     return times
 
 
+def kernel_profile(fn, repeats: int = 3, top: int = 12) -> dict:
+    """GPU kernels of one call of fn (CUDA only; graph replays included): their summed device time, how many,
+    and the `top` kernels by time. Device time against wall time says how host-bound a pass is; against the
+    weight-streaming floor, how far its kernels are from the memory bus. A failure is reported, not raised
+    (the profile is a diagnostic: the run's measurements must not be lost to it)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                fn()
+            torch.cuda.synchronize()
+        kernels = [(e.key, e.count / repeats, e.self_device_time_total / repeats / 1e3) for e in prof.key_averages()
+                   if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    kernels.sort(key=lambda k: -k[2])
+    return {"device_ms": sum(k[2] for k in kernels), "kernels": round(sum(k[1] for k in kernels)),
+            "top": [[name[:90], round(count, 1), round(ms, 4)] for name, count, ms in kernels[:top]]}
+
+
 @torch.inference_mode()
 def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_len: int, repeats: int,
-                   static: bool = False) -> dict:
+                   static: bool = False, profile: tuple[int, ...] = ()) -> dict:
     """One ar step and one tree verify per budget, through the dynamic forward or (static) the engine's static
-    forward: CUDA graphs on CUDA, bucketed shapes (ddtree.models.graphs); a static forward's first call captures."""
+    forward: CUDA graphs on CUDA, bucketed shapes (ddtree.models.graphs); a static forward's first call captures.
+    On CUDA, the ar step and the verifies at the budgets in `profile` also get a kernel profile."""
     c = model.config
     cache = model.new_cache(prompt_len + max(budgets) + 2)
     ids = torch.randint(0, c.vocab_size, (prompt_len,), device=device)
@@ -135,6 +160,9 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
                        torch.ones(1, 1, dtype=torch.bool, device=device))
     ar = timed(lambda: verify(step, [-1]), device, repeats + 1)[1:]
     results = {"forward": "static" if static else "dynamic", "ar_step_ms": statistics.median(ar), "budgets": {}}
+    cuda = device.startswith("cuda")
+    if cuda and profile:
+        results["profile"] = {"ar": kernel_profile(lambda: verify(step, [-1]))}
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
         log_probs, token_ids = top_log_probs(torch.randn(15, c.vocab_size, generator=gen), budget)
@@ -149,6 +177,8 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
         times = timed(lambda: verify(batch, tree.parents), device, repeats + 1)[1:]
         entry = {"num_nodes": tree.num_nodes + 1, "verify_ms": statistics.median(times),
                  "verify_over_ar": statistics.median(times) / results["ar_step_ms"]}
+        if cuda and budget in profile:
+            results["profile"][f"ddtree-{budget}"] = kernel_profile(lambda: verify(batch, tree.parents))
         if device.startswith("cuda"):
             entry["verify_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         if hasattr(cache, "pending"):
