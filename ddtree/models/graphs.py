@@ -81,6 +81,12 @@ class GraphPool:
         program.inputs.copy_(program.host, non_blocking=True)
         if not self.capture or program.graph is False:
             return program.body()
+        # graphs capture on and replay into the calling thread's current device: make it the engine's (a replica
+        # on cuda:1 runs its engine in a thread whose current device would otherwise be cuda:0)
+        with torch.cuda.device(self.device):
+            return self._run_graph(key, program)
+
+    def _run_graph(self, key: tuple, program: Program) -> Any:
         if program.graph is None:
             # the first call runs eagerly (its results are this call's) and then captures: a capture records
             # without executing, so the body's in-place writes (cache rows, a committed recurrent state) happen once
