@@ -25,6 +25,11 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
         for forward, verify in shape["verify"].items():
             assert verify["forward"] == forward and list(verify["budgets"]) == ["16", "64"]
             assert verify["ar_step_ms"] > 0 and all(e["verify_ms"] > 0 for e in verify["budgets"].values())
+    from ddtree.budget import CostModel
+
+    cost = CostModel.load(tmp_path / "cost_model_r_tiny-hybrid.json")
+    assert cost.rows == (1, 17, 65) and cost.draft_ms > 0
+    assert cost.verify(17) == saved["shapes"]["tiny-hybrid"]["verify"]["static"]["budgets"]["16"]["verify_ms"]
     md = (tmp_path / "r.md").read_text()
     assert "| tiny-dense |" in md and "Goals (issue 6)" in md
     assert (tmp_path / "r.png").stat().st_size > 1000 and result["plot"].endswith("r.png")
