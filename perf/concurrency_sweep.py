@@ -23,7 +23,9 @@ from ddtree.config import EngineConfig  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 from perf.triton_bench import TritonServer, input_data, make_repository, run_perf_analyzer  # noqa: E402
 
-METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 16, "ddtree-16"), ("auto", 16, "auto")]
+METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), ("ddtree", 16, "ddtree-16"),
+           ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto")]
+DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
 
 
 def summarize(requests: list[dict], max_tokens: int) -> dict:
@@ -63,18 +65,20 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="concurrency_cpu")
-    parser.add_argument("--methods", default=",".join(name for _, _, name in METHODS))
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"of {', '.join(n for _, _, n in METHODS)}")
+    parser.add_argument("--gpus", default="", help="one engine replica per listed GPU, e.g. 0,1 (KIND_GPU instances)")
     args = parser.parse_args()
+    gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     methods = [m for m in METHODS if m[2] in args.methods.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     config = EngineConfig(target_path=str(Path(args.target).resolve()), drafter_path=str(Path(args.drafter).resolve()),
                           device=args.device, dtype=args.dtype, max_tree_budget=64)
     prompts = json.loads((ROOT / "perf/prompts.json").read_text())
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "target": config.target_path, "methods": {}}
+              "target": config.target_path, "gpus": gpus, "methods": {}}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024"})
+        repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024"}, gpus)
         with TritonServer(str(repo), log_path=str(workdir / "server.log")) as server:
             for mode, budget, name in methods:
                 sampling = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "mode": mode,

@@ -12,6 +12,7 @@
 #           (perf/gpu_ratios.py: 27B hybrid and 8B dense shapes, random weights, static vs dynamic forward)
 #   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; cat them into .deps/bundle/) and .deps/tc
 #           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
+#   sweep   after eval, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
 # Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~40 MB)
 # stays under 64 MiB: `split -n 4 -d` into .deps/xa ... .deps/xd (~24.6 MB each), one carried per call.
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
@@ -24,6 +25,10 @@ stage="$1"; shift
 install_wheels() {
   [ -d .deps/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target .deps/site .deps/xa/*.whl
+  # tritonclient (+ python-rapidjson) once .deps/tc has travelled
+  if [ -d .deps/tc ] && [ ! -d .deps/site/tritonclient ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .deps/site .deps/tc/*.whl
+  fi
 }
 
 case "$stage" in
@@ -68,6 +73,18 @@ eval)
     tar -C .deps -xJf .deps/bundle/tritonserver-py312.tar.xz
   fi
   python3 perf/humaneval.py --device cuda --dtype bfloat16 --out "$OUT" "$@"
+  ;;
+sweep)
+  # after `target` and `eval` on the same warm machine (the embedded default, tritonserver, tritonclient in place),
+  # carry .deps/gpu (perf_analyzer): issue 4's concurrency sweep, 1..32 streams; `sweep --gpus 0,1` on two GPUs
+  # (issue 7: one engine replica per GPU)
+  install_wheels
+  [ -d .deps/perf_analyzer ] || tar -C .deps -xJf .deps/gpu/perf_analyzer.tar.xz
+  mkdir -p .deps/bin
+  printf '#!/bin/sh\nexec "%s" "$@"\n' "$PWD/.deps/perf_analyzer/perf_analyzer/bin/perf_analyzer" > .deps/bin/perf_analyzer
+  chmod +x .deps/bin/perf_analyzer
+  python3 perf/concurrency_sweep.py --device cuda --dtype bfloat16 --max-tokens 64 \
+    --methods ar,dflash,ddtree-4,ddtree-16,ddtree-64,auto --out "$OUT" --name "${NAME:-concurrency_h200}" "$@"
   ;;
 *)
   echo "unknown stage $stage" >&2; exit 2 ;;

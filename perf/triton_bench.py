@@ -29,7 +29,19 @@ def set_parameter(config: Path, key: str, value: str) -> None:
     config.write_text(re.sub(pattern, rf'\1"{value}"', config.read_text()))
 
 
-def make_repository(config: EngineConfig, workdir: Path, extra: dict[str, str] | None = None) -> Path:
+def set_gpu_replicas(config: Path, gpus: list[int]) -> None:
+    """One engine replica per listed GPU (Triton KIND_GPU instances; each engine runs on its instance's GPU)."""
+    text = config.read_text()
+    group = f"instance_group [ {{ count: 1, kind: KIND_GPU, gpus: [ {', '.join(str(g) for g in gpus)} ] }} ]"
+    updated = re.sub(r"^instance_group \[.*\]$", group, text, count=1, flags=re.MULTILINE)
+    if updated == text:
+        raise ValueError(f"{config}: no instance_group line to replace")
+    config.write_text(updated)
+
+
+def make_repository(config: EngineConfig, workdir: Path, extra: dict[str, str] | None = None,
+                    gpus: list[int] | None = None) -> Path:
+    """A copy of model_repository/ serving `config` (and, with `gpus`, one replica per listed GPU)."""
     repo = workdir / "model_repository"
     shutil.copytree(ROOT / "model_repository", repo)
     for model in ("preprocessing", "postprocessing"):
@@ -40,6 +52,8 @@ def make_repository(config: EngineConfig, workdir: Path, extra: dict[str, str] |
     set_parameter(ddtree, "max_tree_budget", str(config.max_tree_budget))
     for key, value in (extra or {}).items():
         set_parameter(ddtree, key, value)
+    if gpus:
+        set_gpu_replicas(ddtree, gpus)
     return repo
 
 

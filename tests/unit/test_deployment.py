@@ -342,3 +342,20 @@ def test_check_fails_when_cuda_is_asked_for_without_a_gpu(deployment, capsys):
 def test_shell_parsing_sees_setup_sh():
     files = [f for files, _ in pip_invocations((ROOT / "scripts" / "setup.sh").read_text(), False) for f in files]
     assert "requirements/dev.txt" in files
+
+
+def test_benchmark_repository_with_one_replica_per_gpu(tmp_path):
+    """perf's --gpus: the served copy's ddtree model gets one KIND_GPU instance per listed GPU (data parallel),
+    the rest of its config unchanged."""
+    from ddtree.config import EngineConfig
+    from perf.triton_bench import make_repository
+
+    config = EngineConfig(target_path="/m/t", drafter_path="/m/d", device="cuda", dtype="bfloat16")
+    repo = make_repository(config, tmp_path, {"max_num_seqs": "32"}, gpus=[0, 1])
+    text = (repo / "ddtree" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 1, kind: KIND_GPU, gpus: [ 0, 1 ] } ]" in text
+    assert len(re.findall(r"^instance_group", text, flags=re.MULTILINE)) == 1 and "KIND_MODEL } ]" not in text
+    assert 'key: "device", value: { string_value: "cuda" }' in text
+    assert 'key: "max_num_seqs", value: { string_value: "32" }' in text
+    original = (Path(__file__).resolve().parents[2] / "model_repository/ddtree/config.pbtxt").read_text()
+    assert original.replace(" ", "").count("\n") == text.replace(" ", "").count("\n")
