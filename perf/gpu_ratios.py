@@ -61,6 +61,7 @@ def dense_target(shape: str, dtype: torch.dtype, device: str) -> DenseTarget:
           "tie_word_embeddings": False, **DENSE_SHAPES[shape]}
     with torch.device("meta"):
         model = DenseTarget(DenseConfig.from_hf(hf)).to(dtype)
+        model.fuse_projections()                                    # as from_pretrained serves them
     model = model.to_empty(device=device)
     _fill_random(model, device)
     with torch.no_grad():

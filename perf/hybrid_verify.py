@@ -93,6 +93,7 @@ def random_target(shape: str, dtype: torch.dtype, device: str) -> HybridTarget:
           "eos_token_id": 248046, **SHAPES[shape]}
     with torch.device("meta"):
         model = HybridTarget(HybridConfig.from_hf(hf)).to(dtype)   # 27B in fp32 would not fit beside bf16
+        model.fuse_projections()                                    # as from_pretrained serves them
     model = model.to_empty(device=device)
     _fill_random(model, device)
     model.rotary = type(model.rotary)(model.config.rotary_dim, model.config.rope_theta)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import TargetModel
-from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
+from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend, fuse_linears
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -211,14 +211,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Serve q/k/v as one projection."""
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
                 layer: int, packed: PackedAttention | None = None) -> torch.Tensor:
         """Projections for all packed rows at once; attention in one padded call (packed) or per segment."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -251,6 +264,12 @@ class DenseTarget(TargetModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one projection each (after loading: the checkpoint's names are the unfused ones)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def new_cache(self, max_len: int) -> KVCache:
         return self.new_caches(1, max_len)[0]
@@ -293,6 +312,7 @@ class DenseTarget(TargetModel):
         if config.tie_word_embeddings or "lm_head.weight" not in remapped:
             remapped["lm_head.weight"] = remapped["embed_tokens.weight"]
         assign_weights(model, remapped, path)
+        model.fuse_projections()
         model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         logger.info("target %s: %s, %d layers, hidden %d, vocab %d", Path(path).name, config.model_type,
                     config.num_hidden_layers, config.hidden_size, config.vocab_size)

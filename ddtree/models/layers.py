@@ -20,14 +20,37 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose outputs are the given Linears' outputs side by side (one GEMM instead of several: at batch 1
+    each projection is a launch-bound GEMV). Same weights, concatenated; the inputs must agree."""
+    first = linears[0]
+    bias = first.bias is not None
+    fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=bias,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if bias:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    return fused.requires_grad_(first.weight.requires_grad)
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Serve gate_proj and up_proj as one projection (targets; the drafter keeps its published layout)."""
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

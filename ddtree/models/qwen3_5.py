@@ -30,7 +30,7 @@ from ddtree.models.gdn import (
     parents_from_visibility,
 )
 from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_step_fla, step_gdn_kernel
-from ddtree.models.layers import GatedMLP, Rotary
+from ddtree.models.layers import GatedMLP, Rotary, fuse_linears
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -172,6 +172,18 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Serve q (with its gate), k and v as one projection."""
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([2 * self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
@@ -183,10 +195,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
                 slot: int, packed: PackedAttention | None = None) -> torch.Tensor:
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q_gate, k, v = self.project(x)
+        q, gate = q_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self._rotate(self.q_norm(q), *rope)
-        k = self._rotate(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), *rope)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        k = self._rotate(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), *rope)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = attend_segments(q, k, v, [seg.cache.kv for seg in segments], segments, slot, self.head_dim**-0.5, packed)
         out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
         return self.o_proj(out)
@@ -207,6 +220,19 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(c.linear_num_value_heads))
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
+        self.in_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Serve the four input projections (qkv, z, b, a) as one."""
+        self.in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-conv q/k/v inputs, the output gate z, and the b / a inputs of beta and the decay."""
+        if self.in_proj is None:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        hv = self.c.linear_num_value_heads
+        return self.in_proj(x).split([2 * self.key_dim + self.value_dim, self.value_dim, hv, hv], dim=-1)
 
     def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, layout: TreeLayout,
                 stash: TreeStash | None) -> torch.Tensor:
@@ -215,15 +241,15 @@ class GatedDeltaNet(nn.Module):
         in place) or a long prompt (run in chunks; committed by compact)."""
         c, n = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        mixed = self.in_proj_qkv(x)                                          # [n, conv_dim] pre-conv
+        mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
         conv = conv_tree(mixed, None, cache.conv[slot], self.conv1d.weight.squeeze(1), window=layout.window)
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = hv // c.linear_num_key_heads
         q = q.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
         k = k.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
         v = v.reshape(n, hv, dv)
-        beta = torch.sigmoid(self.in_proj_b(x))                                # [n, hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = torch.sigmoid(b)                                                # [n, hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if stash is None and n == 1:
             o, state = self._step(q, k, v, g, beta, cache.state[slot])
             window = cache.conv[slot]
@@ -236,7 +262,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o, _ = gdn_tree(q, k, v, g, beta, None, cache.state[slot], ancestors=layout.ancestors, out=stash.layer(slot))
             stash.x[slot].copy_(mixed)
-        z = self.in_proj_z(x).reshape(n, hv, dv)
+        z = z.reshape(n, hv, dv)
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
 
@@ -288,6 +314,12 @@ class HybridTarget(TargetModel):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config.rotary_dim, config.rope_theta)
+
+    def fuse_projections(self) -> None:
+        """Each layer's input projections as one, and gate/up as one (after loading the checkpoint's names)."""
+        for layer in self.layers:
+            (layer.self_attn if layer.kind == "full_attention" else layer.linear_attn).fuse()
+            layer.mlp.fuse()
 
     def new_cache(self, max_len: int) -> HybridCache:
         return self.new_caches(1, max_len)[0]
@@ -366,6 +398,7 @@ class HybridTarget(TargetModel):
         if "lm_head.weight" not in state:
             state["lm_head.weight"] = state["embed_tokens.weight"]
         assign_weights(model, state, path)
+        model.fuse_projections()
         model.rotary = Rotary(config.rotary_dim, config.rope_theta)
         logger.info("target %s: qwen3_5 hybrid, %d layers (%d GDN), hidden %d, vocab %d", Path(path).name,
                     config.num_hidden_layers, sum(t != "full_attention" for t in config.layer_types),
