@@ -44,8 +44,10 @@ def target_path(tiny_hybrid) -> Path:
     return tiny_hybrid / make_tiny_hybrid.TARGET_NAME
 
 
-@pytest.fixture(scope="module")
-def hybrid_server(tiny_hybrid, target_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=["auto", "on"])
+def hybrid_server(request, tiny_hybrid, target_path, tmp_path_factory):
+    """static_forward auto (the dynamic forward on the CPU) and on (the static forward a CUDA graph captures, run
+    eagerly): the same greedy text either way."""
     repo = tmp_path_factory.mktemp("hybrid-server") / "model_repository"
     shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
     for model in ("preprocessing", "postprocessing"):
@@ -54,6 +56,7 @@ def hybrid_server(tiny_hybrid, target_path, tmp_path_factory):
     set_parameter(config, "target_path", str(target_path))
     set_parameter(config, "drafter_path", str(tiny_hybrid / make_tiny_hybrid.DRAFTER_NAME))
     set_parameter(config, "max_tree_budget", "64")
+    set_parameter(config, "static_forward", request.param)
     log = tmp_path_factory.mktemp("hybrid-server-log") / "tritonserver.log"
     with TritonServer(str(repo), log_path=str(log)) as running:
         yield running
