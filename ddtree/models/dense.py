@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models.base import TargetModel
-from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend, fuse_linears
+from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,9 @@ class ForwardPlan:
     layouts: list | None = None    # hybrid targets: one gdn.TreeLayout per segment
 
 
-class Attention(nn.Module):
+class Attention(FusedProjections, nn.Module):
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, c: DenseConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -211,18 +213,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.qkv_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        """Serve q/k/v as one projection."""
-        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        kv = self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
                 layer: int, packed: PackedAttention | None = None) -> torch.Tensor:

@@ -52,17 +52,6 @@ def step_gdn_kernel(device: torch.device) -> Callable | None:
     return _fla_fused_recurrent()
 
 
-def gdn_step_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token through fla's fused recurrent kernel: o [1, HV, dv] in v's dtype, the new state [HV, dk, dv] in
-    float32. Same conventions as gdn_chain_fla (q, k [1, HV, dk] raw, l2-normalised in the kernel)."""
-    dtype = v.dtype
-    o, new_state = kernel(q[None].to(dtype), k[None].to(dtype), v[None], g=g[None].float(), beta=beta[None].to(dtype),
-                          initial_state=state[None].float().contiguous(), output_final_state=True,
-                          use_qk_l2norm_in_kernel=True)
-    return o[0], new_state[0]
-
-
 def chain_gdn_kernel(device: torch.device) -> Callable | None:
     """fla's chunked gated delta rule for tensors on `device`, or None (CPU, fla missing or disabled)."""
     if device.type != "cuda":
@@ -72,16 +61,17 @@ def chain_gdn_kernel(device: torch.device) -> Callable | None:
 
 def gdn_chain_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chain through fla: o [N, HV, dv] in v's dtype and the final state [HV, dk, dv] in float32.
+    """A chain through fla (either kernel: chain_gdn_kernel's chunked one, step_gdn_kernel's fused recurrent one):
+    o [N, HV, dv] in v's dtype and the final state [HV, dk, dv] in float32.
 
     Same conventions as gdn.gdn_sequential with parents = [-1, 0, 1, ...]: q, k [N, HV, dk] raw (l2-normalised
     in the kernel, q scaled by dk**-0.5), g [N, HV] log decay, beta [N, HV], initial_state [HV, dk, dv].
     """
     dtype = v.dtype
-    o, state = kernel(q[None].to(dtype), k[None].to(dtype), v[None], g[None].float(), beta[None].to(dtype),
+    o, state = kernel(q[None].to(dtype), k[None].to(dtype), v[None], g=g[None].float(), beta=beta[None].to(dtype),
                       initial_state=initial_state[None].float().contiguous(), output_final_state=True,
                       use_qk_l2norm_in_kernel=True)
     return o[0], state[0]
 
 
-__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "gdn_step_fla", "step_gdn_kernel"]
+__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "step_gdn_kernel"]

@@ -34,24 +34,38 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     return fused.requires_grad_(first.weight.requires_grad)
 
 
-class GatedMLP(nn.Module):
+class FusedProjections:
+    """Mixin for an nn.Module whose Linears named in PROJECTIONS all read the same input: fuse() serves them as one
+    GEMM (targets, after loading the checkpoint's names; the drafter keeps its published layout for training);
+    project(x) returns their outputs either way, in PROJECTIONS order."""
+    PROJECTIONS: tuple[str, ...] = ()
+
+    def fuse(self) -> None:
+        linears = [getattr(self, name) for name in self.PROJECTIONS]
+        self.fused_proj = fuse_linears(*linears)
+        self.fused_sizes = [m.out_features for m in linears]
+        for name in self.PROJECTIONS:
+            delattr(self, name)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fused = getattr(self, "fused_proj", None)
+        if fused is None:
+            return tuple(getattr(self, name)(x) for name in self.PROJECTIONS)
+        return fused(x).split(self.fused_sizes, dim=-1)
+
+
+class GatedMLP(FusedProjections, nn.Module):
+    PROJECTIONS = ("gate_proj", "up_proj")
+
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.gate_up_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        """Serve gate_proj and up_proj as one projection (targets; the drafter keeps its published layout)."""
-        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Rotary(nn.Module):

@@ -29,8 +29,8 @@ from ddtree.models.gdn import (
     gdn_tree,
     parents_from_visibility,
 )
-from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_step_fla, step_gdn_kernel
-from ddtree.models.layers import GatedMLP, Rotary, fuse_linears
+from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, step_gdn_kernel
+from ddtree.models.layers import FusedProjections, GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,9 @@ class HybridCache:
                 self.state[slot], self.conv[slot] = chain.state, chain.conv
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(FusedProjections, nn.Module):
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")    # q_proj holds q and its output gate
+
     def __init__(self, c: HybridConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -172,18 +174,6 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
-        self.qkv_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        """Serve q (with its gate), k and v as one projection."""
-        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        kv = self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x).split([2 * self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
@@ -205,7 +195,9 @@ class GatedAttention(nn.Module):
         return self.o_proj(out)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(FusedProjections, nn.Module):
+    PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")   # pre-conv q/k/v, gate z, beta, decay
+
     def __init__(self, c: HybridConfig) -> None:
         super().__init__()
         self.c = c
@@ -220,19 +212,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(c.linear_num_value_heads))
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
-        self.in_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        """Serve the four input projections (qkv, z, b, a) as one."""
-        self.in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pre-conv q/k/v inputs, the output gate z, and the b / a inputs of beta and the decay."""
-        if self.in_proj is None:
-            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        hv = self.c.linear_num_value_heads
-        return self.in_proj(x).split([2 * self.key_dim + self.value_dim, self.value_dim, hv, hv], dim=-1)
 
     def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, layout: TreeLayout,
                 stash: TreeStash | None) -> torch.Tensor:
@@ -271,7 +250,7 @@ class GatedDeltaNet(nn.Module):
         """One token from the committed state: fla's fused recurrent kernel on CUDA where installed, else torch."""
         kernel = step_gdn_kernel(q.device)
         if kernel is not None:
-            return gdn_step_fla(kernel, q, k, v, g, beta, state)
+            return gdn_chain_fla(kernel, q, k, v, g, beta, state)
         o, stash = gdn_tree(q, k, v, g, beta, [-1], state)
         return o, gdn_state_at(stash, 0, state)
 

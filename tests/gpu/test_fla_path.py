@@ -52,7 +52,7 @@ def test_fla_chain_equals_sequential_recurrence(n, dtype, bound):
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
 def test_fla_step_equals_sequential_recurrence(dtype, bound):
     """One decode step (an `ar` round) through fla's fused recurrent kernel == the per-node recurrence (float64)."""
-    from ddtree.models.kernels import gdn_step_fla, step_gdn_kernel
+    from ddtree.models.kernels import step_gdn_kernel
 
     gen = torch.Generator().manual_seed(11)
     hv, dk, dv = 8, 64, 32
@@ -62,7 +62,7 @@ def test_fla_step_equals_sequential_recurrence(dtype, bound):
     beta = torch.rand(1, hv, generator=gen, dtype=torch.float64)
     s0 = torch.randn(hv, dk, dv, generator=gen, dtype=torch.float64) * 0.1
     expected_o, expected_states = gdn_sequential(q, k, v, g, beta, [-1], s0)
-    o, state = gdn_step_fla(step_gdn_kernel(torch.device("cuda")), *(t.to("cuda", dtype) for t in (q, k, v)),
+    o, state = gdn_chain_fla(step_gdn_kernel(torch.device("cuda")), *(t.to("cuda", dtype) for t in (q, k, v)),
                             g.float().cuda(), beta.to("cuda", dtype), s0.float().cuda())
     assert o.dtype == dtype and state.dtype == torch.float32 and state.shape == (hv, dk, dv)
     assert relative_error(o, expected_o) < bound
