@@ -323,10 +323,8 @@ def conv_tree(x: Tensor, parents: Sequence[int] | None, conv_state: Tensor, weig
     idx = window                                                              # [N, K]
     dtype = _compute_dtype(x)
     src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])     # [K + N, C]
-    w = weight.to(dtype)                                                      # [C, K]
-    acc = src[idx[:, 0]] * w[:, 0]                                            # [N, C]
-    for t in range(1, kernel):
-        acc.addcmul_(src[idx[:, t]], w[:, t])
+    windows = src[idx]                                                        # [N, K, C], one gather
+    acc = (windows * weight.to(dtype).transpose(0, 1)).sum(dim=1)             # [N, C]
     return F.silu(acc).to(x.dtype)
 
 

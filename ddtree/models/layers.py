@@ -20,6 +20,20 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
+class Derived:
+    """A tensor computed from a parameter and kept until the parameter changes (new storage or an in-place write):
+    a serving-time constant such as 1 + weight in float32 costs no kernel per call (nor a node per graph)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.key, self.value = fn, None, None
+
+    def __call__(self, param: torch.Tensor) -> torch.Tensor:
+        key = (param.data_ptr(), param._version, param.device, param.dtype)
+        if key != self.key:
+            self.value, self.key = self.fn(param), key
+        return self.value
+
+
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     """One Linear whose outputs are the given Linears' outputs side by side (one GEMM instead of several: at batch 1
     each projection is a launch-bound GEMV). Same weights, concatenated; the inputs must agree."""

@@ -30,7 +30,7 @@ from ddtree.models.gdn import (
     parents_from_visibility,
 )
 from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, step_gdn_kernel
-from ddtree.models.layers import FusedProjections, GatedMLP, Rotary
+from ddtree.models.layers import Derived, FusedProjections, GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -110,9 +110,10 @@ class ZeroCenteredRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.scale = Derived(lambda w: 1.0 + w.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + self.weight.float(), self.eps).type_as(x)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.scale(self.weight), self.eps).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -212,6 +213,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         self.A_log = nn.Parameter(torch.zeros(c.linear_num_value_heads))
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
+        self.decay_rate = Derived(lambda a_log: -a_log.float().exp())        # g = decay_rate * softplus(a + dt_bias)
+        self.conv_weight = Derived(lambda w: w.squeeze(1).to(torch.float64 if w.dtype == torch.float64 else torch.float32))
 
     def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, layout: TreeLayout,
                 stash: TreeStash | None) -> torch.Tensor:
@@ -221,14 +224,14 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         c, n = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
-        conv = conv_tree(mixed, None, cache.conv[slot], self.conv1d.weight.squeeze(1), window=layout.window)
+        conv = conv_tree(mixed, None, cache.conv[slot], self.conv_weight(self.conv1d.weight), window=layout.window)
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         repeat = hv // c.linear_num_key_heads
         q = q.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
         k = k.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
         v = v.reshape(n, hv, dv)
         beta = torch.sigmoid(b)                                                # [n, hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = self.decay_rate(self.A_log) * F.softplus(a.float() + self.dt_bias)
         if stash is None and n == 1:
             o, state = self._step(q, k, v, g, beta, cache.state[slot])
             window = cache.conv[slot]
