@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -122,16 +123,58 @@ def conv_window_index(parents: Tensor, kernel: int) -> Tensor:
 
 
 @dataclass(slots=True)
+class TreePaths:
+    """A tree as its root-to-leaf paths, for a fused chain kernel over variable-length sequences (the paths form):
+    every node's output is that of any path through it, since a path is exactly the node's recurrence."""
+    tokens: Tensor       # [T] long: the node of every path token (paths concatenated, padded with node 0)
+    cu_seqlens: Tensor   # [S + 1] long: path boundaries (padding paths are empty)
+    node_pos: Tensor     # [N] long: a path token of every node
+
+    @property
+    def num_paths(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+
+def tree_paths(parents: Sequence[int], max_len: int, num_paths: int | None = None,
+               num_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(tokens, cu_seqlens, node_pos) of TreePaths on the host: one path per leaf, root first, in leaf order,
+    padded to num_paths paths and num_tokens tokens; None if a path is longer than max_len or they do not fit."""
+    n = len(parents)
+    par = np.asarray(parents, dtype=np.int64)
+    has_child = np.zeros(n, dtype=bool)
+    has_child[par[par >= 0]] = True
+    tokens, bounds, node_pos = [], [0], np.full(n, -1, dtype=np.int64)
+    for leaf in np.flatnonzero(~has_child):
+        path = _root_path(parents, int(leaf))
+        if len(path) > max_len:
+            return None
+        for node in path:
+            if node_pos[node] < 0:
+                node_pos[node] = len(tokens)
+            tokens.append(node)
+        bounds.append(len(tokens))
+    num_paths = len(bounds) - 1 if num_paths is None else num_paths
+    num_tokens = len(tokens) if num_tokens is None else num_tokens
+    if len(bounds) - 1 > num_paths or len(tokens) > num_tokens:
+        return None
+    bounds += [len(tokens)] * (num_paths + 1 - len(bounds))
+    return (np.asarray(tokens + [0] * (num_tokens - len(tokens)), dtype=np.int64), np.asarray(bounds, dtype=np.int64),
+            node_pos)
+
+
+@dataclass(slots=True)
 class TreeLayout:
     """One forward's tree structure on the device, built once and shared by every GDN layer of it."""
     ancestors: Tensor   # [N, N] bool anc-or-self
     window: Tensor      # [N, K] long conv window index (conv_window_index)
+    paths: TreePaths | None = None   # set when the paths form runs (a fused chain kernel on CUDA)
 
     @classmethod
-    def of(cls, parents: Tensor, kernel: int, ancestors: Tensor | None = None) -> "TreeLayout":
+    def of(cls, parents: Tensor, kernel: int, ancestors: Tensor | None = None,
+           paths: TreePaths | None = None) -> "TreeLayout":
         """parents  # [N] long on the forward's device; ancestors where the caller has them already."""
         return cls(ancestors=ancestors_from_parents(parents) if ancestors is None else ancestors.bool(),
-                   window=conv_window_index(parents, kernel))
+                   window=conv_window_index(parents, kernel), paths=paths)
 
 
 def parents_from_visibility(visibility: Tensor) -> list[int]:
@@ -376,10 +419,96 @@ def commit_path(stash: TreeStash, path: Sequence[int], state: Tensor, conv: Tens
     vv = stash.v_new[:, index].permute(0, 2, 1, 3).reshape(layers * heads, p, dv)
     s0 = (state.to(dtype) * last.exp().to(dtype)[..., None, None]).reshape(layers * heads, dk, dv)
     state.copy_(torch.baddbmm(s0, kw, vv).view(layers, heads, dk, dv))
+    _commit_conv(stash.x, index, conv)
+
+
+def _commit_conv(x: Tensor, index: Tensor, conv: Tensor) -> None:
+    """conv  # [L, C, K] <- its last K pre-conv inputs after the path `index` (x  # [L, N, C]), in place."""
     kernel = conv.shape[-1]
-    tail = stash.x[:, index[-kernel:]].transpose(1, 2).to(conv.dtype)        # [L, C, min(P, K)]
+    tail = x[:, index[-kernel:]].transpose(1, 2).to(conv.dtype)              # [L, C, min(P, K)]
     conv.copy_(torch.cat([conv[:, :, tail.shape[-1]:], tail], dim=2))
 
 
-__all__ = ["GDNStash", "TreeLayout", "TreeStash", "ancestors_from_parents", "commit_path", "conv_state_after", "conv_tree",
-           "conv_window_index", "gdn_sequential", "gdn_state_at", "gdn_tree", "parents_from_visibility"]
+@dataclass(slots=True)
+class ReplayStash:
+    """The paths form's stash: every GDN layer's inputs of every node of one forward, from which the accepted path
+    is committed by running the chain kernel over it once, all layers at once (layers as heads: replay_path)."""
+    k: Tensor      # [L, N, HV, dk] raw keys (the kernel normalises them)
+    v: Tensor      # [L, N, HV, dv]
+    g: Tensor      # [L, N, HV] float32 log decays
+    beta: Tensor   # [L, N, HV]
+    x: Tensor      # [L, N, C] pre-conv inputs
+
+    @classmethod
+    def empty(cls, layers: int, n: int, heads: int, key_dim: int, value_dim: int, channels: int,
+              dtype: torch.dtype, device: torch.device) -> "ReplayStash":
+        return cls(k=torch.empty(layers, n, heads, key_dim, dtype=dtype, device=device),
+                   v=torch.empty(layers, n, heads, value_dim, dtype=dtype, device=device),
+                   g=torch.empty(layers, n, heads, dtype=torch.float32, device=device),
+                   beta=torch.empty(layers, n, heads, dtype=dtype, device=device),
+                   x=torch.empty(layers, n, channels, dtype=dtype, device=device))
+
+
+def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Tensor, kernel) -> None:
+    """Commit the root path `path` of every layer in place (as commit_path does for a TreeStash): one call of the
+    chain kernel (fla's fused recurrent interface) with the L layers' HV heads as L * HV heads of one sequence."""
+    if not path:
+        return
+    index = torch.tensor(list(path), dtype=torch.long, device=stash.k.device)   # [P]
+    layers, _, heads, dk = stash.k.shape
+    dv, p = stash.v.shape[-1], index.shape[0]
+
+    def as_heads(t: Tensor) -> Tensor:   # [L, N, HV, ...] -> [1, P, L * HV, ...]
+        return t[:, index].transpose(0, 1).reshape(1, p, layers * heads, *t.shape[3:])
+
+    k = as_heads(stash.k)
+    _, new = kernel(k, k, as_heads(stash.v), g=as_heads(stash.g), beta=as_heads(stash.beta),
+                    initial_state=state.reshape(1, layers * heads, dk, dv).float().contiguous(),
+                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state.copy_(new.view(layers, heads, dk, dv))
+    _commit_conv(stash.x, index, conv)
+
+
+def gdn_paths(kernel, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, paths: TreePaths,
+              initial_state: Tensor) -> Tensor:
+    """Outputs [N, HV, dv] (v's dtype) of every tree node by the paths form: one call of the chain kernel (fla's
+    fused recurrent interface, varlen) over all root-to-leaf paths, each from the committed state. Same input
+    conventions as gdn_tree (q, k [N, HV, dk] raw, g [N, HV] log decay, beta [N, HV], initial_state [HV, dk, dv])."""
+    tokens, dtype = paths.tokens, v.dtype
+    states = initial_state.float()[None].expand(paths.num_paths, *initial_state.shape).contiguous()
+    o, _ = kernel(q[tokens][None].to(dtype), k[tokens][None].to(dtype), v[tokens][None], g=g[tokens][None].float(),
+                  beta=beta[tokens][None].to(dtype), initial_state=states, output_final_state=False,
+                  use_qk_l2norm_in_kernel=True, cu_seqlens=paths.cu_seqlens)
+    return o[0, paths.node_pos]
+
+
+def reference_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None,
+                        initial_state: Tensor | None = None, output_final_state: bool = False,
+                        use_qk_l2norm_in_kernel: bool = True, cu_seqlens: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """fla's fused_recurrent_gated_delta_rule interface in plain torch (gdn_sequential per sequence): q, k [B, T, H, K]
+    (H divides HV), v [B, T, HV, V], g, beta [B, T, HV], initial_state [S, HV, K, V]; varlen with cu_seqlens (B = 1).
+    What the CPU tests put in place of the CUDA kernel to check the paths form and the replay commit."""
+    assert use_qk_l2norm_in_kernel, "the engine always normalises in the kernel"
+    b, t, h, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    q, k = (x.repeat_interleave(hv // h, dim=2) for x in (q, k))
+    bounds = cu_seqlens.tolist() if cu_seqlens is not None else None
+    seqs = ([(0, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])] if bounds is not None
+            else [(i, 0, t) for i in range(b)])
+    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    o = torch.zeros(b, t, hv, dv, dtype=v.dtype, device=v.device)
+    finals = []
+    for n, (row, lo, hi) in enumerate(seqs):
+        s0 = initial_state[n].to(dtype) if initial_state is not None else torch.zeros(hv, dk, dv, dtype=dtype)
+        if hi == lo:
+            finals.append(s0)
+            continue
+        out, states = gdn_sequential(*(x[row, lo:hi].to(dtype) for x in (q, k, v, g, beta)), list(range(-1, hi - lo - 1)), s0)
+        o[row, lo:hi] = out.to(v.dtype)
+        finals.append(states[-1])
+    return o, torch.stack(finals).float() if output_final_state else None
+
+
+__all__ = ["GDNStash", "ReplayStash", "TreeLayout", "TreePaths", "TreeStash", "ancestors_from_parents", "commit_path",
+           "conv_state_after", "conv_tree", "conv_window_index", "gdn_paths", "gdn_sequential", "gdn_state_at", "gdn_tree",
+           "parents_from_visibility", "reference_recurrent", "replay_path", "tree_paths"]

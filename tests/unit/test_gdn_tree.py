@@ -319,3 +319,61 @@ def test_memory_at_budget_1024_qwen36_27b_dims():
     assert r["peak_bytes"] < 2**30, f"N={n} HV={hv}: peak {r['peak_bytes'] / 2**20:.0f} MiB >= 1 GiB (per-node states: 3.2 GB)"
     assert r["stash_bytes"] <= n * hv * (dk + dv + 2) * 4, f"N={n} HV={hv}: stash {r['stash_bytes']} B is not O(N*HV*(dk+dv))"
     assert r["o_err"] < 1e-4 and r["s_err"] < 1e-4, f"N={n} deepest path node: o err {r['o_err']:.3g}, state err {r['s_err']:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the paths form (a fused chain kernel over root-to-leaf paths) and its replay commit, with the torch reference kernel
+
+
+@pytest.mark.parametrize("kind,n", [("chain", 9), ("bush0", 12), ("forest", 5), ("random", 30), ("ddtree", 65),
+                                    ("binary", 31)])
+def test_paths_form_equals_tree_form(kind, n):
+    """Every node's output through its root-to-leaf paths == gdn_tree's; padding (empty paths, spare tokens) is inert."""
+    from ddtree.models.gdn import TreePaths, gdn_paths, reference_recurrent, tree_paths
+
+    parents = make_tree(kind, n, seed=n)
+    q, k, v, g, beta, s0 = make_inputs(n, 4, 8, 6, seed=n)
+    expected, _ = gdn_tree(q, k, v, g, beta, parents, s0)
+    assert tree_paths(parents, max_len=2) is None or max(len(_root_path(parents, i)) for i in range(n)) <= 2
+    tokens, bounds, node_pos = tree_paths(parents, max_len=n, num_paths=n + 3, num_tokens=n * n + 5)
+    paths = TreePaths(*(torch.from_numpy(a) for a in (tokens, bounds, node_pos)))
+    assert paths.num_paths == n + 3 and (node_pos >= 0).all()
+    for node in range(n):   # a node's path token holds that node, and its path runs from a root down to it
+        assert tokens[node_pos[node]] == node
+    got = gdn_paths(reference_recurrent, q, k, v, g, beta, paths, s0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)   # the kernel interface: float32 state and g
+
+
+def _root_path(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("kind,n", [("ddtree", 33), ("random", 20)])
+def test_replay_commit_equals_stash_commit(kind, n):
+    """Committing an accepted path of 3 layers by one replay (layers as heads) == commit_path from the WY stash."""
+    from ddtree.models.gdn import ReplayStash, TreeStash, commit_path, reference_recurrent, replay_path
+
+    parents = make_tree(kind, n, seed=3)
+    layers, hv, dk, dv, channels, kernel = 3, 4, 8, 6, 5, 4
+    tree_stash = TreeStash.empty(layers, n, hv, dk, dv, channels, torch.float64, torch.float64, "cpu")
+    replay = ReplayStash.empty(layers, n, hv, dk, dv, channels, torch.float64, "cpu")
+    states = torch.randn(layers, hv, dk, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for layer in range(layers):
+        q, k, v, g, beta, _ = make_inputs(n, hv, dk, dv, seed=10 + layer)
+        gdn_tree(q, k, v, g, beta, parents, states[layer], out=tree_stash.layer(layer))
+        replay.k[layer], replay.v[layer], replay.g[layer], replay.beta[layer] = k, v, g.float(), beta
+    x = torch.randn(layers, n, channels, dtype=torch.float64)
+    tree_stash.x.copy_(x)
+    replay.x.copy_(x)
+    path = _root_path(parents, deepest_leaf(parents))
+    conv = torch.randn(layers, channels, kernel, dtype=torch.float64)
+    state_a, conv_a = states.clone(), conv.clone()
+    state_b, conv_b = states.clone(), conv.clone()
+    commit_path(tree_stash, path, state_a, conv_a)
+    replay_path(replay, path, state_b, conv_b, reference_recurrent)
+    torch.testing.assert_close(state_b, state_a, rtol=1e-6, atol=1e-6)   # the replay kernel runs in float32 state
+    assert torch.equal(conv_a, conv_b)
