@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree.models import qwen3_5  # noqa: E402
 from ddtree.models.dense import DenseConfig, DenseTarget  # noqa: E402
 from perf.common import ROOT, header, write_results  # noqa: E402
 from perf.hybrid_verify import (  # noqa: E402
@@ -91,6 +92,14 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     verify = {forward: measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                       static=forward == "static", profile=(16, 64))
               for forward in ("dynamic", "static")}
+    if hasattr(target, "uses_paths") and target.uses_paths(17, torch.device(args.device)):
+        # small hybrid trees went through the paths form (fla): the ancestor-masked form beside it, for comparison
+        saved, qwen3_5.PATHS_MAX_ROWS = qwen3_5.PATHS_MAX_ROWS, 0
+        try:
+            verify["static-masked"] = measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
+                                                     static=True, profile=(16, 64))
+        finally:
+            qwen3_5.PATHS_MAX_ROWS = saved
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
@@ -115,7 +124,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, measured in this run)", "",
-             "Static forward (CUDA graphs on CUDA; what the engine serves batch 1 with) unless marked dynamic.", "",
+             "Static forward (CUDA graphs on CUDA; what the engine serves batch 1 with) unless marked dynamic; "
+             "static-masked: small hybrid trees on the ancestor-masked GDN form instead of the paths form.", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | dynamic ar / floor | ddtree-16 / ar | "
              "ddtree-64 / ar | max host share |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -20,10 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddtree.models.dense import ForwardPlan, PackedAttention, Segment
-from ddtree.models.gdn import TreeLayout, ancestors_from_parents, conv_window_index
+from ddtree.models.gdn import TreeLayout, TreePaths, ancestors_from_parents, conv_window_index, tree_paths
+from ddtree.models.qwen3_5 import PATHS_MAX_LEN
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class StaticTarget:
     def __init__(self, target, tap_layers: list[int], graphs: GraphPool) -> None:
         self.target, self.tap_layers, self.graphs = target, list(tap_layers), graphs
         self.conv_kernel = getattr(target.config, "conv_kernel", None)   # hybrid targets only
+        self.uses_paths = getattr(target, "uses_paths", lambda rows, device: False)
 
     def shape(self, cache, start: int, n: int) -> tuple[int, int] | None:
         """(rows, keys) of a static forward of n rows after `start` cached ones, or None if none fits the cache."""
@@ -144,28 +147,38 @@ class StaticTarget:
         host[:n], host[rows : rows + n], host[2 * rows : 2 * rows + n] = input_ids, positions, parents
         host[rows + n : 2 * rows] = start
         host[3 * rows] = start
+        if "paths" in program.extra:   # the paths form: root-to-leaf paths of the padded tree
+            paths = tree_paths(host[2 * rows : 3 * rows].tolist(), *program.extra["paths"])
+            if paths is None:
+                return None
+            host[3 * rows + 1 :] = np.concatenate(paths)
         logits, taps, stash = self.graphs.run(key, program)
         if stash is not None:
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
         return logits[:n], None if taps is None else taps[:n]
 
     def _make(self, cache, rows: int, keys: int) -> Program:
-        host, inputs = self.graphs.new_inputs(3 * rows + 1)
         kv = getattr(cache, "kv", cache)                             # a hybrid cache's attention K/V
+        paths = self.uses_paths(rows, torch.device(self.graphs.device))
+        path_sizes = [rows * PATHS_MAX_LEN, rows + 1, rows] if paths else []   # tokens, cu_seqlens, node_pos
+        host, inputs = self.graphs.new_inputs(3 * rows + 1 + sum(path_sizes))
         slot = torch.tensor([kv.slot], dtype=torch.long, device=inputs.device)
 
         def body():
-            ids, positions, parents, start = inputs[:rows], inputs[rows : 2 * rows], inputs[2 * rows : 3 * rows], inputs[3 * rows :]
+            ids, positions, parents = inputs[:rows], inputs[rows : 2 * rows], inputs[2 * rows : 3 * rows]
+            start = inputs[3 * rows : 3 * rows + 1]
             ancestors = ancestors_from_parents(parents)
             layouts = None
             if self.conv_kernel is not None:
-                layouts = [TreeLayout(ancestors=ancestors, window=conv_window_index(parents, self.conv_kernel))]
+                tree = TreePaths(*inputs[3 * rows + 1 :].split(path_sizes)) if paths else None
+                layouts = [TreeLayout(ancestors=ancestors, window=conv_window_index(parents, self.conv_kernel), paths=tree)]
             plan = ForwardPlan(PackedAttention.static(slot, start, ancestors, keys), layouts)
             segment = Segment(cache=cache, start=-1, length=rows, mask=ancestors)   # start and mask: the plan's
             logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None, plan=plan)
             return logits, taps, getattr(cache, "pending", None)
 
-        return Program(body=body, host=host, inputs=inputs)
+        extra = {"paths": (PATHS_MAX_LEN, rows, rows * PATHS_MAX_LEN)} if paths else {}
+        return Program(body=body, host=host, inputs=inputs, extra=extra)
 
 
 class StaticDrafter:

@@ -10,6 +10,7 @@ and conv state from the verify pass's stash (no replay).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,14 +21,19 @@ from torch import nn
 from ddtree.models.base import TargetModel
 from ddtree.models.dense import ForwardPlan, KVCache, KVPool, PackedAttention, Segment, attend_segments
 from ddtree.models.gdn import (
+    ReplayStash,
     TreeLayout,
+    TreePaths,
     TreeStash,
     commit_path,
     conv_state_after,
     conv_tree,
+    gdn_paths,
     gdn_state_at,
     gdn_tree,
     parents_from_visibility,
+    replay_path,
+    tree_paths,
 )
 from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, step_gdn_kernel
 from ddtree.models.layers import Derived, FusedProjections, GatedMLP, Rotary
@@ -39,6 +45,13 @@ HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
 # A long chain (a prompt) goes through the GDN core in pieces of this many tokens: the tree form
 # costs O(N^2) memory and O(N^3) for the solve, a chain needs neither beyond a chunk.
 PREFILL_CHUNK = 128
+# Trees of up to this many rows go through the paths form where a fused chain kernel exists (fla on CUDA): one
+# kernel per layer over the root-to-leaf paths instead of ~40 small operations of the ancestor-masked form. Each
+# path starts from its own copy of the committed state (HV x dk x dv floats: 3 MiB per layer at Qwen3.6-27B dims),
+# so larger trees (many leaves) stay on the ancestor-masked form, as do paths longer than a DFlash block (never,
+# with a block of 16). DDTREE_PATHS_MAX_ROWS=0 turns the paths form off (perf/gpu_ratios.py measures both).
+PATHS_MAX_ROWS = int(os.environ.get("DDTREE_PATHS_MAX_ROWS", "65"))
+PATHS_MAX_LEN = 16
 
 
 @dataclass(slots=True)
@@ -156,6 +169,8 @@ class HybridCache:
         pending, self.pending = self.pending, None
         if isinstance(pending, TreeStash):
             commit_path(pending, accepted, self.state, self.conv)
+        elif isinstance(pending, ReplayStash):
+            replay_path(pending, accepted, self.state, self.conv, step_gdn_kernel(self.state.device))
         elif pending:   # a chunked prefill
             for slot, chain in pending.items():
                 assert accepted[-1] == chain.last, f"a chunked prefill commits whole: accepted ends at {accepted[-1]}"
@@ -217,7 +232,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         self.conv_weight = Derived(lambda w: w.squeeze(1).to(torch.float64 if w.dtype == torch.float64 else torch.float32))
 
     def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, layout: TreeLayout,
-                stash: TreeStash | None) -> torch.Tensor:
+                stash: TreeStash | ReplayStash | None) -> torch.Tensor:
         """Rows of one sequence: a tree whose accepted path is committed later from `stash`; without a stash, rows
         committed whole: one token (an `ar` step or a one-token prompt: its state and conv window are committed here,
         in place) or a long prompt (run in chunks; committed by compact)."""
@@ -241,6 +256,10 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             o, state = self._chunked_chain(q, k, v, g, beta, cache.state[slot])
             conv_state = conv_state_after(mixed, list(range(-1, n - 1)), n - 1, cache.conv[slot])
             cache.pending[slot] = CommittedState(state=state, conv=conv_state, last=n - 1)
+        elif layout.paths is not None:   # the paths form; the commit replays the accepted path from the stash
+            o = gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, cache.state[slot])
+            for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
+                buffer[slot].copy_(value)
         else:
             o, _ = gdn_tree(q, k, v, g, beta, None, cache.state[slot], ancestors=layout.ancestors, out=stash.layer(slot))
             stash.x[slot].copy_(mixed)
@@ -313,15 +332,25 @@ class HybridTarget(TargetModel):
                       p.dtype, p.device)
         return [HybridCache(c, max_len, p.dtype, p.device, kv_pool=pool, slot=i) for i in range(slots)]
 
+    def uses_paths(self, rows: int, device: torch.device) -> bool:
+        """Whether a tree of `rows` rows on `device` goes through the paths form (PATHS_MAX_ROWS)."""
+        return 1 < rows <= PATHS_MAX_ROWS and step_gdn_kernel(device) is not None
+
     def plan(self, segments: list[Segment]) -> ForwardPlan:
         """The eager forward's structure: packed attention and one TreeLayout per segment (one small host-to-device
-        copy of its parents; the ancestors are the segment's own mask)."""
+        copy of its parents, and of its paths where the paths form runs; the ancestors are the segment's own mask)."""
         layouts = []
         for seg in segments:
             if seg.parents is None:
                 seg.parents = parents_from_visibility(seg.mask[:, seg.start :].cpu())
-            index = torch.tensor(seg.parents, dtype=torch.long).to(seg.mask.device)
-            layouts.append(TreeLayout.of(index, self.config.conv_kernel, ancestors=seg.mask[:, seg.start :]))
+            device = seg.mask.device
+            host = [torch.tensor(seg.parents, dtype=torch.long)]
+            paths = tree_paths(seg.parents, PATHS_MAX_LEN) if self.uses_paths(seg.length, device) else None
+            if paths is not None:
+                host += [torch.from_numpy(a) for a in paths]
+            parts = torch.cat(host).to(device).split([t.shape[0] for t in host])
+            layouts.append(TreeLayout.of(parts[0], self.config.conv_kernel, ancestors=seg.mask[:, seg.start :],
+                                         paths=TreePaths(*parts[1:]) if paths is not None else None))
         return ForwardPlan(PackedAttention.plan([seg.cache.kv for seg in segments], segments), layouts)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
@@ -338,11 +367,19 @@ class HybridTarget(TargetModel):
         stashes = []
         for seg, layout in zip(segments, plan.layouts):
             # rows committed whole need no stash: one token (committed in place), a long prompt (chunks)
-            whole = seg.length == 1 or (seg.length > PREFILL_CHUNK and seg.parents == list(range(-1, seg.length - 1)))
-            stashes.append(None if whole else TreeStash.empty(
-                len(seg.cache.gdn_layers), seg.length, c.linear_num_value_heads, c.linear_key_head_dim,
-                c.linear_value_head_dim, c.conv_dim, torch.float64 if x.dtype == torch.float64 else torch.float32,
-                x.dtype, x.device))
+            # (a prompt is a chain committed whole: chunked where long, or through fla wherever it runs)
+            prompt = seg.parents == list(range(-1, seg.length - 1)) and (
+                seg.length > PREFILL_CHUNK or (seg.start == 0 and chain_gdn_kernel(x.device) is not None))
+            whole = seg.length == 1 or prompt
+            shape = (len(seg.cache.gdn_layers), seg.length, c.linear_num_value_heads, c.linear_key_head_dim,
+                     c.linear_value_head_dim, c.conv_dim)
+            if whole:
+                stashes.append(None)
+            elif layout.paths is not None:
+                stashes.append(ReplayStash.empty(*shape, x.dtype, x.device))
+            else:
+                compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+                stashes.append(TreeStash.empty(*shape, compute, x.dtype, x.device))
             seg.cache.pending = stashes[-1] or {}
         rope = self.rotary(positions, x.dtype)
         taps, wanted = {}, set(tap_layers or ())

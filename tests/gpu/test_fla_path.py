@@ -130,3 +130,47 @@ def test_greedy_speculative_equals_ar_on_cuda(hybrid, mode, budget):
     request = engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, **params))
     assert request.output_ids == expected
     assert request.mean_acceptance_length > 1.3
+
+
+def test_paths_form_and_replay_commit_through_fla_equal_the_torch_forms():
+    """The paths form (fla's varlen fused recurrent kernel over root-to-leaf paths) == the ancestor-masked tree form,
+    and the replay commit (one fla call, layers as heads) == commit_path, on a 65-node DDTree tree in float32."""
+    from ddtree.models.gdn import (
+        ReplayStash,
+        TreePaths,
+        TreeStash,
+        commit_path,
+        gdn_paths,
+        gdn_tree,
+        replay_path,
+        tree_paths,
+    )
+    from ddtree.models.kernels import step_gdn_kernel
+    from tests.unit.test_gdn_tree import deepest_leaf, make_inputs, make_tree
+
+    kernel = step_gdn_kernel(torch.device("cuda"))
+    parents = make_tree("ddtree", 65, seed=2)
+    layers, hv, dk, dv, channels = 2, 8, 64, 32, 16
+    tree_stash = TreeStash.empty(layers, 65, hv, dk, dv, channels, torch.float32, torch.float32, "cuda")
+    replay = ReplayStash.empty(layers, 65, hv, dk, dv, channels, torch.float32, "cuda")
+    paths = TreePaths(*(torch.from_numpy(a).cuda() for a in tree_paths(parents, 16)))
+    states = torch.randn(layers, hv, dk, dv, device="cuda") * 0.1
+    for layer in range(layers):
+        q, k, v, g, beta, _ = (t.cuda() for t in make_inputs(65, hv, dk, dv, seed=layer, dtype=torch.float32))
+        expected, _ = gdn_tree(q, k, v, g, beta, parents, states[layer], out=tree_stash.layer(layer))
+        got = gdn_paths(kernel, q, k, v, g, beta, paths, states[layer])
+        assert relative_error(got, expected.double().cpu()) < 1e-4
+        replay.k[layer], replay.v[layer], replay.g[layer], replay.beta[layer] = k, v, g, beta
+    x = torch.randn(layers, 65, channels, device="cuda")
+    tree_stash.x.copy_(x)
+    replay.x.copy_(x)
+    leaf = deepest_leaf(parents)
+    path = []
+    while leaf >= 0:
+        path.append(leaf)
+        leaf = parents[leaf]
+    conv = torch.randn(layers, channels, 4, device="cuda")
+    state_a, conv_a, state_b, conv_b = states.clone(), conv.clone(), states.clone(), conv.clone()
+    commit_path(tree_stash, path[::-1], state_a, conv_a)
+    replay_path(replay, path[::-1], state_b, conv_b, kernel)
+    assert relative_error(state_b, state_a.double().cpu()) < 1e-4 and torch.equal(conv_a, conv_b)

@@ -166,3 +166,27 @@ def test_static_drafter_equals_dynamic(tmp_path):
             assert ours.length == theirs.length == start
             torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
     assert static(ours, None, ids) is None
+
+
+def test_paths_form_decodes_the_targets_greedy_tokens(hybrid, monkeypatch):
+    """With a fused chain kernel (on CUDA: fla; here its interface in plain torch) trees go through the paths form
+    and commits replay the accepted path: greedy tokens equal those of the ancestor-masked form, with the dynamic
+    and with the static forward."""
+    from ddtree.models import qwen3_5
+    from ddtree.models.gdn import reference_recurrent
+
+    root, reference = hybrid
+    base = dict(target_path=str(root / "target"), drafter_path=str(root / "dflash"), max_model_len=160,
+                max_tree_budget=64)
+    prompts = [[5, 9, 17, 33, 2, 71], list(range(3, 40))]
+    plain = OracleDraftEngine(EngineConfig(**base, static_forward="off"), reference=reference)
+    expected = [plain.generate_ids(ids, greedy("ar", 1)).output_ids for ids in prompts]
+    replays, replay = [], qwen3_5.replay_path
+    monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+    monkeypatch.setattr(qwen3_5, "replay_path", lambda *args: replays.append(args[1]) or replay(*args))
+    for static in ("off", "on"):
+        engine = OracleDraftEngine(EngineConfig(**base, static_forward=static), reference=reference)
+        for ids, tokens in zip(prompts, expected):
+            for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
+                assert engine.generate_ids(ids, greedy(mode, budget)).output_ids == tokens, f"{static} {mode}-{budget}"
+    assert len(replays) > 50 and max(len(path) for path in replays) > 2   # trees were verified and committed so
