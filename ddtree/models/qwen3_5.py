@@ -2,9 +2,12 @@
 
 Same contract as DenseTarget.forward (query tokens with positions and an ancestor mask among
 themselves), plus: every Gated DeltaNet node starts from its parent's recurrent state and conv
-window (ancestors, then the committed state), computed by ddtree.models.gdn without per-node
-state copies; `HybridCache.compact(start, accepted)` then commits the accepted path's recurrent
-and conv state from the verify pass's stash (no replay).
+window (ancestors, then the committed state). Three forms compute it (ddtree.models.gdn), all
+without per-node state copies: the ancestor-masked WY form (any tree, any device), whose stash
+lets `HybridCache.compact(start, accepted)` commit the accepted path's state directly; the paths
+form (small trees where fla runs: one fused kernel over the root-to-leaf paths), whose commit
+replays the accepted path for all layers in one kernel call; and for rows committed whole (a
+prompt, an `ar` step) a chain kernel, committed with the forward.
 """
 
 from __future__ import annotations
