@@ -433,7 +433,7 @@ def _commit_conv(x: Tensor, index: Tensor, conv: Tensor) -> None:
 class ReplayStash:
     """The paths form's stash: every GDN layer's inputs of every node of one forward, from which the accepted path
     is committed by running the chain kernel over it once, all layers at once (layers as heads: replay_path)."""
-    k: Tensor      # [L, N, HV, dk] raw keys (the kernel normalises them)
+    k: Tensor      # [L, N, H, dk] raw keys (the kernel normalises them; H key heads, H divides HV)
     v: Tensor      # [L, N, HV, dv]
     g: Tensor      # [L, N, HV] float32 log decays
     beta: Tensor   # [L, N, HV]
@@ -441,8 +441,8 @@ class ReplayStash:
 
     @classmethod
     def empty(cls, layers: int, n: int, heads: int, key_dim: int, value_dim: int, channels: int,
-              dtype: torch.dtype, device: torch.device) -> "ReplayStash":
-        return cls(k=torch.empty(layers, n, heads, key_dim, dtype=dtype, device=device),
+              dtype: torch.dtype, device: torch.device, key_heads: int | None = None) -> "ReplayStash":
+        return cls(k=torch.empty(layers, n, key_heads or heads, key_dim, dtype=dtype, device=device),
                    v=torch.empty(layers, n, heads, value_dim, dtype=dtype, device=device),
                    g=torch.empty(layers, n, heads, dtype=torch.float32, device=device),
                    beta=torch.empty(layers, n, heads, dtype=dtype, device=device),
@@ -455,11 +455,11 @@ def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Te
     if not path:
         return
     index = torch.tensor(list(path), dtype=torch.long, device=stash.k.device)   # [P]
-    layers, _, heads, dk = stash.k.shape
-    dv, p = stash.v.shape[-1], index.shape[0]
+    layers, _, heads, dv = stash.v.shape
+    dk, p = stash.k.shape[-1], index.shape[0]
 
-    def as_heads(t: Tensor) -> Tensor:   # [L, N, HV, ...] -> [1, P, L * HV, ...]
-        return t[:, index].transpose(0, 1).reshape(1, p, layers * heads, *t.shape[3:])
+    def as_heads(t: Tensor) -> Tensor:   # [L, N, heads, ...] -> [1, P, L * heads, ...] (layer-major, as GVA groups)
+        return t[:, index].transpose(0, 1).reshape(1, p, layers * t.shape[2], *t.shape[3:])
 
     k = as_heads(stash.k)
     _, new = kernel(k, k, as_heads(stash.v), g=as_heads(stash.g), beta=as_heads(stash.beta),
@@ -473,7 +473,8 @@ def gdn_paths(kernel, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
               initial_state: Tensor) -> Tensor:
     """Outputs [N, HV, dv] (v's dtype) of every tree node by the paths form: one call of the chain kernel (fla's
     fused recurrent interface, varlen) over all root-to-leaf paths, each from the committed state. Same input
-    conventions as gdn_tree (q, k [N, HV, dk] raw, g [N, HV] log decay, beta [N, HV], initial_state [HV, dk, dv])."""
+    conventions as gdn_tree (g [N, HV] log decay, beta [N, HV], initial_state [HV, dk, dv]) except that q, k
+    [N, H, dk] may have fewer heads (H divides HV; value head j reads key head j // (HV / H))."""
     tokens, dtype = paths.tokens, v.dtype
     states = initial_state.float()[None].expand(paths.num_paths, *initial_state.shape).contiguous()
     o, _ = kernel(q[tokens][None].to(dtype), k[tokens][None].to(dtype), v[tokens][None], g=g[tokens][None].float(),

@@ -64,8 +64,9 @@ def gdn_chain_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """A chain through fla (either kernel: chain_gdn_kernel's chunked one, step_gdn_kernel's fused recurrent one):
     o [N, HV, dv] in v's dtype and the final state [HV, dk, dv] in float32.
 
-    Same conventions as gdn.gdn_sequential with parents = [-1, 0, 1, ...]: q, k [N, HV, dk] raw (l2-normalised
-    in the kernel, q scaled by dk**-0.5), g [N, HV] log decay, beta [N, HV], initial_state [HV, dk, dv].
+    Same conventions as gdn.gdn_sequential with parents = [-1, 0, 1, ...]: q, k [N, H, dk] raw (l2-normalised
+    in the kernel, q scaled by dk**-0.5; H divides HV: value head j reads key head j // (HV / H)), g [N, HV] log
+    decay, beta [N, HV], initial_state [HV, dk, dv].
     """
     dtype = v.dtype
     o, state = kernel(q[None].to(dtype), k[None].to(dtype), v[None], g=g[None].float(), beta=beta[None].to(dtype),

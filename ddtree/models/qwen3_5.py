@@ -214,6 +214,12 @@ class GatedAttention(FusedProjections, nn.Module):
         return self.o_proj(out)
 
 
+def value_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k  # [N, key heads, dk] -> [N, heads, dk]: each key head serves heads / key heads value heads in turn."""
+    repeat = heads // q.shape[1]
+    return q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+
+
 class GatedDeltaNet(FusedProjections, nn.Module):
     PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")   # pre-conv q/k/v, gate z, beta, decay
 
@@ -244,9 +250,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
         conv = conv_tree(mixed, None, cache.conv[slot], self.conv_weight(self.conv1d.weight), window=layout.window)
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        repeat = hv // c.linear_num_key_heads
-        q = q.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
-        k = k.reshape(n, c.linear_num_key_heads, dk).repeat_interleave(repeat, dim=1)
+        # q, k keep their key heads: fla's kernels group value heads onto them (GVA); the torch forms repeat them
+        q, k = q.reshape(n, c.linear_num_key_heads, dk), k.reshape(n, c.linear_num_key_heads, dk)
         v = v.reshape(n, hv, dv)
         beta = torch.sigmoid(b)                                                # [n, hv]
         g = self.decay_rate(self.A_log) * F.softplus(a.float() + self.dt_bias)
@@ -264,7 +269,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
                 buffer[slot].copy_(value)
         else:
-            o, _ = gdn_tree(q, k, v, g, beta, None, cache.state[slot], ancestors=layout.ancestors, out=stash.layer(slot))
+            o, _ = gdn_tree(*value_heads(q, k, hv), v, g, beta, None, cache.state[slot], ancestors=layout.ancestors,
+                            out=stash.layer(slot))
             stash.x[slot].copy_(mixed)
         z = z.reshape(n, hv, dv)
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
@@ -276,7 +282,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         kernel = step_gdn_kernel(q.device)
         if kernel is not None:
             return gdn_chain_fla(kernel, q, k, v, g, beta, state)
-        o, stash = gdn_tree(q, k, v, g, beta, [-1], state)
+        o, stash = gdn_tree(*value_heads(q, k, v.shape[1]), v, g, beta, [-1], state)
         return o, gdn_state_at(stash, 0, state)
 
     @staticmethod
@@ -286,6 +292,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         kernel = chain_gdn_kernel(q.device)
         if kernel is not None:
             return gdn_chain_fla(kernel, q, k, v, g, beta, state)
+        q, k = value_heads(q, k, v.shape[1])
         outputs = []
         for s in range(0, q.shape[0], PREFILL_CHUNK):
             e = min(s + PREFILL_CHUNK, q.shape[0])
@@ -379,7 +386,7 @@ class HybridTarget(TargetModel):
             if whole:
                 stashes.append(None)
             elif layout.paths is not None:
-                stashes.append(ReplayStash.empty(*shape, x.dtype, x.device))
+                stashes.append(ReplayStash.empty(*shape, x.dtype, x.device, key_heads=c.linear_num_key_heads))
             else:
                 compute = torch.float64 if x.dtype == torch.float64 else torch.float32
                 stashes.append(TreeStash.empty(*shape, compute, x.dtype, x.device))

@@ -377,3 +377,32 @@ def test_replay_commit_equals_stash_commit(kind, n):
     replay_path(replay, path, state_b, conv_b, reference_recurrent)
     torch.testing.assert_close(state_b, state_a, rtol=1e-6, atol=1e-6)   # the replay kernel runs in float32 state
     assert torch.equal(conv_a, conv_b)
+
+
+def test_paths_form_and_replay_with_grouped_value_heads():
+    """Key heads shared by groups of value heads (Qwen3.6: 16 key, 48 value heads) go to the kernel unrepeated:
+    == the tree form on repeated keys; the replay of a stash holding key heads == commit_path."""
+    from ddtree.models.gdn import ReplayStash, TreePaths, TreeStash, commit_path, gdn_paths, reference_recurrent, replay_path, tree_paths
+
+    parents = make_tree("ddtree", 33, seed=5)
+    n, key_heads, heads, dk, dv = 33, 2, 6, 8, 5
+    q, k, v, g, beta, s0 = make_inputs(n, heads, dk, dv, seed=9)
+    qh, kh = q[:, ::3].contiguous(), k[:, ::3].contiguous()            # 2 key heads, each for 3 value heads
+    q_rep, k_rep = qh.repeat_interleave(3, dim=1), kh.repeat_interleave(3, dim=1)
+    expected, _ = gdn_tree(q_rep, k_rep, v, g, beta, parents, s0)
+    paths = TreePaths(*(torch.from_numpy(a) for a in tree_paths(parents, 16)))
+    torch.testing.assert_close(gdn_paths(reference_recurrent, qh, kh, v, g, beta, paths, s0), expected, rtol=1e-5, atol=1e-7)
+    tree_stash = TreeStash.empty(2, n, heads, dk, dv, 3, torch.float64, torch.float64, "cpu")
+    replay = ReplayStash.empty(2, n, heads, dk, dv, 3, torch.float64, "cpu", key_heads=key_heads)
+    states = torch.randn(2, heads, dk, dv, dtype=torch.float64)
+    for layer in range(2):
+        gdn_tree(q_rep, k_rep * (layer + 1), v, g, beta, parents, states[layer], out=tree_stash.layer(layer))
+        replay.k[layer], replay.v[layer], replay.g[layer], replay.beta[layer] = kh * (layer + 1), v, g.float(), beta
+    tree_stash.x.zero_()
+    replay.x.zero_()
+    path = _root_path(parents, deepest_leaf(parents))
+    conv = torch.zeros(2, 3, 4, dtype=torch.float64)
+    state_a, state_b = states.clone(), states.clone()
+    commit_path(tree_stash, path, state_a, conv.clone())
+    replay_path(replay, path, state_b, conv.clone(), reference_recurrent)
+    torch.testing.assert_close(state_b, state_a, rtol=1e-6, atol=1e-6)
