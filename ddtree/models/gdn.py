@@ -135,16 +135,22 @@ class TreePaths:
         return self.cu_seqlens.shape[0] - 1
 
 
-def tree_paths(parents: Sequence[int], max_len: int, num_paths: int | None = None,
-               num_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(tokens, cu_seqlens, node_pos) of TreePaths on the host: one path per leaf, root first, in leaf order,
-    padded to num_paths paths and num_tokens tokens; None if a path is longer than max_len or they do not fit."""
-    n = len(parents)
+def leaves(parents: Sequence[int]) -> np.ndarray:
+    """Indices of the nodes without children, increasing."""
     par = np.asarray(parents, dtype=np.int64)
-    has_child = np.zeros(n, dtype=bool)
+    has_child = np.zeros(len(par), dtype=bool)
     has_child[par[par >= 0]] = True
+    return np.flatnonzero(~has_child)
+
+
+def tree_paths(parents: Sequence[int], max_len: int, num_paths: int | None = None, num_tokens: int | None = None,
+               num_nodes: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(tokens, cu_seqlens, node_pos) of TreePaths on the host: one path per leaf, root first, in leaf order,
+    padded to num_paths paths and num_tokens tokens (and node_pos to num_nodes nodes: rows past the tree, whose
+    outputs nobody reads, point at token 0); None if a path is longer than max_len or they do not fit."""
+    n = len(parents)
     tokens, bounds, node_pos = [], [0], np.full(n, -1, dtype=np.int64)
-    for leaf in np.flatnonzero(~has_child):
+    for leaf in leaves(parents):
         path = _root_path(parents, int(leaf))
         if len(path) > max_len:
             return None
@@ -158,6 +164,7 @@ def tree_paths(parents: Sequence[int], max_len: int, num_paths: int | None = Non
     if len(bounds) - 1 > num_paths or len(tokens) > num_tokens:
         return None
     bounds += [len(tokens)] * (num_paths + 1 - len(bounds))
+    node_pos = np.concatenate([node_pos, np.zeros(max(0, (num_nodes or n) - n), dtype=np.int64)])
     return (np.asarray(tokens + [0] * (num_tokens - len(tokens)), dtype=np.int64), np.asarray(bounds, dtype=np.int64),
             node_pos)
 
@@ -512,4 +519,4 @@ def reference_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None
 
 __all__ = ["GDNStash", "ReplayStash", "TreeLayout", "TreePaths", "TreeStash", "ancestors_from_parents", "commit_path",
            "conv_state_after", "conv_tree", "conv_window_index", "gdn_paths", "gdn_sequential", "gdn_state_at", "gdn_tree",
-           "parents_from_visibility", "reference_recurrent", "replay_path", "tree_paths"]
+           "leaves", "parents_from_visibility", "reference_recurrent", "replay_path", "tree_paths"]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ddtree.models.dense import ForwardPlan, PackedAttention, Segment
-from ddtree.models.gdn import TreeLayout, TreePaths, ancestors_from_parents, conv_window_index, tree_paths
+from ddtree.models.gdn import TreeLayout, TreePaths, ancestors_from_parents, conv_window_index, leaves, tree_paths
 from ddtree.models.qwen3_5 import PATHS_MAX_LEN
 
 logger = logging.getLogger(__name__)
@@ -139,28 +139,34 @@ class StaticTarget:
         if shape is None:
             return None
         rows, keys = shape
-        key = ("target", rows, keys, id(cache))
-        program = self.graphs.program(key, lambda: self._make(cache, rows, keys))
+        paths, num_paths = None, 0
+        if self.uses_paths(rows, self.graphs.device):
+            # the paths form: the tree's root-to-leaf paths (padding rows take none), their count to a bucket (each
+            # path costs a copy of the committed state per layer)
+            num_paths = row_bucket(len(leaves(parents)))
+            paths = tree_paths(parents, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows)
+            if paths is None:
+                return None
+        key = ("target", rows, keys, num_paths, id(cache))
+        program = self.graphs.program(key, lambda: self._make(cache, rows, keys, num_paths))
         host = program.host.numpy()
         host[: 3 * rows] = 0
         host[2 * rows : 3 * rows] = -1                              # padding rows: roots of their own
         host[:n], host[rows : rows + n], host[2 * rows : 2 * rows + n] = input_ids, positions, parents
         host[rows + n : 2 * rows] = start
         host[3 * rows] = start
-        if "paths" in program.extra:   # the paths form: root-to-leaf paths of the padded tree
-            paths = tree_paths(host[2 * rows : 3 * rows].tolist(), *program.extra["paths"])
-            if paths is None:
-                return None
+        if paths is not None:
             host[3 * rows + 1 :] = np.concatenate(paths)
         logits, taps, stash = self.graphs.run(key, program)
         if stash is not None:
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
         return logits[:n], None if taps is None else taps[:n]
 
-    def _make(self, cache, rows: int, keys: int) -> Program:
+    def _make(self, cache, rows: int, keys: int, num_paths: int) -> Program:
+        """num_paths: 0, or the (bucketed) number of root-to-leaf paths of the paths form."""
         kv = getattr(cache, "kv", cache)                             # a hybrid cache's attention K/V
-        paths = self.uses_paths(rows, torch.device(self.graphs.device))
-        path_sizes = [rows * PATHS_MAX_LEN, rows + 1, rows] if paths else []   # tokens, cu_seqlens, node_pos
+        paths = num_paths > 0
+        path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if paths else []   # tokens, cu_seqlens, node_pos
         host, inputs = self.graphs.new_inputs(3 * rows + 1 + sum(path_sizes))
         slot = torch.tensor([kv.slot], dtype=torch.long, device=inputs.device)
 
@@ -177,8 +183,7 @@ class StaticTarget:
             logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None, plan=plan)
             return logits, taps, getattr(cache, "pending", None)
 
-        extra = {"paths": (PATHS_MAX_LEN, rows, rows * PATHS_MAX_LEN)} if paths else {}
-        return Program(body=body, host=host, inputs=inputs, extra=extra)
+        return Program(body=body, host=host, inputs=inputs)
 
 
 class StaticDrafter:
