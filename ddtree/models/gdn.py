@@ -370,10 +370,9 @@ def conv_tree(x: Tensor, parents: Sequence[int] | None, conv_state: Tensor, weig
     if window is None:
         _check_parents(parents, n)
         window = conv_window_index(torch.tensor(list(parents), dtype=torch.long), kernel).to(x.device)
-    idx = window                                                              # [N, K]
     dtype = _compute_dtype(x)
     src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])     # [K + N, C]
-    windows = src[idx]                                                        # [N, K, C], one gather
+    windows = src[window]                                                     # [N, K, C], one gather
     acc = (windows * weight.to(dtype).transpose(0, 1)).sum(dim=1)             # [N, C]
     return F.silu(acc).to(x.dtype)
 

@@ -158,7 +158,7 @@ class HybridCache:
         self.conv = torch.zeros(n, c.conv_dim, c.conv_kernel, dtype=dtype, device=device)
         self.state = torch.zeros(n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                                  dtype=torch.float32, device=device)
-        self.pending: TreeStash | dict[int, CommittedState] | None = None   # the last forward's, until compact
+        self.pending: TreeStash | ReplayStash | dict[int, CommittedState] | None = None   # the last forward's
 
     def reset(self) -> None:
         self.conv.zero_()
@@ -346,6 +346,15 @@ class HybridTarget(TargetModel):
         """Whether a tree of `rows` rows on `device` goes through the paths form (PATHS_MAX_ROWS)."""
         return 1 < rows <= PATHS_MAX_ROWS and step_gdn_kernel(device) is not None
 
+    @staticmethod
+    def _committed_whole(seg: Segment, device: torch.device) -> bool:
+        """Rows committed whole, which need no stash: one token (committed in place) or a prompt (a chain from an
+        empty cache: chunked where long, through fla wherever it runs). seg.parents is None in a static forward."""
+        if seg.length == 1:
+            return True
+        return seg.parents == list(range(-1, seg.length - 1)) and (
+            seg.length > PREFILL_CHUNK or (seg.start == 0 and chain_gdn_kernel(device) is not None))
+
     def plan(self, segments: list[Segment]) -> ForwardPlan:
         """The eager forward's structure: packed attention and one TreeLayout per segment (one small host-to-device
         copy of its parents, and of its paths where the paths form runs; the ancestors are the segment's own mask)."""
@@ -355,7 +364,8 @@ class HybridTarget(TargetModel):
                 seg.parents = parents_from_visibility(seg.mask[:, seg.start :].cpu())
             device = seg.mask.device
             host = [torch.tensor(seg.parents, dtype=torch.long)]
-            paths = tree_paths(seg.parents, PATHS_MAX_LEN) if self.uses_paths(seg.length, device) else None
+            tree = not self._committed_whole(seg, device) and self.uses_paths(seg.length, device)
+            paths = tree_paths(seg.parents, PATHS_MAX_LEN) if tree else None
             if paths is not None:
                 host += [torch.from_numpy(a) for a in paths]
             parts = torch.cat(host).to(device).split([t.shape[0] for t in host])
@@ -376,14 +386,9 @@ class HybridTarget(TargetModel):
         c, x = self.config, self.embed_tokens(input_ids)
         stashes = []
         for seg, layout in zip(segments, plan.layouts):
-            # rows committed whole need no stash: one token (committed in place), a long prompt (chunks)
-            # (a prompt is a chain committed whole: chunked where long, or through fla wherever it runs)
-            prompt = seg.parents == list(range(-1, seg.length - 1)) and (
-                seg.length > PREFILL_CHUNK or (seg.start == 0 and chain_gdn_kernel(x.device) is not None))
-            whole = seg.length == 1 or prompt
             shape = (len(seg.cache.gdn_layers), seg.length, c.linear_num_value_heads, c.linear_key_head_dim,
                      c.linear_value_head_dim, c.conv_dim)
-            if whole:
+            if self._committed_whole(seg, x.device):
                 stashes.append(None)
             elif layout.paths is not None:
                 stashes.append(ReplayStash.empty(*shape, x.dtype, x.device, key_heads=c.linear_num_key_heads))
