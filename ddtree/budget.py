@@ -16,9 +16,10 @@ measurements: per batch-size bucket it treats `ar`, `dflash`, `ddtree` at a few 
 the policy as arms, tries each a few rounds, then runs the one with the highest measured committed
 tokens per second of round wall time (plus a small optimism bonus for arms measured in few rounds, so
 that an unlucky estimate of a close competitor gets corrected), re-probing the others every so often.
-An arm whose rounds take s times as long as the best arm's is re-probed once in REPROBE_EVERY * s
-rounds, so each arm costs at most 1/REPROBE_EVERY of the time once explored: `auto` is as fast as
-the best arm up to that.
+An arm whose rounds take s times as long as the best arm's is re-probed after REPROBE_EVERY * s
+rounds, a wait that doubles after every probe it does not win (up to 2**MAX_BACKOFF): each arm costs
+at most 1/REPROBE_EVERY of the time once explored, and a clearly losing arm's share goes to 0.
+Exploration carries over between batch sizes (ArmSelector._pruned).
 """
 
 from __future__ import annotations

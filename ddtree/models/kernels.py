@@ -6,9 +6,10 @@ CUDA tensor asks for it, and `DDTREE_DISABLE_FLA=1` forces the plain torch path 
 reference the kernels are tested against, tests/gpu/test_fla_path.py).
 
 Where fla applies: a chain whose whole result is committed (a prompt's prefill), through
-`chunk_gated_delta_rule`, and a one-token step (an `ar` round), through
-`fused_recurrent_gated_delta_rule`. Trees (and a dflash chain, whose accepted prefix is only known
-after the verify) stay on ddtree.models.gdn.gdn_tree: fla has no ancestor-masked form.
+`chunk_gated_delta_rule`; a one-token step (an `ar` round), through `fused_recurrent_gated_delta_rule`;
+and small trees (a dflash chain too, whose accepted prefix is only known after the verify), through
+the same kernel over their root-to-leaf paths (ddtree.models.gdn.gdn_paths). fla has no
+ancestor-masked form: larger trees, and everything off CUDA, stay on ddtree.models.gdn.gdn_tree.
 """
 
 from __future__ import annotations
