@@ -53,6 +53,14 @@ def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
     print(md)
 
 
+def write_cost_model(path: Path, rows: list[int], verify_ms: list[float], draft_ms: float, **fields) -> None:
+    """ddtree.budget.CostModel data (verify time against rows, one drafter pass), with the run's provenance."""
+    meta = header()
+    data = {"rows": list(rows), "verify_ms": list(verify_ms), "draft_ms": draft_ms,
+            "source": f"{meta['command']} @ {meta['commit']} on {json.dumps(meta['machine'])}, {meta['date']}", **fields}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def add_model_args(parser) -> None:
     """--target/--drafter/--device/--dtype, defaulting to the embedded default on the CPU."""
     parser.add_argument("--target", default=str(ROOT / "models/smollm2-135m-instruct"))

@@ -8,7 +8,6 @@ store it as the budget policy's cost model (ddtree/data/cost_model_<name>.json).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.models.dense import Segment  # noqa: E402
-from perf.common import ROOT, add_model_args, header  # noqa: E402
+from perf.common import ROOT, add_model_args, write_cost_model  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -77,11 +76,7 @@ def main() -> None:
                                  dtype=args.dtype, max_tree_budget=max(ROWS)))
     verify_ms, draft_ms = measure(engine, args.device, args.context, args.repeats)
     out = ROOT / "ddtree" / "data" / f"cost_model_{args.name}.json"
-    meta = header()
-    data = {"rows": list(ROWS), "verify_ms": verify_ms, "draft_ms": draft_ms,
-            "source": f"{meta['command']} @ {meta['commit']} on {json.dumps(meta['machine'])}, {meta['date']}",
-            "target": args.target, "context": args.context}
-    out.write_text(json.dumps(data, indent=2) + "\n")
+    write_cost_model(out, list(ROWS), verify_ms, draft_ms, target=args.target, context=args.context)
     print(f"wrote {out}: draft {draft_ms:.2f} ms, verify {dict(zip(ROWS, [round(v, 2) for v in verify_ms]))}")
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.models import qwen3_5  # noqa: E402
 from ddtree.models.dense import DenseConfig, DenseTarget  # noqa: E402
-from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.common import ROOT, header, write_cost_model, write_results  # noqa: E402
 from perf.hybrid_verify import (  # noqa: E402
     DRAFTERS,
     _fill_random,
@@ -187,18 +187,13 @@ def plot(result: dict, path: Path) -> str:
     return str(path)
 
 
-def write_cost_model(path: Path, shape: dict, meta: dict, context: int) -> None:
+def shape_cost_model(path: Path, shape: dict, context: int) -> None:
     """ddtree.budget.CostModel data from one shape's static verify curve (rows = budget + 1; the ar step is 1 row)
     and its dflash round's draft time: `cost_model_path` of a deployment of that target points here."""
-    import json
-
     verify = shape["verify"]["static"]
     rows = [1] + [e["num_nodes"] for e in verify["budgets"].values()]
     times = [verify["ar_step_ms"]] + [e["verify_ms"] for e in verify["budgets"].values()]
-    data = {"rows": rows, "verify_ms": times, "draft_ms": shape["rounds"]["static"]["dflash"]["draft_ms"],
-            "source": f"{meta['command']} @ {meta['commit']} on {json.dumps(meta['machine'])}, {meta['date']}",
-            "context": context}
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_cost_model(path, rows, times, shape["rounds"]["static"]["dflash"]["draft_ms"], context=context)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -222,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for shape, r in result["shapes"].items():   # the verify curve as the budget policy's cost model for the shape
-        write_cost_model(out / f"cost_model_{args.name}_{shape}.json", r, result["header"], args.prompt_len)
+        shape_cost_model(out / f"cost_model_{args.name}_{shape}.json", r, args.prompt_len)
     result["plot"] = plot(result, out / f"{args.name}.png")
     write_results(out, args.name, result, table(result))
     return result
