@@ -139,6 +139,7 @@ def test_paths_form_and_replay_commit_through_fla_equal_the_torch_forms():
         ReplayStash,
         TreePaths,
         TreeStash,
+        _root_path,
         commit_path,
         gdn_paths,
         gdn_tree,
@@ -164,13 +165,9 @@ def test_paths_form_and_replay_commit_through_fla_equal_the_torch_forms():
     x = torch.randn(layers, 65, channels, device="cuda")
     tree_stash.x.copy_(x)
     replay.x.copy_(x)
-    leaf = deepest_leaf(parents)
-    path = []
-    while leaf >= 0:
-        path.append(leaf)
-        leaf = parents[leaf]
+    path = _root_path(parents, deepest_leaf(parents))
     conv = torch.randn(layers, channels, 4, device="cuda")
     state_a, conv_a, state_b, conv_b = states.clone(), conv.clone(), states.clone(), conv.clone()
-    commit_path(tree_stash, path[::-1], state_a, conv_a)
-    replay_path(replay, path[::-1], state_b, conv_b, kernel)
+    commit_path(tree_stash, path, state_a, conv_a)
+    replay_path(replay, path, state_b, conv_b, kernel)
     assert relative_error(state_b, state_a.double().cpu()) < 1e-4 and torch.equal(conv_a, conv_b)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.models.gdn import (
+    _root_path,
     conv_state_after,
     conv_tree,
     gdn_sequential,
@@ -342,14 +343,6 @@ def test_paths_form_equals_tree_form(kind, n):
         assert tokens[node_pos[node]] == node
     got = gdn_paths(reference_recurrent, q, k, v, g, beta, paths, s0)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)   # the kernel interface: float32 state and g
-
-
-def _root_path(parents, node):
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 @pytest.mark.parametrize("kind,n", [("ddtree", 33), ("random", 20)])

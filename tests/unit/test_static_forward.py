@@ -12,7 +12,7 @@ import torch
 
 from ddtree.config import EngineConfig
 from ddtree.models.dense import DenseTarget
-from ddtree.models.gdn import ancestors_from_parents, conv_window_index
+from ddtree.models.gdn import _root_path, ancestors_from_parents, conv_window_index
 from ddtree.models.graphs import GraphPool, StaticTarget, key_bucket, row_bucket
 from ddtree.models.qwen3_5 import HybridTarget
 from ddtree.sampling_params import SamplingParams
@@ -79,12 +79,7 @@ def check_static_equals_dynamic(model, cache_a, cache_b, vocab: int, taps: list[
                          batch.visibility.to(device), tap_layers=taps)
         torch.testing.assert_close(got[0], expected[0], rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(got[1], expected[1], rtol=tolerance, atol=tolerance)
-        leaf = max(range(tree.num_nodes + 1), key=lambda i: tree.depths[i])
-        path = []
-        while leaf >= 0:
-            path.append(leaf)
-            leaf = tree.parents[leaf]
-        path = path[::-1]
+        path = _root_path(tree.parents, max(range(tree.num_nodes + 1), key=lambda i: tree.depths[i]))
         cache_a.compact(start, path)
         cache_b.compact(start, path)
         start += len(path)
