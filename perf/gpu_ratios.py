@@ -212,10 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = copy_bandwidth(args.device)   # NaN without a GPU: the floor and ar / floor are then NaN
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "prompt_len": args.prompt_len,
               "copy_bytes_per_s": bandwidth, "goals": GOALS, "shapes": {}}
-    for shape in args.shapes.split(","):
-        result["shapes"][shape] = measure_shape(shape, args, bandwidth)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes.split(","):
+        result["shapes"][shape] = measure_shape(shape, args, bandwidth)
+        write_results(out, args.name, result, table(result))   # each shape as it lands: a cut-off run keeps the others
     for shape, r in result["shapes"].items():   # the verify curve as the budget policy's cost model for the shape
         shape_cost_model(out / f"cost_model_{args.name}_{shape}.json", r, args.prompt_len)
     result["plot"] = plot(result, out / f"{args.name}.png")
