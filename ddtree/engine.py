@@ -95,8 +95,12 @@ class Engine:
             if drafter.config.hidden_size != self.target.config.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")
         cache_len = config.max_model_len + config.max_tree_budget + 1
-        self.caches = self.target.new_caches(config.max_num_seqs, cache_len)
-        self.draft_caches = drafter.new_caches(config.max_num_seqs, cache_len) if drafter else []
+        static = config.static_forward == "on" or (config.static_forward == "auto" and self.device.type == "cuda")
+        # static forwards pad a batch's request count with requests that work in one more slot, held by none
+        slots = config.max_num_seqs + (1 if static else 0)
+        scratch = config.max_num_seqs if static else None
+        self.caches = self.target.new_caches(slots, cache_len)
+        self.draft_caches = drafter.new_caches(slots, cache_len) if drafter else []
         self.free_slots = list(range(config.max_num_seqs))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -105,10 +109,9 @@ class Engine:
         self.cost_model = CostModel.load(config.cost_model_path or default_cost_model(config.device))
         self.arm_selector = ArmSelector(parse_arms(config.auto_arms),
                                         chain_nodes=drafter.block_size - 1 if drafter is not None else 15)
-        static = config.static_forward == "on" or (config.static_forward == "auto" and self.device.type == "cuda")
         self.graphs = GraphPool(self.device, capture=config.cuda_graphs)
-        self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs) if static else None
-        self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs) if static and drafter else None
+        self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs, scratch) if static else None
+        self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs, scratch) if static and drafter else None
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -258,12 +261,12 @@ class Engine:
         return outputs
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One target pass over every request's tree: logits and taps of all rows, packed in request order. A lone
-        request goes through the static forward where one fits (a CUDA graph replay on CUDA)."""
-        if len(seqs) == 1 and self.static_target is not None:
-            seq, batch = seqs[0], batches[0]
-            result = self.static_target(self.caches[seq.slot], seq.start, batch.input_ids, batch.positions,
-                                        trees[0].parents)
+        """One target pass over every request's tree: logits and taps of all rows, packed in request order; through
+        the static forward where one fits (a CUDA graph replay on CUDA; a hybrid target's only for a lone request)."""
+        if self.static_target is not None:
+            result = self.static_target.batch([self.caches[s.slot] for s in seqs], [s.start for s in seqs],
+                                              [b.input_ids for b in batches], [b.positions for b in batches],
+                                              [t.parents for t in trees])
             if result is not None:
                 return result
         segments = [Segment.of(self.caches[seq.slot], seq.start, b.visibility.to(self.device), parents=tree.parents)
@@ -310,8 +313,8 @@ class Engine:
         taps = [seqs[i].pending_taps for i in drafting]
         blocks = [[seqs[i].root] + [drafter.config.mask_token_id] * (block - 1) for i in drafting]
         hidden = None
-        if len(drafting) == 1 and self.static_drafter is not None:
-            hidden = self.static_drafter(caches[0], taps[0], blocks[0])
+        if self.static_drafter is not None:
+            hidden = self.static_drafter.batch(caches, taps, blocks)
         if hidden is None:
             drafter.add_contexts(caches, taps)
             hidden = drafter.forward_packed(caches, self.target.embed(torch.tensor(blocks, device=self.device)),

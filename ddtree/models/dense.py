@@ -153,16 +153,20 @@ class PackedAttention:
                    out_index=out_index, mask=mask[:, None], end=end)
 
     @classmethod
-    def static(cls, slot: torch.Tensor, start: torch.Tensor, ancestors: torch.Tensor, end: int) -> "PackedAttention":
-        """One segment from device tensors only (no host reads: a CUDA graph's static forward): slot, start  # [1]
-        long; ancestors  # [Q, Q] bool among the queries; keys 0..end-1, of which the prefix < start is visible."""
-        q_len, device = ancestors.shape[0], ancestors.device
+    def static(cls, slots: torch.Tensor, starts: torch.Tensor, ancestors: torch.Tensor, end: int) -> "PackedAttention":
+        """R segments of Q rows each from device tensors only (no host reads: a CUDA graph's static forward):
+        slots, starts  # [R] long; ancestors  # [R, Q, Q] bool among each segment's queries (or [Q, Q] for R = 1);
+        keys 0..end-1 of each slot, of which the prefix < its start is visible."""
+        if ancestors.dim() == 2:
+            ancestors = ancestors[None]
+        r, q_len, device = ancestors.shape[0], ancestors.shape[1], ancestors.device
         rows = torch.arange(q_len, device=device)
-        rel = torch.arange(end, device=device)[None, :] - start                # [1, E] key position - start
-        tree = ancestors.gather(1, rel.clamp(0, q_len - 1).expand(q_len, end))
-        mask = (rel < 0) | ((rel < q_len) & tree)                               # [Q, E]
-        return cls(slots=slot, write_slot=slot.expand(q_len), write_pos=start + rows, q_index=rows[None],
-                   out_index=rows, mask=mask[None, None], end=end)
+        rel = torch.arange(end, device=device)[None, :] - starts[:, None]       # [R, E] key position - start
+        tree = ancestors.gather(2, rel.clamp(0, q_len - 1)[:, None, :].expand(r, q_len, end))
+        mask = (rel < 0)[:, None, :] | ((rel < q_len)[:, None, :] & tree)       # [R, Q, E]
+        return cls(slots=slots, write_slot=slots.repeat_interleave(q_len), write_pos=(starts[:, None] + rows).flatten(),
+                   q_index=torch.arange(r * q_len, device=device).view(r, q_len),
+                   out_index=torch.arange(r * q_len, device=device), mask=mask[:, None], end=end)
 
     def attend(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:

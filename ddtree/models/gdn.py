@@ -87,21 +87,24 @@ def _path_sum(x: Tensor, parents: Sequence[int]) -> Tensor:
 
 
 def ancestors_from_parents(parents: Tensor, steps: int | None = None) -> Tensor:
-    """[N, N] bool anc-or-self matrix from a parents tensor [N] long (-1: a root) on any device, by pointer doubling.
+    """[N, N] bool anc-or-self matrix from a parents tensor [N] long (-1: a root) on any device, by pointer doubling;
+    [R, N, N] from parents [R, N] (R trees at once).
 
     `steps` doublings cover paths up to 2**steps nodes (default: enough for any tree of N nodes). No host reads,
     so it runs inside a CUDA graph with parents in a static buffer.
     """
-    n = parents.shape[0]
+    if parents.dim() == 1:
+        return ancestors_from_parents(parents[None], steps)[0]
+    r, n = parents.shape
     steps = max(n - 1, 0).bit_length() if steps is None else steps
-    reach = torch.eye(n, dtype=torch.bool, device=parents.device)
-    ptr = torch.where(parents < 0, n, parents)                                # [N]; n = past the root
-    sentinel = torch.full((1,), n, dtype=parents.dtype, device=parents.device)
-    pad = torch.zeros(1, n, dtype=torch.bool, device=parents.device)
+    reach = torch.eye(n, dtype=torch.bool, device=parents.device).expand(r, n, n)
+    ptr = torch.where(parents < 0, n, parents)                                # [R, N]; n = past the root
+    sentinel = torch.full((r, 1), n, dtype=parents.dtype, device=parents.device)
+    pad = torch.zeros(r, 1, n, dtype=torch.bool, device=parents.device)
     for _ in range(steps):
         # reach[i] covers the nodes at distance [0, 2**s) above i, ptr[i] is the ancestor at distance 2**s (or n)
-        reach = reach | torch.cat([reach, pad])[ptr]
-        ptr = torch.cat([ptr, sentinel])[ptr]
+        reach = reach | torch.cat([reach, pad], dim=1).gather(1, ptr[:, :, None].expand(r, n, n))
+        ptr = torch.cat([ptr, sentinel], dim=1).gather(1, ptr)
     return reach
 
 

@@ -1,16 +1,19 @@
-"""Static forwards for batch-1 decoding: bucketed shapes, inputs in static buffers, CUDA graphs on CUDA.
+"""Static forwards: bucketed shapes, inputs in static buffers, CUDA graphs on CUDA.
 
-At batch 1 a 27B hybrid step is a few thousand small kernels; launched one by one from Python, the host,
-not the memory bus, sets the pace. A static forward has fixed shapes (rows padded to a bucket, keys to a
-power of two), reads every per-round value from static device buffers, and derives the rest there (the
-tree's ancestor matrix, conv windows, attention mask and cache write positions, from the parents and the
-start position), with no host reads. So on CUDA it is captured once per shape and replayed: one copy of a
-few integers to the device and one graph launch per pass. Off CUDA the same code runs eagerly, which is
-how the CPU tests check it against the dynamic forward and against target-only decoding.
+A 27B hybrid step is a few thousand small kernels; launched one by one from Python, the host, not the
+memory bus, sets the pace (and for a small model the host is all there is: a dynamic batched round of the
+135M default costs ~25 ms on an H200 whatever the batch). A static forward has fixed shapes (rows padded
+to a bucket, keys to a power of two, requests to a power of two), reads every per-round value from static
+device buffers, and derives the rest there (each tree's ancestor matrix, conv windows, attention mask and
+cache write positions, from the parents and the start positions), with no host reads. So on CUDA it is
+captured once per shape and replayed: one copy of a few integers to the device and one graph launch per
+pass. Off CUDA the same code runs eagerly, which is how the CPU tests check it against the dynamic forward
+and against target-only decoding.
 
-Padding rows are harmless by construction: their parent is -1 (they see the committed prefix and
-themselves), their cache writes land beyond the tree where nothing reads before the next overwrite,
-and their outputs are cut off before anyone sees them.
+Padding is harmless by construction: a padding row's parent is -1 (it sees the committed prefix and
+itself), its cache writes land beyond the tree where nothing reads before the next overwrite, and its
+outputs are cut off before anyone sees them; a padding request works in a scratch cache slot that no
+request holds.
 """
 
 from __future__ import annotations
@@ -113,11 +116,21 @@ class GraphPool:
         return program.outputs
 
 
-class StaticTarget:
-    """The target's verify (or ar step) of one sequence as a static forward."""
+def batch_bucket(n: int) -> int:
+    """Requests a batched static forward is padded to: the next power of two (padding requests use a scratch slot)."""
+    return 1 << max(n - 1, 0).bit_length()
 
-    def __init__(self, target, tap_layers: list[int], graphs: GraphPool) -> None:
-        self.target, self.tap_layers, self.graphs = target, list(tap_layers), graphs
+
+class StaticTarget:
+    """The target's verify (or ar step) as a static forward: of any number of requests for a dense target (each
+    padded to the same rows, the request count to a bucket), of one request for a hybrid one (its recurrent
+    state's slot is part of the program)."""
+
+    MAX_ROWS = 4096   # requests x rows of one batched static forward (beyond: the dynamic forward)
+
+    def __init__(self, target, tap_layers: list[int], graphs: GraphPool, scratch: int | None = None) -> None:
+        """scratch: a cache slot no request holds, where padding requests write (None: no request padding)."""
+        self.target, self.tap_layers, self.graphs, self.scratch = target, list(tap_layers), graphs, scratch
         self.conv_kernel = getattr(target.config, "conv_kernel", None)   # hybrid targets only
         self.uses_paths = getattr(target, "uses_paths", lambda rows, device: False)
 
@@ -131,9 +144,58 @@ class StaticTarget:
 
     def __call__(self, cache, start: int, input_ids, positions, parents: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """logits [n, vocab] and taps [n, ...] of the n tree rows (views of static outputs: read them before the next
-        static forward), or None where no static shape fits (the caller runs the dynamic forward).
+        """One request: logits [n, vocab] and taps [n, ...] of its n tree rows (views of static outputs: read them
+        before the next static forward), or None where no static shape fits (the caller runs the dynamic forward).
         input_ids, positions  # n host integers (lists, numpy or CPU tensors); parents  # n, -1 for the root"""
+        return self.batch([cache], [start], [input_ids], [positions], [parents])
+
+    def batch(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]]
+              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Several requests' trees (the lists hold one entry per request): logits and taps of their rows packed in
+        request order, or None (the caller runs the dynamic forward)."""
+        if self.conv_kernel is not None:
+            return self._hybrid(caches[0], starts[0], input_ids[0], positions[0], parents[0]) if len(caches) == 1 else None
+        sizes = [len(p) for p in parents]
+        rows = row_bucket(max(sizes))
+        keys = key_bucket(max(starts) + rows, caches[0].max_len)
+        reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
+        if min(starts) < 1 or keys is None or reqs * rows > self.MAX_ROWS:
+            return None
+        key = ("batch", reqs, rows, keys)
+        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys))
+        host = program.host.numpy()
+        n, total = reqs * rows, sum(sizes)
+        ids, pos, par, start, slot, out = np.split(host, np.cumsum([n, n, n, reqs, reqs]))
+        ids[:], pos[:], par[:], out[:] = 0, 0, -1, 0          # padding rows: roots of their own, outputs unread
+        start[:], slot[:] = 0, self.scratch if self.scratch is not None else 0
+        row = 0
+        for r, (cache, s, size) in enumerate(zip(caches, starts, sizes)):
+            at = slice(r * rows, r * rows + size)
+            ids[at], pos[at], par[at] = input_ids[r], positions[r], parents[r]
+            pos[r * rows + size : (r + 1) * rows] = s
+            start[r], slot[r] = s, cache.slot
+            out[row : row + size] = np.arange(r * rows, r * rows + size)
+            row += size
+        logits, taps = self.graphs.run(key, program)
+        return logits[:total], None if taps is None else taps[:total]
+
+    def _make_batch(self, cache, reqs: int, rows: int, keys: int) -> Program:
+        n = reqs * rows
+        host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs)
+
+        def body():
+            ids, positions, parents, starts, slots, out = inputs.split([n, n, n, reqs, reqs, n])
+            ancestors = ancestors_from_parents(parents.view(reqs, rows))          # [R, Q, Q]
+            plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys))
+            segment = Segment(cache=cache, start=-1, length=n, mask=ancestors)   # the pool is all a dense forward reads
+            logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None,
+                                                      logit_rows=out, plan=plan)
+            return logits, None if taps is None else taps[out]
+
+        return Program(body=body, host=host, inputs=inputs)
+
+    def _hybrid(self, cache, start: int, input_ids, positions, parents: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         n = len(parents)
         shape = self.shape(cache, start, n)
         if shape is None:
@@ -148,7 +210,7 @@ class StaticTarget:
             if paths is None:
                 return None
         key = ("target", rows, keys, num_paths, id(cache))
-        program = self.graphs.program(key, lambda: self._make(cache, rows, keys, num_paths))
+        program = self.graphs.program(key, lambda: self._make_hybrid(cache, rows, keys, num_paths))
         host = program.host.numpy()
         host[: 3 * rows] = 0
         host[2 * rows : 3 * rows] = -1                              # padding rows: roots of their own
@@ -162,9 +224,9 @@ class StaticTarget:
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
         return logits[:n], None if taps is None else taps[:n]
 
-    def _make(self, cache, rows: int, keys: int, num_paths: int) -> Program:
+    def _make_hybrid(self, cache, rows: int, keys: int, num_paths: int) -> Program:
         """num_paths: 0, or the (bucketed) number of root-to-leaf paths of the paths form."""
-        kv = getattr(cache, "kv", cache)                             # a hybrid cache's attention K/V
+        kv = cache.kv                                                 # a hybrid cache's attention K/V
         paths = num_paths > 0
         path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if paths else []   # tokens, cu_seqlens, node_pos
         host, inputs = self.graphs.new_inputs(3 * rows + 1 + sum(path_sizes))
@@ -174,10 +236,8 @@ class StaticTarget:
             ids, positions, parents = inputs[:rows], inputs[rows : 2 * rows], inputs[2 * rows : 3 * rows]
             start = inputs[3 * rows : 3 * rows + 1]
             ancestors = ancestors_from_parents(parents)
-            layouts = None
-            if self.conv_kernel is not None:
-                tree = TreePaths(*inputs[3 * rows + 1 :].split(path_sizes)) if paths else None
-                layouts = [TreeLayout(ancestors=ancestors, window=conv_window_index(parents, self.conv_kernel), paths=tree)]
+            tree = TreePaths(*inputs[3 * rows + 1 :].split(path_sizes)) if paths else None
+            layouts = [TreeLayout(ancestors=ancestors, window=conv_window_index(parents, self.conv_kernel), paths=tree)]
             plan = ForwardPlan(PackedAttention.static(slot, start, ancestors, keys), layouts)
             segment = Segment(cache=cache, start=-1, length=rows, mask=ancestors)   # start and mask: the plan's
             logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None, plan=plan)
@@ -187,47 +247,71 @@ class StaticTarget:
 
 
 class StaticDrafter:
-    """The drafter's pass for one request (append its new context features, then draft its block) as a static
-    forward; the block's embedding (the target's table) runs inside it too."""
+    """The drafter's pass for a batch of requests (append each one's new context features, then draft their
+    blocks) as a static forward; the blocks' embedding (the target's table) runs inside it too."""
 
-    def __init__(self, drafter, embed: Callable[[torch.Tensor], torch.Tensor], graphs: GraphPool) -> None:
-        self.drafter, self.embed, self.graphs = drafter, embed, graphs
+    MAX_ROWS = 2048   # requests x context rows of one static pass (a just-prefilled prompt's features can be many)
+
+    def __init__(self, drafter, embed: Callable[[torch.Tensor], torch.Tensor], graphs: GraphPool,
+                 scratch: int | None = None) -> None:
+        """scratch: a cache slot no request holds, where padding requests write (None: no request padding)."""
+        self.drafter, self.embed, self.graphs, self.scratch = drafter, embed, graphs, scratch
         self.block = drafter.block_size
 
     def __call__(self, cache, taps: torch.Tensor | None, block_ids: list[int]) -> torch.Tensor | None:
-        """Hidden states [1, block, hidden] of the block after the final norm (a view of a static output), having
-        appended taps  # [m, features] to the cache's context; None where no static shape fits (nothing done)."""
-        m = 0 if taps is None else taps.shape[0]
-        max_len = cache.pool.k.shape[2]
-        rows = row_bucket(m)
-        keys = key_bucket(cache.length + m, max_len)
-        if m == 0 or keys is None or cache.length + rows > max_len:
-            return None
-        key = ("draft", rows, keys, cache.slot)
-        program = self.graphs.program(key, lambda: self._make(cache, rows, keys, taps))
-        host = program.host.numpy()
-        host[: self.block] = block_ids
-        host[self.block :] = cache.length, m
-        program.extra["taps"][:m].copy_(taps)        # rows past m keep earlier (finite) features; they are masked
-        hidden = self.graphs.run(key, program)
-        cache.length += m
-        return hidden
+        """One request: see batch."""
+        return self.batch([cache], [taps], [block_ids])
 
-    def _make(self, cache, rows: int, keys: int, taps: torch.Tensor) -> Program:
+    def batch(self, caches: list, taps: list[torch.Tensor | None], blocks: list[list[int]]) -> torch.Tensor | None:
+        """Hidden states [R, block, hidden] of the requests' blocks after the final norm (a view of a static output),
+        having appended taps[r]  # [m_r, features] to cache r's context; None where no static shape fits (nothing
+        done: the caller runs the dynamic pass)."""
+        if any(t is None or t.shape[0] == 0 for t in taps):
+            return None
+        sizes = [t.shape[0] for t in taps]
+        max_len = caches[0].pool.k.shape[2]
+        rows = row_bucket(max(sizes))
+        reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
+        keys = key_bucket(max(c.length + m for c, m in zip(caches, sizes)), max_len)
+        if keys is None or max(c.length for c in caches) + rows > max_len or reqs * rows > self.MAX_ROWS:
+            return None
+        key = ("draft", reqs, rows, keys)
+        program = self.graphs.program(key, lambda: self._make(caches[0].pool, reqs, rows, keys, taps[0]))
+        b, host = self.block, program.host.numpy()
+        ids, length, m, slot, src = np.split(host, np.cumsum([reqs * b, reqs, reqs, reqs]))
+        ids[:], length[:], m[:], src[:] = 0, 0, 0, 0     # padding: empty contexts in the scratch slot
+        slot[:] = self.scratch if self.scratch is not None else 0
+        offset = 0
+        for r, (cache, size) in enumerate(zip(caches, sizes)):
+            ids[r * b : (r + 1) * b] = blocks[r]
+            length[r], m[r], slot[r] = cache.length, size, cache.slot
+            # context row i of request r reads staged row offset + i; rows past its m repeat its first (finite,
+            # written beyond the context where nothing reads them before they are overwritten)
+            src[r * rows : (r + 1) * rows] = offset
+            src[r * rows : r * rows + size] = np.arange(offset, offset + size)
+            offset += size
+        staged = program.extra["staged"]
+        torch.cat(taps, out=staged[:offset])
+        hidden = self.graphs.run(key, program)
+        for cache, size in zip(caches, sizes):
+            cache.length += size
+        return hidden[: len(caches)]
+
+    def _make(self, pool, reqs: int, rows: int, keys: int, taps: torch.Tensor) -> Program:
         b = self.block
-        host, inputs = self.graphs.new_inputs(b + 2)
-        features = torch.zeros(rows, taps.shape[1], dtype=taps.dtype, device=taps.device)
-        slot = torch.tensor([cache.slot], dtype=torch.long, device=inputs.device)
+        host, inputs = self.graphs.new_inputs(reqs * b + 3 * reqs + reqs * rows)
+        staged = torch.zeros(reqs * rows, taps.shape[1], dtype=taps.dtype, device=taps.device)
         offsets = torch.arange(max(rows, b), device=inputs.device)
 
         def body():
-            ids, length, m = inputs[:b], inputs[b : b + 1], inputs[b + 1 :]
-            self.drafter.write_context(cache.pool, slot.expand(rows), length + offsets[:rows], features)
-            start = length + m                                        # the root's position = the new context length
-            positions = (start + offsets[:b])[None]                   # [1, b]
-            return self.drafter.forward_pooled(cache.pool, slot, start, positions, keys, self.embed(ids)[None])
+            ids, length, m, slots, src = inputs.split([reqs * b, reqs, reqs, reqs, reqs * rows])
+            write_pos = (length[:, None] + offsets[:rows]).flatten()
+            self.drafter.write_context(pool, slots.repeat_interleave(rows), write_pos, staged[src])
+            starts = length + m                                       # each root's position = its new context length
+            positions = starts[:, None] + offsets[:b]                 # [R, b]
+            return self.drafter.forward_pooled(pool, slots, starts, positions, keys, self.embed(ids.view(reqs, b)))
 
-        return Program(body=body, host=host, inputs=inputs, extra={"taps": features})
+        return Program(body=body, host=host, inputs=inputs, extra={"staged": staged})
 
 
-__all__ = ["GraphPool", "Program", "StaticDrafter", "StaticTarget", "key_bucket", "row_bucket"]
+__all__ = ["GraphPool", "Program", "StaticDrafter", "StaticTarget", "batch_bucket", "key_bucket", "row_bucket"]

@@ -34,9 +34,12 @@ def make_hybrid(root):
     return root / "target", root / "dflash"
 
 
-@pytest.fixture(scope="module", params=["dense", "hybrid"])
+@pytest.fixture(scope="module", params=["dense", "hybrid", "dense-static", "hybrid-static"])
 def engines(request, tiny_models, tmp_path_factory):
-    if request.param == "dense":
+    """(kind, a 16-slot engine, a 1-slot engine, vocab); "-static": both run static forwards (what CUDA serves
+    with: batched target and drafter passes padded to buckets, padding requests in a scratch slot)."""
+    static = "on" if request.param.endswith("-static") else "off"
+    if request.param.startswith("dense"):
         target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
     else:
         target, drafter = make_hybrid(tmp_path_factory.mktemp("hybrid-batch"))
@@ -45,7 +48,7 @@ def engines(request, tiny_models, tmp_path_factory):
 
     def make(max_num_seqs):
         config = EngineConfig(target_path=str(target), drafter_path=str(drafter), max_model_len=192,
-                              max_tree_budget=64, max_num_seqs=max_num_seqs)
+                              max_tree_budget=64, max_num_seqs=max_num_seqs, static_forward=static)
         return OracleDraftEngine(config, reference=reference)
 
     return request.param, make(16), make(1), vocab
@@ -83,6 +86,9 @@ def test_sixteen_concurrent_greedy_requests_equal_alone(engines):
     for i, (prompt, params) in enumerate(jobs):
         alone = single.generate_ids(prompt, params).output_ids
         assert together[f"r{i}"] == alone, f"{kind} request {i} mode {params.mode} budget {params.tree_budget}"
+    if kind.endswith("-static"):   # the batches went through static passes of several (padded) requests
+        counts = {key[1] for key in batched.graphs.programs if key[0] in ("batch", "draft")}
+        assert max(counts) >= 8, counts
 
 
 def test_mixed_sampling_parameters_in_one_batch(engines):
