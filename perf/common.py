@@ -67,3 +67,12 @@ def add_model_args(parser) -> None:
     parser.add_argument("--drafter", default=str(ROOT / "models/smollm2-135m-instruct-dflash"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+
+
+def per_round_ms(before: dict, after: dict) -> dict:
+    """Engine stage times per batch round (ms) between two readings of {batch_rounds, rounds, draft, verify, host}:
+    the same counters in process (Engine.stage_times) and through Triton (its metrics), so the two sides compare
+    stage by stage; mean_batch = request rounds per batch round."""
+    rounds = after["batch_rounds"] - before["batch_rounds"]
+    return {f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in ("draft", "verify", "host")} | {
+        "batch_rounds": rounds, "mean_batch": (after["rounds"] - before["rounds"]) / max(rounds, 1)}

@@ -20,8 +20,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.config import EngineConfig  # noqa: E402
-from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
-from perf.triton_bench import TritonServer, input_data, make_repository, run_perf_analyzer  # noqa: E402
+from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
+from perf.triton_bench import (  # noqa: E402
+    TritonServer,
+    input_data,
+    make_repository,
+    model_stats,
+    run_perf_analyzer,
+    triton_stages,
+    wait_stages,
+)
 
 METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), ("ddtree", 16, "ddtree-16"),
            ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto")]
@@ -85,14 +93,38 @@ def main() -> None:
                             "tree_budget": budget}
                 result["methods"][name] = {}
                 for level in levels:
+                    stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
                     requests = run_perf_analyzer(server, input_data(prompts, sampling), workdir, max(2 * level, 4), level)
-                    result["methods"][name][str(level)] = summarize(requests, args.max_tokens)
-                    print(f"{name} c={level}: {result['methods'][name][str(level)]}", flush=True)
+                    entry = result["methods"][name][str(level)] = summarize(requests, args.max_tokens)
+                    # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing
+                    # step (one execution per streamed response) queues
+                    entry["stages"] = per_round_ms(stages, wait_stages(server.metrics_url, stages))
+                    after = model_stats(server.http_url, "postprocessing")
+                    count = max(after["count"] - post["count"], 1)
+                    entry["postprocessing"] = {"executions": after["count"] - post["count"],
+                                               "queue_ms": (after["queue_ns"] - post["queue_ns"]) / count / 1e6,
+                                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / count / 1e6}
+                    print(f"{name} c={level}: {entry}", flush=True)
+                write(result, levels, args)      # after each method: a cut-off run keeps what it measured
+
+
+def write(result: dict, levels: list[int], args) -> None:
     rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name, by_level in result["methods"].items():
         rows.append(f"| {name} tok/s | " + " | ".join(f"{by_level[str(c)]['tokens_per_s']:.1f}" for c in levels) + " |")
         rows.append(f"| {name} TTFT p50 ms | " + " | ".join(f"{by_level[str(c)]['ttft_ms_p50']:.0f}" for c in levels) + " |")
         rows.append(f"| {name} ITL p50 ms | " + " | ".join(f"{by_level[str(c)]['itl_ms_p50']:.1f}" for c in levels) + " |")
+    rows += ["", "Per batch round (engine counters through Triton's metrics): mean requests / draft ms / verify ms / host ms; "
+             "postprocessing (one execution per streamed response): queue ms / compute ms per execution.", "",
+             "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name, by_level in result["methods"].items():
+        cells = []
+        for c in levels:
+            e = by_level[str(c)]
+            st, pp = e.get("stages"), e.get("postprocessing")
+            cells.append(f"{st['mean_batch']:.1f} / {st['draft_ms']:.1f} / {st['verify_ms']:.1f} / {st['host_ms']:.1f}; "
+                         f"{pp['queue_ms']:.2f} / {pp['compute_ms']:.2f}" if st and pp else "-")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
 

@@ -46,7 +46,7 @@ from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method  # noqa: E402
-from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
 
 PROMPT_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
@@ -153,6 +153,11 @@ def acceptance_phase(engine: Engine, prompt_ids: list[list[int]], methods: list[
 
 
 # -- phase 2: speed at batch 1 ---------------------------------------------------------
+def engine_stages(engine: Engine) -> dict:
+    t = engine.stage_times
+    return {"batch_rounds": t.batch_rounds, "rounds": t.rounds, "draft": t.draft, "verify": t.verify, "host": t.host}
+
+
 def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[Method], temperatures: list[float],
                      max_new_tokens: int, seed: int) -> tuple[dict, dict]:
     """(results[T][method], outputs[T][method] = output ids per prompt), one request at a time."""
@@ -163,7 +168,7 @@ def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[
         key = temperature_key(temperature)
         results[key], outputs[key] = {}, {}
         for method in methods:
-            tokens, seconds, taus, ids_out = 0, 0.0, [], []
+            tokens, seconds, taus, ids_out, stages = 0, 0.0, [], [], engine_stages(engine)
             for i, ids in enumerate(tqdm(prompt_ids, desc=f"in process {method.name} T={key}", leave=False)):
                 params = SamplingParams(**sampling_parameters(method, temperature, max_new_tokens, seed + i))
                 start = time.perf_counter()
@@ -173,7 +178,7 @@ def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[
                 taus.append(request.mean_acceptance_length)
                 ids_out.append(request.output_ids)
             results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau(taus), "num_tokens": tokens,
-                                         "seconds": seconds}
+                                         "seconds": seconds, "stages": per_round_ms(stages, engine_stages(engine))}
             outputs[key][method.name] = ids_out
     return results, outputs
 
@@ -198,7 +203,7 @@ def stream_one(url: str, prompt: str, sampling: dict) -> dict:
 def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
                  max_new_tokens: int, seed: int) -> tuple[dict, dict]:
     """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver."""
-    from perf.triton_bench import TritonServer, make_repository
+    from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
 
     results, texts = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -210,12 +215,14 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
                 key = temperature_key(temperature)
                 results[key], texts[key] = {}, {}
                 for method in methods:
+                    stages = triton_stages(server.metrics_url)
                     runs = [stream_one(server.grpc_url, p, sampling_parameters(method, temperature, max_new_tokens, seed + i))
                             for i, p in enumerate(tqdm(prompts, desc=f"triton {method.name} T={key}", leave=False))]
                     tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
                     results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau([r["tau"] for r in runs]),
                                                  "num_tokens": tokens, "seconds": seconds,
-                                                 "num_input_tokens": [r["num_input_tokens"] for r in runs]}
+                                                 "num_input_tokens": [r["num_input_tokens"] for r in runs],
+                                                 "stages": per_round_ms(stages, wait_stages(server.metrics_url, stages))}
                     texts[key][method.name] = [r["text"] for r in runs]
     return results, texts
 
@@ -278,7 +285,20 @@ def table(result: dict) -> str:
               f"(mismatching prompts: {result['greedy_mismatches']}).",
               f"Phase seconds: {json.dumps({k: round(v, 1) for k, v in result['phase_seconds'].items()})}; "
               f"load average after each: {json.dumps({k: round(v, 2) for k, v in result['load_average'].items()})}",
-              "", histogram_table(result)]
+              "", stage_table(result), "", histogram_table(result)]
+    return "\n".join(lines)
+
+
+def stage_table(result: dict) -> str:
+    """Per-round engine stage times in process and through Triton (where they differ is where Triton's cost is)."""
+    lines = ["Engine stages per round (ms; in process / Triton):", "",
+             "| method | T | rounds | draft | verify | host (tree build, accept, commit, glue) |", "|---|---|---|---|---|---|"]
+    for key, name in _rows(result):
+        sides = [result.get(side, {}).get(key, {}).get(name, {}).get("stages") for side in ("in_process", "triton")]
+        if not any(sides):
+            continue
+        cell = lambda field: " / ".join(_fmt(s and s.get(field), ".2f" if field.endswith("ms") else ".0f") for s in sides)  # noqa: E731
+        lines.append(f"| {name} | {key} | {cell('batch_rounds')} | {cell('draft_ms')} | {cell('verify_ms')} | {cell('host_ms')} |")
     return "\n".join(lines)
 
 

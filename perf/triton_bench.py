@@ -13,6 +13,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 from ddtree.config import EngineConfig
@@ -55,6 +57,38 @@ def make_repository(config: EngineConfig, workdir: Path, extra: dict[str, str] |
     if gpus:
         set_gpu_replicas(ddtree, gpus)
     return repo
+
+
+STAGE_METRICS = {"batch_rounds": "ddtree_batch_rounds_total", "rounds": "ddtree_rounds_total",
+                 "draft": "ddtree_draft_seconds_total", "verify": "ddtree_verify_seconds_total",
+                 "host": "ddtree_host_seconds_total"}
+
+
+def triton_stages(metrics_url: str) -> dict:
+    """The engine's stage counters from Triton's metrics, summed over instances (keys as per_round_ms reads them)."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {key: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+            for key, name in STAGE_METRICS.items()}
+
+
+def wait_stages(metrics_url: str, before: dict, timeout_s: float = 5.0) -> dict:
+    """Triton's stage counters once the engine has published its last rounds (it publishes when idle)."""
+    deadline, after = time.monotonic() + timeout_s, triton_stages(metrics_url)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        again = triton_stages(metrics_url)
+        if again == after:
+            break
+        after = again
+    return after
+
+
+def model_stats(http_url: str, model: str) -> dict:
+    """Triton's cumulative statistics of one model: executions, and queue / compute nanoseconds summed."""
+    stats = json.loads(urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=10).read())
+    inference = stats["model_stats"][0]["inference_stats"]
+    return {"count": inference["success"]["count"], "queue_ns": inference["queue"]["ns"],
+            "compute_ns": inference["compute_infer"]["ns"]}
 
 
 def input_data(prompts: list[str], sampling: dict) -> dict:

@@ -164,7 +164,8 @@ class PackedAttention:
         rel = torch.arange(end, device=device)[None, :] - starts[:, None]       # [R, E] key position - start
         tree = ancestors.gather(2, rel.clamp(0, q_len - 1)[:, None, :].expand(r, q_len, end))
         mask = (rel < 0)[:, None, :] | ((rel < q_len)[:, None, :] & tree)       # [R, Q, E]
-        return cls(slots=slots, write_slot=slots.repeat_interleave(q_len), write_pos=(starts[:, None] + rows).flatten(),
+        return cls(slots=slots, write_slot=slots[:, None].expand(r, q_len).flatten(),
+                   write_pos=(starts[:, None] + rows).flatten(),
                    q_index=torch.arange(r * q_len, device=device).view(r, q_len),
                    out_index=torch.arange(r * q_len, device=device), mask=mask[:, None], end=end)
 

@@ -306,7 +306,7 @@ class StaticDrafter:
         def body():
             ids, length, m, slots, src = inputs.split([reqs * b, reqs, reqs, reqs, reqs * rows])
             write_pos = (length[:, None] + offsets[:rows]).flatten()
-            self.drafter.write_context(pool, slots.repeat_interleave(rows), write_pos, staged[src])
+            self.drafter.write_context(pool, slots[:, None].expand(reqs, rows).flatten(), write_pos, staged[src])
             starts = length + m                                       # each root's position = its new context length
             positions = starts[:, None] + offsets[:b]                 # [R, b]
             return self.drafter.forward_pooled(pool, slots, starts, positions, keys, self.embed(ids.view(reqs, b)))

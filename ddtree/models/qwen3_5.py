@@ -52,8 +52,10 @@ PREFILL_CHUNK = 128
 # kernel per layer over the root-to-leaf paths instead of ~40 small operations of the ancestor-masked form. Each
 # path starts from its own copy of the committed state (HV x dk x dv floats: 3 MiB per layer at Qwen3.6-27B dims),
 # so larger trees (many leaves) stay on the ancestor-masked form, as do paths longer than a DFlash block (never,
-# with a block of 16). DDTREE_PATHS_MAX_ROWS=0 turns the paths form off (perf/gpu_ratios.py measures both).
-PATHS_MAX_ROWS = int(os.environ.get("DDTREE_PATHS_MAX_ROWS", "65"))
+# with a block of 16). Measured on an H200 at 27B dims (perf/results/gpu_ratios_h200.md, static verify): paths /
+# masked = 25.8 / 27.7 ms at 17 rows, 29.1 / 29.4 at 33, 35.6 / 33.1 at 65 (a 64-node tree has ~40 leaves), hence 33.
+# DDTREE_PATHS_MAX_ROWS=0 turns the paths form off (perf/gpu_ratios.py measures both).
+PATHS_MAX_ROWS = int(os.environ.get("DDTREE_PATHS_MAX_ROWS", "33"))
 PATHS_MAX_LEN = 16
 
 

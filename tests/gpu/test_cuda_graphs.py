@@ -66,3 +66,37 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
         expected = plain.generate_ids(prompt, params).output_ids
         assert graphed.generate_ids(prompt, params).output_ids == expected, f"{family} {mode}-{budget}"
     assert captured(graphed.static_target) >= 3       # target and drafter programs, captured and replayed
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, hybrid):
+    """Concurrent requests of mixed modes, arriving while others decode: the target's (dense) and the drafter's
+    batched passes captured as graphs (requests padded with scratch-slot requests) give each request the tokens
+    it gets alone without graphs."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.request import Request
+    from ddtree.sampling_params import SamplingParams
+
+    root = hybrid if family == "hybrid" else tiny_models
+    target = root / "target" if family == "hybrid" else root / "qwen3-target"
+    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
+    plain = Engine(EngineConfig(**base, static_forward="off", max_num_seqs=1))
+    graphed = Engine(EngineConfig(**base, static_forward="auto", max_num_seqs=8))
+    gen = torch.Generator().manual_seed(5)
+    modes = [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
+    jobs = [(torch.randint(0, 90, (int(torch.randint(3, 60, (1,), generator=gen)),), generator=gen).tolist(),
+             SamplingParams(mode=mode, tree_budget=budget, max_tokens=24, ignore_eos=True))
+            for mode, budget in modes * 2]
+    requests = [Request(request_id=f"r{i}", prompt_ids=p, params=params) for i, (p, params) in enumerate(jobs)]
+    pending = list(requests)
+    while pending or graphed.has_work:
+        if pending:
+            graphed.add(pending.pop(0))
+        graphed.step()
+    for request, (prompt, params) in zip(requests, jobs):
+        assert request.output_ids == plain.generate_ids(prompt, params).output_ids, f"{family} {params.mode}"
+    batched = {key[1] for key in graphed.graphs.programs if key[0] in ("batch", "draft")}
+    assert max(batched) >= 4, batched
+    assert captured(graphed.static_target) >= 4
