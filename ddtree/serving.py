@@ -58,6 +58,7 @@ class ServiceStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     host_seconds: float = 0.0        # decoding round time outside the drafter and target passes
+    serve_seconds: float = 0.0       # engine-thread time outside engine steps: streaming, cancellation checks, metrics
     acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a round -> rounds
     engine_healthy: int = 1          # 0 after a fatal engine error: the instance answers UNAVAILABLE from then on
 
@@ -98,6 +99,7 @@ class GenerationService:
         self.stats = ServiceStats()
         self.on_stats = on_stats          # called from the engine thread after stats change (metrics)
         self._last_published = 0.0        # when on_stats last ran
+        self._step_seconds = 0.0          # the last engine step's wall time
         self.max_queue_size = max_queue_size
         self.fatal_error: str | None = None     # set once, by the first fatal engine error; never cleared
         self._fault_after_rounds = parse_fault_injection(fault_injection)
@@ -195,9 +197,13 @@ class GenerationService:
             while not self._stopping and self.fatal_error is None:
                 self._take_jobs(block=not self.engine.has_work)
                 if self.engine.has_work:
+                    start = time.perf_counter()
                     self._claim_relayed_stops()
                     self._step()
-                self._report()
+                    self._report()
+                    self.stats.serve_seconds += time.perf_counter() - start - self._step_seconds
+                else:
+                    self._report()
         except BaseException as e:  # the thread itself failed (not one step): nothing would serve the queue
             self._fail_fatal(e, "engine thread died")
 
@@ -275,7 +281,10 @@ class GenerationService:
 
     def _step(self) -> None:
         try:
+            start = time.perf_counter()
+            self._step_seconds = 0.0
             outputs = self.engine.step()
+            self._step_seconds = time.perf_counter() - start
             if self._fault_after_rounds is not None and self.engine.stage_times.batch_rounds >= self._fault_after_rounds:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered "
                                    "(simulated by the test-only fault_injection parameter)")

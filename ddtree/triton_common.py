@@ -120,6 +120,8 @@ class TritonMetrics:
                 ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
                 ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
                 ("ddtree_host_seconds_total", "host_seconds", "Decoding round time outside drafter and verify passes"),
+                ("ddtree_serve_seconds_total", "serve_seconds",
+                 "Engine-thread time outside engine steps: streaming responses, cancellation checks, metrics"),
                 ("ddtree_requests_finished_total", "num_finished", "Requests finished"),
                 ("ddtree_requests_cancelled_total", "num_cancelled", "Requests cancelled"),
                 ("ddtree_requests_failed_total", "num_failed", "Requests failed or rejected"),

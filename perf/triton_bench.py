@@ -61,7 +61,7 @@ def make_repository(config: EngineConfig, workdir: Path, extra: dict[str, str] |
 
 STAGE_METRICS = {"batch_rounds": "ddtree_batch_rounds_total", "rounds": "ddtree_rounds_total",
                  "draft": "ddtree_draft_seconds_total", "verify": "ddtree_verify_seconds_total",
-                 "host": "ddtree_host_seconds_total"}
+                 "host": "ddtree_host_seconds_total", "serve": "ddtree_serve_seconds_total"}
 
 
 def triton_stages(metrics_url: str) -> dict:

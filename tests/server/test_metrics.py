@@ -54,7 +54,7 @@ def buckets(samples: dict) -> list[float]:
 def test_new_metrics_are_exported(server):
     samples = scrape(server)
     for name in bucket_names() + ["ddtree_acceptance_length_sum", "ddtree_acceptance_length_count",
-                                  "ddtree_host_seconds_total", "ddtree_batch_rounds_total"]:
+                                  "ddtree_host_seconds_total", "ddtree_batch_rounds_total", "ddtree_serve_seconds_total"]:
         assert name in samples, sorted(samples)
 
 
@@ -91,4 +91,5 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     assert cumulative[16] == cumulative[-1], "a round commits at most block_size (16) tokens"
     host = delta(after, before, "ddtree_host_seconds_total")
     passes = delta(after, before, "ddtree_draft_seconds_total") + delta(after, before, "ddtree_verify_seconds_total")
-    assert 0 < host and 0 < passes and host + passes < elapsed
+    serve = delta(after, before, "ddtree_serve_seconds_total")    # streaming, cancellation checks, metrics
+    assert 0 < host and 0 < passes and 0 < serve and host + passes + serve < elapsed
