@@ -236,7 +236,26 @@ class Engine:
         trees = self._draft(seqs)
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
         times.tree_nodes += sum(tree.num_nodes for tree in trees)
-        t_verify = time.perf_counter()
+        if len(seqs) > 1 and self.static_target is not None and self.static_target.lone_only:
+            # a hybrid target's static forward holds one request (its recurrent state's slot is part of the program,
+            # and its commit stash lives in the graphs' shared memory): verify and commit the requests one by one,
+            # R graph replays, still far cheaper than one dynamic forward (whose host work grows with R too)
+            outputs = []
+            for i in range(len(seqs)):
+                outputs += self._verify_and_commit(seqs[i : i + 1], trees[i : i + 1], batches[i : i + 1])
+        else:
+            outputs = self._verify_and_commit(seqs, trees, batches)
+        now = time.perf_counter()
+        if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
+            produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
+            self.arm_selector.record(len(seqs), self.arm, produced, now - t_round)
+        times.decode += now - t_round
+        times.batch_rounds += 1
+        return outputs
+
+    def _verify_and_commit(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> list[RequestOutput]:
+        """One target pass over the requests' trees, then each one's acceptance walk and commit."""
+        times, t_verify = self.stage_times, time.perf_counter()
         logits, taps = self._verify(seqs, trees, batches)
         self._sync()
         t_commit = time.perf_counter()
@@ -250,19 +269,13 @@ class Engine:
             outputs.append(self._accept_and_commit(seq, tree, logits[rows], None if taps is None else taps[rows],
                                                    None if choices is None else choices[rows]))
         self._sync()
-        now = time.perf_counter()
-        if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
-            produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
-            self.arm_selector.record(len(seqs), self.arm, produced, now - t_round)
         times.verify += t_commit - t_verify
-        times.commit += now - t_commit
-        times.decode += now - t_round
-        times.batch_rounds += 1
+        times.commit += time.perf_counter() - t_commit
         return outputs
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target pass over every request's tree: logits and taps of all rows, packed in request order; through
-        the static forward where one fits (a CUDA graph replay on CUDA; a hybrid target's only for a lone request)."""
+        the static forward where one fits (a CUDA graph replay on CUDA; a hybrid target's for one request at a time)."""
         if self.static_target is not None:
             result = self.static_target.batch([self.caches[s.slot] for s in seqs], [s.start for s in seqs],
                                               [b.input_ids for b in batches], [b.positions for b in batches],

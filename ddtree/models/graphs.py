@@ -133,6 +133,7 @@ class StaticTarget:
         self.target, self.tap_layers, self.graphs, self.scratch = target, list(tap_layers), graphs, scratch
         self.conv_kernel = getattr(target.config, "conv_kernel", None)   # hybrid targets only
         self.uses_paths = getattr(target, "uses_paths", lambda rows, device: False)
+        self.lone_only = self.conv_kernel is not None      # a hybrid target's program holds one request
 
     def shape(self, cache, start: int, n: int) -> tuple[int, int] | None:
         """(rows, keys) of a static forward of n rows after `start` cached ones, or None if none fits the cache."""
