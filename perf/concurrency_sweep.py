@@ -114,16 +114,18 @@ def write(result: dict, levels: list[int], args) -> None:
         rows.append(f"| {name} tok/s | " + " | ".join(f"{by_level[str(c)]['tokens_per_s']:.1f}" for c in levels) + " |")
         rows.append(f"| {name} TTFT p50 ms | " + " | ".join(f"{by_level[str(c)]['ttft_ms_p50']:.0f}" for c in levels) + " |")
         rows.append(f"| {name} ITL p50 ms | " + " | ".join(f"{by_level[str(c)]['itl_ms_p50']:.1f}" for c in levels) + " |")
-    rows += ["", "Per batch round (engine counters through Triton's metrics): mean requests / draft ms / verify ms / host ms; "
-             "postprocessing (one execution per streamed response): queue ms / compute ms per execution.", "",
+    rows += ["", "Per batch round (engine counters through Triton's metrics): mean requests / draft ms / verify ms / host ms / "
+             "serve ms (engine thread outside steps); postprocessing (one execution per streamed response): queue ms / "
+             "compute ms per execution.", "",
              "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name, by_level in result["methods"].items():
         cells = []
         for c in levels:
             e = by_level[str(c)]
             st, pp = e.get("stages"), e.get("postprocessing")
-            cells.append(f"{st['mean_batch']:.1f} / {st['draft_ms']:.1f} / {st['verify_ms']:.1f} / {st['host_ms']:.1f}; "
-                         f"{pp['queue_ms']:.2f} / {pp['compute_ms']:.2f}" if st and pp else "-")
+            cells.append(f"{st['mean_batch']:.1f} / {st['draft_ms']:.1f} / {st['verify_ms']:.1f} / {st['host_ms']:.1f} / "
+                         f"{st.get('serve_ms', float('nan')):.1f}; {pp['queue_ms']:.2f} / {pp['compute_ms']:.2f}"
+                         if st and pp else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
