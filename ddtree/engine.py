@@ -18,7 +18,7 @@ import torch
 from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, default_cost_model, node_weights, parse_arms
 from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
-from ddtree.models.dense import Segment
+from ddtree.models.dense import KVCache, Segment
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.graphs import GraphPool, StaticDrafter, StaticTarget
 from ddtree.models.loader import dtype_of
@@ -262,12 +262,15 @@ class Engine:
         # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
         # suppress tokens are recomputed per request)
         choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None
-        outputs, row = [], 0
+        accepted, starts, row = [], [], 0
         for seq, tree in zip(seqs, trees):
             rows = slice(row, row + tree.num_nodes + 1)
+            accepted.append(self._accept(seq, tree, logits[rows], None if choices is None else choices[rows]))
+            starts.append(row)
             row = rows.stop
-            outputs.append(self._accept_and_commit(seq, tree, logits[rows], None if taps is None else taps[rows],
-                                                   None if choices is None else choices[rows]))
+        self._commit_caches(seqs, [a.accepted for a in accepted])
+        self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
+        outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
         self._sync()
         times.verify += t_commit - t_verify
         times.commit += time.perf_counter() - t_commit
@@ -288,8 +291,8 @@ class Engine:
         positions = torch.cat([b.positions for b in batches]).to(self.device)
         return self.target.forward_packed(ids, positions, segments, self.tap_layers)
 
-    def _accept_and_commit(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor,
-                           taps: torch.Tensor | None, greedy_choice: list[int] | None = None) -> RequestOutput:
+    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor, greedy_choice: list[int] | None):
+        """The acceptance walk of one request's tree (its rows' logits; the greedy choices where read)."""
         params = seq.request.params
         suppressed = self._suppressed(params)
         if suppressed:
@@ -303,11 +306,33 @@ class Engine:
             observed = (len(acceptance.accepted) - 1 + 0.1) / (expected + 0.1)
             seq.calibration = 0.5 * seq.calibration + 0.5 * min(observed, 1.0)
             self.auto_calibration = 0.5 * self.auto_calibration + 0.5 * seq.calibration   # prior for new requests
-        self.caches[seq.slot].compact(seq.start, acceptance.accepted)
-        if taps is not None and params.mode != "ar":   # an ar request never drafts: its features are not kept
-            new_taps = taps[torch.tensor(acceptance.accepted, device=self.device)]
-            # a round without drafting leaves earlier features unseen: they accumulate
+        return acceptance
+
+    def _commit_caches(self, seqs: list[Sequence], accepted: list[list[int]]) -> None:
+        """Move each request's accepted rows to its committed prefix: for a dense target one gather and one scatter
+        over the whole KV pool for all of them (per request, that was an index copy and two kernels); a hybrid
+        cache also commits its recurrent state, per request."""
+        caches = [self.caches[seq.slot] for seq in seqs]
+        if isinstance(caches[0], KVCache) and len(seqs) > 1:
+            caches[0].pool.move_rows([(c.slot, seq.start, a) for c, seq, a in zip(caches, seqs, accepted)])
+            return
+        for cache, seq, rows in zip(caches, seqs, accepted):
+            cache.compact(seq.start, rows)
+
+    def _keep_taps(self, seqs: list[Sequence], accepted: list[list[int]], taps: torch.Tensor | None,
+                   starts: list[int]) -> None:
+        """The drafter's next context: the accepted rows' target features, gathered for all requests at once (an
+        `ar` request never drafts: its features are not kept; a round without drafting leaves earlier features
+        unseen, so they accumulate)."""
+        keep = [i for i, seq in enumerate(seqs) if seq.request.params.mode != "ar"]
+        if taps is None or not keep:
+            return
+        index = torch.tensor([starts[i] + r for i in keep for r in accepted[i]], device=self.device)
+        for i, new_taps in zip(keep, taps[index].split([len(accepted[i]) for i in keep])):
+            seq = seqs[i]
             seq.pending_taps = new_taps if seq.pending_taps is None else torch.cat([seq.pending_taps, new_taps])
+
+    def _advance(self, seq: Sequence, tree: DraftTree, acceptance) -> RequestOutput:
         new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
         seq.start += len(acceptance.accepted)
         seq.root = acceptance.bonus_token

@@ -72,6 +72,19 @@ class KVPool:
         self.v = torch.zeros_like(self.k)
 
 
+    def move_rows(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        """Several slots' compactions at once: (slot, start, accepted) moves the K/V of rows start + accepted[i] to
+        start + i in that slot, every layer (accepted[i] >= i; the gather completes before the scatter)."""
+        moves = [(slot, start, rows) for slot, start, rows in moves if rows != list(range(len(rows)))]
+        if not moves:
+            return
+        index = torch.tensor([[slot, start + i, start + r] for slot, start, rows in moves for i, r in enumerate(rows)],
+                             dtype=torch.long).to(self.k.device)
+        slots, dst, src = index.unbind(1)
+        self.k[:, slots, dst] = self.k[:, slots, src]
+        self.v[:, slots, dst] = self.v[:, slots, src]
+
+
 class KVCache:
     """Static per-layer K/V for one sequence: [num_layers, max_len, kv_heads, head_dim], a slot of a KVPool
     (its own pool of one slot unless one is given), so that packed forwards can attend for all slots at once."""
