@@ -42,8 +42,8 @@ class EngineConfig:
     # what mode "auto" measures and picks from each round (ddtree.budget.ArmSelector)
     auto_arms: str = DEFAULT_ARMS
     num_threads: int = 0               # torch CPU threads; 0 keeps torch's default
-    # batch-1 verify as a static forward (ddtree.models.graphs): "auto" = on CUDA, captured as CUDA graphs;
-    # "on" = also elsewhere (run eagerly: how the CPU tests check it); "off" = always the dynamic forward
+    # drafter passes and target verifies as static forwards (ddtree.models.graphs): "auto" = on CUDA, captured as
+    # CUDA graphs; "on" = also elsewhere (run eagerly: how the CPU tests check it); "off" = the dynamic forward
     static_forward: str = "auto"
     cuda_graphs: bool = True           # capture static forwards as CUDA graphs (off: run them eagerly)
     seed: int = 0                      # seed for requests that give none

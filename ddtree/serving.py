@@ -41,6 +41,7 @@ class Job:
     is_stopped: bool = False    # set by stop(key): a cancellation that reached us by another route
     send_failed: bool = False   # set by the outbox when a response could not be sent: the request is dropped
     checked_s: float = 0.0      # when the client's cancellation was last asked (time.monotonic)
+    check_queued: bool = False  # a cancellation check is waiting in the outbox
     engine_request: Request | None = None
     stream: "_Stream | None" = None
 
@@ -67,9 +68,9 @@ class ServiceStats:
 
 
 METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engine works
-# Asking a sender whether its client cancelled is an IPC round trip in Triton (~0.2 ms); the outbox asks after each
-# response it sends, and the engine thread itself only for requests nobody asked for this long (no text this round,
-# or a non-streamed request).
+# Asking a sender whether its client cancelled is an IPC round trip in Triton (~0.2 ms), so the engine thread never
+# asks: the outbox asks after each response it sends, and the engine thread queues a check for a request nobody
+# asked about for this long (no text this round, or a non-streamed request).
 CANCEL_CHECK_S = 0.02
 
 # Errors after which the engine's device state cannot be trusted: the instance stops serving.
@@ -344,10 +345,13 @@ class GenerationService:
                 continue
             self.stats.num_output_tokens += len(output.new_token_ids)
             try:
-                if job.is_stopped or (time.monotonic() - job.checked_s > CANCEL_CHECK_S and self._cancelled(job)):
+                if job.is_stopped:
                     self.engine.abort(job.key)
                     self._finish(job, "cancelled")
                     continue
+                if not job.check_queued and time.monotonic() - job.checked_s > CANCEL_CHECK_S:
+                    job.check_queued = True
+                    self._outbox.put(self._check_cancelled, job)
                 if job.send_failed:     # an earlier response of it could not be sent (the outbox logged why)
                     self.engine.abort(job.key)
                     self._finish(job, "failed")
@@ -368,6 +372,13 @@ class GenerationService:
     def _cancelled(job: Job) -> bool:
         job.checked_s = time.monotonic()
         return job.sink.is_cancelled()
+
+    @classmethod
+    def _check_cancelled(cls, job: Job) -> None:
+        """On the outbox thread: a cancelled client stops the request at the engine's next round."""
+        job.check_queued = False
+        if cls._cancelled(job):
+            job.is_stopped = True
 
     @classmethod
     def _send(cls, job: Job, chunk: dict[str, Any], final: bool) -> None:
