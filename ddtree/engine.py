@@ -313,7 +313,7 @@ class Engine:
         over the whole KV pool for all of them (per request, that was an index copy and two kernels); a hybrid
         cache also commits its recurrent state, per request."""
         caches = [self.caches[seq.slot] for seq in seqs]
-        if isinstance(caches[0], KVCache) and len(seqs) > 1:
+        if isinstance(caches[0], KVCache):
             caches[0].pool.move_rows([(c.slot, seq.start, a) for c, seq, a in zip(caches, seqs, accepted)])
             return
         for cache, seq, rows in zip(caches, seqs, accepted):

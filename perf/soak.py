@@ -34,8 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from client.chat import build_inputs  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
 from perf.bench import Method  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
-from perf.triton_bench import TritonServer, make_repository  # noqa: E402
+from perf.triton_bench import TritonServer, make_repository, scrape_metrics  # noqa: E402
 
 GAUGES = ("ddtree_active_requests", "ddtree_waiting_requests", "ddtree_held_cache_slots", "ddtree_engine_healthy")
 COUNTERS = ("ddtree_requests_finished_total", "ddtree_requests_cancelled_total", "ddtree_requests_failed_total",
@@ -268,13 +267,7 @@ class Soak:
 
 
 def metrics(server: TritonServer) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    values: dict[str, float] = defaultdict(float)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in GAUGES + COUNTERS:
-            values[name] += float(line.rsplit(" ", 1)[1])
-    return dict(values)
+    return scrape_metrics(server.metrics_url, GAUGES + COUNTERS)
 
 
 def settle(server: TritonServer, timeout_s: float = 120.0) -> dict[str, float]:

@@ -64,11 +64,22 @@ STAGE_METRICS = {"batch_rounds": "ddtree_batch_rounds_total", "rounds": "ddtree_
                  "host": "ddtree_host_seconds_total", "serve": "ddtree_serve_seconds_total"}
 
 
+def scrape_metrics(metrics_url: str, names) -> dict[str, float]:
+    """Counters and gauges from Triton's /metrics, each summed over its label sets (models, instances); a name that
+    is not exported is absent."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in names:
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
 def triton_stages(metrics_url: str) -> dict:
     """The engine's stage counters from Triton's metrics, summed over instances (keys as per_round_ms reads them)."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return {key: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-            for key, name in STAGE_METRICS.items()}
+    values = scrape_metrics(metrics_url, set(STAGE_METRICS.values()))
+    return {key: values.get(name, 0.0) for key, name in STAGE_METRICS.items()}
 
 
 def wait_stages(metrics_url: str, before: dict, timeout_s: float = 5.0) -> dict:

@@ -71,7 +71,6 @@ class KVPool:
         self.k = torch.zeros(num_layers, slots, max_len, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
-
     def move_rows(self, moves: list[tuple[int, int, list[int]]]) -> None:
         """Several slots' compactions at once: (slot, start, accepted) moves the K/V of rows start + accepted[i] to
         start + i in that slot, every layer (accepted[i] >= i; the gather completes before the scatter)."""
@@ -99,11 +98,7 @@ class KVCache:
 
     def compact(self, start: int, accepted: list[int]) -> None:
         """Move the K/V of accepted tree rows to start + 0..len-1 (accepted[i] >= i, so in place is safe)."""
-        if accepted == list(range(len(accepted))):
-            return
-        src = torch.tensor(accepted, dtype=torch.long, device=self.k.device) + start
-        self.k[:, start : start + len(accepted)] = self.k[:, src]
-        self.v[:, start : start + len(accepted)] = self.v[:, src]
+        self.pool.move_rows([(self.slot, start, accepted)])
 
 
 @dataclass(slots=True)
