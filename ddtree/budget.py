@@ -14,7 +14,8 @@ can lose to a fixed method on a given machine and load (it did: 0.72x of `ar` at
 CPU cores, 0.83x of `ddtree-16` at 4 streams on the H200). `ArmSelector` closes that gap with
 measurements: per batch-size bucket it treats `ar`, `dflash`, `ddtree` at a few fixed budgets and
 the policy as arms, tries each a few rounds, then runs the one with the highest measured committed
-tokens per second of round wall time (plus a small optimism bonus for arms measured in few rounds, so
+tokens per second of wall time (a round is charged from the previous round's end: the serving loop's work
+per round counts too, Engine._cycle_start) (plus a small optimism bonus for arms measured in few rounds, so
 that an unlucky estimate of a close competitor gets corrected), re-probing the others every so often.
 An arm whose rounds take s times as long as the best arm's is re-probed after REPROBE_EVERY * s
 rounds, a wait that doubles after every probe it does not win (up to 2**MAX_BACKOFF): each arm costs

@@ -32,6 +32,9 @@ from ddtree.verify import accept
 
 logger = logging.getLogger(__name__)
 
+# Time between two decoding rounds beyond this is an idle spell (or a debugger), not serving work (auto's accounting).
+MAX_SERVE_GAP_S = 0.5
+
 
 @dataclass(slots=True)
 class StageTimes:
@@ -115,6 +118,7 @@ class Engine:
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
+        self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
 
     @property
     def cache(self):
@@ -175,9 +179,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests (prefill), then one decoding round for the others."""
         decoding = list(self.running)
+        t_prefill = time.perf_counter()
         outputs = self._prefill(self._admit())
+        prefill_s = time.perf_counter() - t_prefill
         if decoding:
-            outputs += self._round(decoding)
+            outputs += self._round(decoding, prefill_s)
+        else:
+            self._round_end = None
         for seq in [s for s in self.running if s.request.finish_reason is not None]:
             self._release(seq)
         return outputs
@@ -228,8 +236,9 @@ class Engine:
         self.stage_times.prefill += time.perf_counter() - t0
         return outputs
 
-    def _round(self, seqs: list[Sequence]) -> list[RequestOutput]:
+    def _round(self, seqs: list[Sequence], prefill_s: float = 0.0) -> list[RequestOutput]:
         times, t_round = self.stage_times, time.perf_counter()
+        cycle_start = self._cycle_start(t_round, prefill_s)
         auto = [s for s in seqs if s.request.params.mode == "auto"]
         self.arm = self.arm_selector.choose(len(seqs), max(s.request.params.tree_budget for s in auto)) if auto else None
         auto_tokens_before = sum(s.request.num_output_tokens for s in auto)
@@ -248,10 +257,22 @@ class Engine:
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
-            self.arm_selector.record(len(seqs), self.arm, produced, now - t_round)
+            self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start)
+        self._round_end = now
         times.decode += now - t_round
         times.batch_rounds += 1
         return outputs
+
+    def _cycle_start(self, t_round: float, prefill_s: float) -> float:
+        """Where the time `auto` charges to this round starts: the previous round's end, less this step's prefill,
+        when the rounds follow each other (a serving loop's per-round work between steps, streaming the outputs and
+        checking cancellations, is paid once per round whatever the arm, so an arm that commits more tokens per round
+        pays it less often; charging only the round itself, auto ran `ar` at one stream on the H200 where `ddtree-16` was
+        15% faster end to end); the round's own start after an idle spell, or when the gap is far longer than any serving work."""
+        if self._round_end is None:
+            return t_round
+        start = self._round_end + prefill_s
+        return start if start <= t_round and t_round - start < MAX_SERVE_GAP_S else t_round
 
     def _verify_and_commit(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> list[RequestOutput]:
         """One target pass over the requests' trees, then each one's acceptance walk and commit."""

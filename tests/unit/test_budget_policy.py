@@ -203,3 +203,35 @@ def test_what_lost_to_lighter_drafting_at_a_smaller_batch_is_not_explored_at_a_l
                         "policy": 85.0}, num_seqs=4, rounds=40)
     assert set(chosen) == {"ar", "ddtree-4", "ddtree-16", "ddtree-64", "policy"}   # dflash lost to ddtree-4 at 1
     assert chosen["ddtree-16"] >= 40 - 4 * 2 - 6
+
+
+def test_auto_charges_each_round_the_serving_work_since_the_last_one(tiny_models):
+    """What a round costs auto is the time since the previous round ended (less a new request's prefill): the work a
+    serving loop does between steps (streaming, cancellation checks) is paid once per round, so an arm that commits
+    more tokens per round pays it less often. An idle spell longer than MAX_SERVE_GAP_S is not charged."""
+    import time
+
+    from ddtree.engine import MAX_SERVE_GAP_S
+    from ddtree.request import Request
+
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=160, max_tree_budget=16))
+    charged = []
+    record = engine.arm_selector.record
+    engine.arm_selector.record = lambda n, arm, tokens, seconds: (charged.append(seconds), record(n, arm, tokens, seconds))
+    engine.add(Request("a", [5, 6, 7], SamplingParams(mode="auto", tree_budget=16, max_tokens=12, ignore_eos=True)))
+    engine.step()                        # prefill only: no round
+    gaps = []
+    while engine.has_work:
+        t0 = time.perf_counter()
+        engine.step()
+        gaps.append(time.perf_counter() - t0)
+        time.sleep(0.03)                 # the serving loop's work between two steps
+    assert len(charged) >= 2
+    assert charged[0] < 0.03 <= min(charged[1:]), charged          # the first round follows a prefill-only step
+    assert all(c <= g + 0.03 + 0.02 for c, g in zip(charged[1:], gaps[1:])), (charged, gaps)
+    assert engine._cycle_start(10.0, 0.0) == 10.0                                 # no round before
+    engine._round_end = 10.0 - MAX_SERVE_GAP_S - 0.1
+    assert engine._cycle_start(10.0, 0.0) == 10.0                                 # idle: the round alone
+    engine._round_end = 9.9
+    assert engine._cycle_start(10.0, 0.05) == pytest.approx(9.95)                 # serving work, less the prefill
