@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree.models import qwen3_5  # noqa: E402
+from ddtree.models import fused, qwen3_5  # noqa: E402
 from ddtree.models.dense import DenseConfig, DenseTarget  # noqa: E402
 from perf.common import ROOT, header, write_cost_model, write_results  # noqa: E402
 from perf.hybrid_verify import (  # noqa: E402
@@ -100,6 +101,14 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
                                                      static=True, profile=(16, 64))
         finally:
             qwen3_5.PATHS_MAX_ROWS = saved
+    if args.device.startswith("cuda") and fused.enabled():
+        # the same static forward with the elementwise chains uncompiled (ddtree.models.fused), for comparison
+        os.environ["DDTREE_COMPILE"] = "0"
+        try:
+            verify["static-uncompiled"] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
+                                                         args.prompt_len, args.repeats, static=True)
+        finally:
+            del os.environ["DDTREE_COMPILE"]
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
@@ -107,6 +116,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     floor_ms = floor_bytes / bandwidth * 1e3
     ratios = {"ar_over_floor": verify["static"]["ar_step_ms"] / floor_ms,
               "dynamic_ar_over_floor": verify["dynamic"]["ar_step_ms"] / floor_ms}
+    if "static-uncompiled" in verify:
+        ratios["uncompiled_ar_over_floor"] = verify["static-uncompiled"]["ar_step_ms"] / floor_ms
     for forward, table_ in rounds.items():
         for name, entry in table_.items():
             entry["host_share"] = max(0.0, entry["round_ms"] - entry["draft_ms"] - entry["verify_ms"]) / entry["round_ms"]
@@ -125,14 +136,16 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
 def table(result: dict) -> str:
     lines = [f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, measured in this run)", "",
              "Static forward (CUDA graphs on CUDA; what the engine serves batch 1 with) unless marked dynamic; "
-             "static-masked: small hybrid trees on the ancestor-masked GDN form instead of the paths form.", "",
-             "| shape | weights GB | floor ms | ar step ms | ar / floor | dynamic ar / floor | ddtree-16 / ar | "
-             "ddtree-64 / ar | max host share |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "static-masked: small hybrid trees on the ancestor-masked GDN form instead of the paths form; "
+             "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0).", "",
+             "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
+             "ddtree-16 / ar | ddtree-64 / ar | max host share |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for shape, r in result["shapes"].items():
         q = r["ratios"]
         lines.append(f"| {shape} | {r['weight_bytes'] / 1e9:.2f} | {r['floor_ms']:.2f} | {r['ar_step_ms']:.2f} | "
-                     f"{q['ar_over_floor']:.2f} | {q['dynamic_ar_over_floor']:.2f} | "
+                     f"{q['ar_over_floor']:.2f} | {q.get('uncompiled_ar_over_floor', float('nan')):.2f} | "
+                     f"{q['dynamic_ar_over_floor']:.2f} | "
                      f"{q.get('ddtree-16_over_ar', float('nan')):.2f} | "
                      f"{q.get('ddtree-64_over_ar', float('nan')):.2f} | {q['host_share']:.0%} |")
     lines += ["", "Goals (issue 6): " + ", ".join(f"{k} <= {v:g}" for k, v in GOALS.items()) + "; met: "
@@ -151,7 +164,7 @@ def table(result: dict) -> str:
                   "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
                   "|---|---|" + "---|" * len(budgets)]
         for forward, v in r["verify"].items():
-            cells = " | ".join(f"{e['verify_ms']:.2f}" for e in v["budgets"].values())
+            cells = " | ".join(f"{v['budgets'][b]['verify_ms']:.2f}" if b in v["budgets"] else "-" for b in budgets)
             lines.append(f"| {forward} | {v['ar_step_ms']:.2f} | {cells} |")
         for forward, v in r["verify"].items():
             for name, p in v.get("profile", {}).items():

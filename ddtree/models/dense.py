@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.models import fused
 from ddtree.models.base import TargetModel
 from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
@@ -235,9 +236,11 @@ class Attention(FusedProjections, nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.q_norm is not None:   # norm and rotary in one chain each (fused on CUDA)
+            q = fused.rms_norm_rotary(q, self.q_norm.weight, self.q_norm.eps, *rope)
+            k = fused.rms_norm_rotary(k, self.k_norm.weight, self.k_norm.eps, *rope)
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attend_segments(q, k, v, [seg.cache for seg in segments], segments, layer, self.head_dim**-0.5, packed)
         return self.o_proj(out.reshape(n, -1))
 

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from ddtree.models import fused
 from ddtree.models.dense import KVPool
-from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, apply_rotary, attend
+from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,9 @@ class DraftAttention(nn.Module):
 
     def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        return apply_rotary(k, *rope), self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        k = fused.rms_norm_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), self.k_norm.weight,
+                                  self.k_norm.eps, *rope)
+        return k, self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
 
 
 class DraftLayer(nn.Module):
@@ -201,7 +203,8 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = apply_rotary(attn.q_norm(attn.q_proj(x).view(r * b, attn.num_heads, attn.head_dim)), *rope)
+            q = fused.rms_norm_rotary(attn.q_proj(x).view(r * b, attn.num_heads, attn.head_dim), attn.q_norm.weight,
+                                      attn.q_norm.eps, *rope)
             k_block, v_block = attn.project_kv(x, rope)
             if pooled is not None:
                 pool, slots, context, masks = pooled

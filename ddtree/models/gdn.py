@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from ddtree.models import fused
 
 L2_EPS = 1e-6                    # l2norm eps of use_qk_l2norm_in_kernel (fla / transformers)
 AUTO_HEAD_ELEMENTS = 1 << 24     # head_chunk=None: heads per group so that one [heads, N, N] buffer has <= this many elements
@@ -373,11 +374,7 @@ def conv_tree(x: Tensor, parents: Sequence[int] | None, conv_state: Tensor, weig
     if window is None:
         _check_parents(parents, n)
         window = conv_window_index(torch.tensor(list(parents), dtype=torch.long), kernel).to(x.device)
-    dtype = _compute_dtype(x)
-    src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])     # [K + N, C]
-    windows = src[window]                                                     # [N, K, C], one gather
-    acc = (windows * weight.to(dtype).transpose(0, 1)).sum(dim=1)             # [N, C]
-    return F.silu(acc).to(x.dtype)
+    return fused.conv_windows(x, conv_state, weight, window)   # one gather of the windows, the weighted sum, SiLU
 
 
 def conv_state_after(x: Tensor, parents: Sequence[int], node: int, conv_state: Tensor) -> Tensor:

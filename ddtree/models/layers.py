@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.models import fused
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -17,7 +19,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalised in float32 and rounded to x's dtype, then scaled (HF's order); one fused kernel on CUDA
-        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 class Derived:
@@ -79,7 +81,7 @@ class GatedMLP(FusedProjections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(gate, up))
 
 
 class Rotary(nn.Module):
@@ -123,9 +125,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x  # [..., n, heads, head_dim]; cos, sin  # [..., n, head_dim]"""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+    return fused.rotary(x, cos, sin)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

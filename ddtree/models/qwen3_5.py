@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ddtree.models import fused
 from ddtree.models.base import TargetModel
 from ddtree.models.dense import ForwardPlan, KVCache, KVPool, PackedAttention, Segment, attend_segments
 from ddtree.models.gdn import (
@@ -131,7 +131,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.scale = Derived(lambda w: 1.0 + w.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.scale(self.weight), self.eps).type_as(x)
+        return fused.zero_centered_rms_norm(x, self.scale(self.weight), self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -143,7 +143,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return ((self.weight * F.rms_norm(o, (o.shape[-1],), None, self.eps)) * F.silu(z.float())).to(o.dtype)
+        return fused.gated_rms_norm(o, z, self.weight, self.eps)
 
 
 class HybridCache:
@@ -196,23 +196,18 @@ class GatedAttention(FusedProjections, nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
-        rot, keep = x[..., :r], x[..., r:]
-        half = r // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        return torch.cat([rot * cos[:, None] + rotated * sin[:, None], keep], dim=-1)
-
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
                 slot: int, packed: PackedAttention | None = None) -> torch.Tensor:
         n = x.shape[0]
         q_gate, k, v = self.project(x)
         q, gate = q_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self._rotate(self.q_norm(q), *rope)
-        k = self._rotate(self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)), *rope)
+        # per-head norm, then rotary over the first rotary_dim dims (cos, sin are that wide): one chain each
+        q = fused.zero_centered_norm_partial_rotary(q, self.q_norm.scale(self.q_norm.weight), self.q_norm.eps, *rope)
+        k = fused.zero_centered_norm_partial_rotary(k.reshape(n, self.num_kv_heads, self.head_dim),
+                                                    self.k_norm.scale(self.k_norm.weight), self.k_norm.eps, *rope)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = attend_segments(q, k, v, [seg.cache.kv for seg in segments], segments, slot, self.head_dim**-0.5, packed)
-        out = out.reshape(n, -1) * torch.sigmoid(gate.reshape(n, -1))
+        out = fused.sigmoid_gate(out.reshape(n, -1), gate.reshape(n, -1))
         return self.o_proj(out)
 
 
@@ -255,12 +250,11 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         # q, k keep their key heads: fla's kernels group value heads onto them (GVA); the torch forms repeat them
         q, k = q.reshape(n, c.linear_num_key_heads, dk), k.reshape(n, c.linear_num_key_heads, dk)
         v = v.reshape(n, hv, dv)
-        beta = torch.sigmoid(b)                                                # [n, hv]
-        g = self.decay_rate(self.A_log) * F.softplus(a.float() + self.dt_bias)
+        beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
         if stash is None and n == 1:
             o, state = self._step(q, k, v, g, beta, cache.state[slot])
             window = cache.conv[slot]
-            window.copy_(torch.cat([window[:, 1:], mixed.transpose(0, 1).to(window.dtype)], dim=1))
+            window.copy_(fused.shifted_window(window, mixed))
             cache.state[slot].copy_(state)
         elif stash is None:
             o, state = self._chunked_chain(q, k, v, g, beta, cache.state[slot])

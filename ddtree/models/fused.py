@@ -1,0 +1,138 @@
+"""The elementwise chains between a layer's matrix products, each one function: compiled on CUDA, plain torch elsewhere.
+
+At batch 1 a 27B step is weight-streaming GEMVs plus ~42 small kernels per layer (norms with their casts,
+rotary halves, gates, the conv window, silu * up), measured on an H200 at ~5 ms of a 19.7 ms step
+(perf/results/gpu_ratios_h200.md). Each function here is one such chain; on CUDA tensors it runs through
+torch.compile (inductor), which fuses the chain into one or two kernels that the CUDA graphs of the static
+forwards then capture like any other. Off CUDA (the CPU tests, the fp32 lossless checks) the same function
+runs eagerly, so the math the tests check is the math the GPU compiles.
+
+`emulate_precision_casts` keeps inductor's numerics those of eager (it rounds where eager rounds to bf16),
+so a compiled forward decodes what the eager one does up to kernel-order effects, as any kernel change.
+`DDTREE_COMPILE=0` turns compilation off (perf/gpu_ratios.py measures both). The first call of each chain for a
+new shape compiles it (a few seconds, cached on disk by inductor): the static forwards' first run, which is
+their warm-up before capture, pays that.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+RECOMPILE_LIMIT = 64   # shapes per chain: row counts (automatic dynamic after the second), model widths, eps values
+
+
+def enabled() -> bool:
+    return os.environ.get("DDTREE_COMPILE", "1") not in ("0", "", "off")
+
+
+def fused(fn: Callable) -> Callable:
+    """fn compiled for CUDA tensors (its first argument decides), fn itself otherwise."""
+    compiled: Callable | None = None
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        nonlocal compiled
+        if not args[0].is_cuda or not enabled() or torch.is_grad_enabled():   # training keeps eager autograd
+            return fn(*args)
+        if compiled is None:
+            from torch._dynamo import config as dynamo_config
+            from torch._inductor import config as inductor_config
+
+            inductor_config.emulate_precision_casts = True
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+            compiled = torch.compile(fn, fullgraph=True)
+            logger.info("compiling %s for CUDA (torch.compile, inductor)", fn.__name__)
+        return compiled(*args)
+
+    wrapper.eager = fn
+    return wrapper
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x), normalised in float32 and rounded to x's dtype before the scale (HF's order)."""
+    return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+@fused
+def zero_centered_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm(x) * scale in float32, rounded to x's dtype (Qwen3.5: scale = 1 + weight, in float32)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).type_as(x)
+
+
+@fused
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rmsnorm(o) * weight * silu(z), in o's dtype (Qwen3.5's Gated DeltaNet output norm, per value head)."""
+    return ((weight * F.rms_norm(o, (o.shape[-1],), None, eps)) * F.silu(z.float())).to(o.dtype)
+
+
+@fused
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+@fused
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(gate)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary over x's last dim. x  # [..., n, heads, d]; cos, sin  # [..., n, d]"""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+@fused
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rotate(x, cos, sin)
+
+
+@fused
+def rms_norm_rotary(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-head q/k norm, then rotary (Qwen3's attention)."""
+    return _rotate(weight * F.rms_norm(x, (x.shape[-1],), None, eps), cos, sin)
+
+
+@fused
+def zero_centered_norm_partial_rotary(x: torch.Tensor, scale: torch.Tensor, eps: float, cos: torch.Tensor,
+                                      sin: torch.Tensor) -> torch.Tensor:
+    """Per-head zero-centered q/k norm, then rotary over the first cos.shape[-1] dims of each head (Qwen3.5)."""
+    x = F.rms_norm(x.float(), (x.shape[-1],), scale, eps).type_as(x)
+    r = cos.shape[-1]
+    return torch.cat([_rotate(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+@fused
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, decay_rate: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta = sigmoid(b) [n, hv]; g = decay_rate * softplus(a + dt_bias) in float32 (log decay, decay_rate = -exp(A_log))."""
+    return torch.sigmoid(b), decay_rate * F.softplus(a.float() + dt_bias)
+
+
+@fused
+def conv_windows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over each node's window (ddtree.models.gdn.conv_tree, which checks the shapes):
+    x  # [N, C]; conv_state, weight  # [C, K]; window  # [N, K] indices into cat(conv_state.T, x)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])
+    acc = (src[window] * weight.to(dtype).transpose(0, 1)).sum(dim=1)
+    return F.silu(acc).to(x.dtype)
+
+
+@fused
+def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """conv_state [C, K] after one committed input x [1, C]."""
+    return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
+
+
+__all__ = ["conv_windows", "enabled", "fused", "gated_rms_norm", "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary",
+           "shifted_window", "sigmoid_gate", "silu_mul", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]
