@@ -95,6 +95,7 @@ def main() -> None:
               "prompts": prompts}
     if not args.skip_in_process:
         engine = Engine(config)
+        engine.warm_up()
         result["in_process"] = bench_in_process(engine, prompt_ids, args.max_tokens, args.temperature)
         del engine
     write_results(Path(args.out), args.name, result, table(result))   # kept if the Triton part fails

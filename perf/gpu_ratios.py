@@ -90,9 +90,10 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     floor_bytes = weight_bytes(target)
     # the engine's static forward (CUDA graphs on CUDA) is what it serves batch 1 with; the dynamic forward is
     # measured beside it to show what the graphs buy
+    forwards = args.forwards.split(",")
     verify = {forward: measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                       static=forward == "static", profile=(16, 64))
-              for forward in ("dynamic", "static")}
+              for forward in forwards}
     if hasattr(target, "uses_paths") and target.uses_paths(17, torch.device(args.device)):
         # small hybrid trees went through the paths form (fla): the ancestor-masked form beside it, for comparison
         saved, qwen3_5.PATHS_MAX_ROWS = qwen3_5.PATHS_MAX_ROWS, 0
@@ -112,10 +113,10 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
-              for forward in ("dynamic", "static")}
+              for forward in forwards}
     floor_ms = floor_bytes / bandwidth * 1e3
     ratios = {"ar_over_floor": verify["static"]["ar_step_ms"] / floor_ms,
-              "dynamic_ar_over_floor": verify["dynamic"]["ar_step_ms"] / floor_ms}
+              "dynamic_ar_over_floor": verify["dynamic"]["ar_step_ms"] / floor_ms if "dynamic" in verify else float("nan")}
     if "static-uncompiled" in verify:
         ratios["uncompiled_ar_over_floor"] = verify["static-uncompiled"]["ar_step_ms"] / floor_ms
     for forward, table_ in rounds.items():
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--forwards", default="dynamic,static", help="static alone skips the dynamic forward (slow)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)

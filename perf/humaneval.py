@@ -452,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with phase(result, "load"):
         engine = Engine(config)
+        engine.warm_up()   # as the Triton model does at load (CUDA: compiled chains, captured batch-1 graphs)
     result["acceptance"], outputs = {}, {}
     if not args.skip_acceptance:
         with phase(result, "acceptance"):

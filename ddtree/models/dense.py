@@ -253,10 +253,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.mlp_bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
-                layer: int, packed: PackedAttention | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, segments, layer, packed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                segments: list[Segment], layer: int, packed: PackedAttention | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP output not yet added to it): each residual add runs in the chain of
+        the norm after it. pending: the previous layer's MLP output (None: x is whole)."""
+        x, h = self.input_layernorm.add_norm(x, pending)
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rope, segments, layer, packed))
+        return x, self.mlp(h)
 
 
 class DenseTarget(TargetModel):
@@ -296,11 +300,13 @@ class DenseTarget(TargetModel):
         taps = {}
         wanted = set(tap_layers or ())
         packed = plan.packed if plan is not None else PackedAttention.plan([seg.cache for seg in segments], segments)
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, segments, i, packed)
+            x, pending = layer(x, pending, rope, segments, i, packed)
             if i in wanted:
+                x, pending = x + pending, None
                 taps[i] = x
-        return self.outputs(x, taps, tap_layers, logit_rows)
+        return self.outputs(x if pending is None else x + pending, taps, tap_layers, logit_rows)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

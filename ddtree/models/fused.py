@@ -7,6 +7,10 @@ torch.compile (inductor), which fuses the chain into one or two kernels that the
 forwards then capture like any other. Off CUDA (the CPU tests, the fp32 lossless checks) the same function
 runs eagerly, so the math the tests check is the math the GPU compiles.
 
+Only a static forward's body compiles them (`with fused.static():`, ddtree.models.graphs.GraphPool.run): a
+compiled function checks its guards on every call (~20 us of host time each, ~20 ms for a 27B forward), which a
+CUDA graph pays once at capture and a dynamic forward (a prompt's prefill) would pay every time.
+
 `emulate_precision_casts` keeps inductor's numerics those of eager (it rounds where eager rounds to bf16),
 so a compiled forward decodes what the eager one does up to kernel-order effects, as any kernel change.
 `DDTREE_COMPILE=0` turns compilation off (perf/gpu_ratios.py measures both). The first call of each chain for a
@@ -16,9 +20,11 @@ their warm-up before capture, pays that.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -29,19 +35,33 @@ logger = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 64   # shapes per chain: row counts (automatic dynamic after the second), model widths, eps values
 
 
+_here = threading.local()
+
+
 def enabled() -> bool:
     return os.environ.get("DDTREE_COMPILE", "1") not in ("0", "", "off")
 
 
+@contextlib.contextmanager
+def static():
+    """Within: the chains compile (for CUDA tensors); a static forward's body runs in here."""
+    before = getattr(_here, "on", False)
+    _here.on = True
+    try:
+        yield
+    finally:
+        _here.on = before
+
+
 def fused(fn: Callable) -> Callable:
-    """fn compiled for CUDA tensors (its first argument decides), fn itself otherwise."""
+    """fn compiled for CUDA tensors (its first argument decides) within `static()`, fn itself otherwise."""
     compiled: Callable | None = None
 
     @functools.wraps(fn)
     def wrapper(*args):
         nonlocal compiled
-        if not args[0].is_cuda or not enabled() or torch.is_grad_enabled():   # training keeps eager autograd
-            return fn(*args)
+        if not (args[0].is_cuda and getattr(_here, "on", False) and enabled()) or torch.is_grad_enabled():
+            return fn(*args)   # off CUDA, outside static forwards, or training (eager autograd)
         if compiled is None:
             from torch._dynamo import config as dynamo_config
             from torch._inductor import config as inductor_config
@@ -60,6 +80,20 @@ def fused(fn: Callable) -> Callable:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x), normalised in float32 and rounded to x's dtype before the scale (HF's order)."""
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after adding h, and its rms_norm (the add fused into the next layer's norm)."""
+    x = x + h
+    return x, weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+@fused
+def add_zero_centered_rms_norm(x: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, eps: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + h
+    return x, F.rms_norm(x.float(), (x.shape[-1],), scale, eps).type_as(x)
 
 
 @fused
@@ -134,5 +168,6 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
 
 
-__all__ = ["conv_windows", "enabled", "fused", "gated_rms_norm", "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary",
-           "shifted_window", "sigmoid_gate", "silu_mul", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]
+__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "conv_windows", "enabled", "fused", "gated_rms_norm",
+           "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window", "sigmoid_gate", "silu_mul", "static",
+           "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddtree.models import fused
 from ddtree.models.dense import ForwardPlan, PackedAttention, Segment
 from ddtree.models.gdn import TreeLayout, TreePaths, ancestors_from_parents, conv_window_index, leaves, tree_paths
 from ddtree.models.qwen3_5 import PATHS_MAX_LEN
@@ -84,12 +85,13 @@ class GraphPool:
     def run(self, key: tuple, program: Program) -> Any:
         """Copy the program's host inputs to the device and run it (replay its graph, capturing it the first time)."""
         program.inputs.copy_(program.host, non_blocking=True)
-        if not self.capture or program.graph is False:
-            return program.body()
-        # graphs capture on and replay into the calling thread's current device: make it the engine's (a replica
-        # on cuda:1 runs its engine in a thread whose current device would otherwise be cuda:0)
-        with torch.cuda.device(self.device):
-            return self._run_graph(key, program)
+        with fused.static():   # the elementwise chains compiled (CUDA): paid once per capture, not per call
+            if not self.capture or program.graph is False:
+                return program.body()
+            # graphs capture on and replay into the calling thread's current device: make it the engine's (a replica
+            # on cuda:1 runs its engine in a thread whose current device would otherwise be cuda:0)
+            with torch.cuda.device(self.device):
+                return self._run_graph(key, program)
 
     def _run_graph(self, key: tuple, program: Program) -> Any:
         if program.graph is None:

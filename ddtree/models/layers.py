@@ -21,6 +21,10 @@ class RMSNorm(nn.Module):
         # normalised in float32 and rounded to x's dtype, then scaled (HF's order); one fused kernel on CUDA
         return fused.rms_norm(x, self.weight, self.eps)
 
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, norm(x + h)) in one chain; h None: (x, norm(x))."""
+        return (x, self(x)) if h is None else fused.add_rms_norm(x, h, self.weight, self.eps)
+
 
 class Derived:
     """A tensor computed from a parameter and kept until the parameter changes (new storage or an in-place write):

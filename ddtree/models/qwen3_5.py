@@ -133,6 +133,10 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.zero_centered_rms_norm(x, self.scale(self.weight), self.eps)
 
+    def add_norm(self, x: torch.Tensor, h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, norm(x + h)) in one chain; h None: (x, norm(x))."""
+        return (x, self(x)) if h is None else fused.add_zero_centered_rms_norm(x, h, self.scale(self.weight), self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """rmsnorm(o) * weight * silu(z) over each value head."""
@@ -395,8 +399,9 @@ class HybridTarget(TargetModel):
         rope = self.rotary(positions, x.dtype)
         taps, wanted = {}, set(tap_layers or ())
         attn_slot = gdn_slot = 0
+        pending = None   # the last MLP's output, added to x in the next norm's chain
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
+            x, h = layer.input_layernorm.add_norm(x, pending)
             if layer.kind == "full_attention":
                 h = layer.self_attn(h, rope, segments, attn_slot, plan.packed)
                 attn_slot += 1
@@ -407,11 +412,12 @@ class HybridTarget(TargetModel):
                     row += seg.length
                 h = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
                 gdn_slot += 1
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x, h = layer.post_attention_layernorm.add_norm(x, h)
+            pending = layer.mlp(h)
             if i in wanted:
+                x, pending = x + pending, None
                 taps[i] = x
-        return self.outputs(x, taps, tap_layers, logit_rows)
+        return self.outputs(x if pending is None else x + pending, taps, tap_layers, logit_rows)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

@@ -23,6 +23,8 @@ def chain_inputs(n: int, dtype: torch.dtype) -> dict[str, tuple]:
     x = rand(n, hidden)
     return {
         "rms_norm": (x, rand(hidden), 1e-6),
+        "add_rms_norm": (x, rand(n, hidden), rand(hidden), 1e-6),
+        "add_zero_centered_rms_norm": (x, rand(n, hidden), rand(hidden, dt=torch.float32), 1e-6),
         "zero_centered_rms_norm": (x, rand(hidden, dt=torch.float32), 1e-6),
         "gated_rms_norm": (rand(n * heads, d), rand(n * heads, d), rand(d), 1e-6),
         "silu_mul": (x, rand(n, hidden)),
@@ -42,7 +44,7 @@ def test_compiled_chains_equal_eager(dtype):
     """Each chain at 1, 3 and 17 rows (the second shape recompiles with dynamic rows), compiled == eager: to float32
     rounding in float32, to a bf16 ulp in bf16 (emulate_precision_casts rounds where eager rounds)."""
     tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
-    with torch.inference_mode():
+    with torch.inference_mode(), fused.static():
         for n in (1, 3, 17):
             for name, args in chain_inputs(n, dtype).items():
                 chain = getattr(fused, name)
@@ -57,7 +59,7 @@ def test_compiled_chains_equal_eager(dtype):
 def test_compiled_chains_are_captured_in_a_graph():
     """A compiled chain replays from a CUDA graph on new inputs (the static forwards capture them)."""
     x, w = torch.randn(5, 256, device="cuda"), torch.randn(256, device="cuda")
-    with torch.inference_mode():
+    with torch.inference_mode(), fused.static():
         fused.rms_norm(x, w, 1e-6)                      # compiles (the warm-up)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

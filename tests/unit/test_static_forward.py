@@ -127,6 +127,9 @@ def test_engine_with_static_forward_decodes_the_targets_greedy_tokens(family, ti
     dynamic = OracleDraftEngine(EngineConfig(**base, static_forward="off"), reference=reference)
     static = OracleDraftEngine(EngineConfig(**base, static_forward="on"), reference=reference)
     assert dynamic.static_target is None and static.static_target is not None
+    static.warm_up()   # what serving does at load: leaves programs, no counts, no held slot, no effect on outputs
+    assert static.graphs.programs and static.stage_times.batch_rounds == 0 and not static.has_work
+    assert static.free_slots == list(range(static.config.max_num_seqs))
     for ids in prompts:
         expected = dynamic.generate_ids(ids, greedy("ar", 1)).output_ids
         for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:

@@ -70,6 +70,7 @@ class TritonPythonModel:
         self.config = dataclasses.replace(self.config, device=instance_device(args, self.config.device))
         package_logger.info("%s engine config: %s", args["model_instance_name"], self.config)
         engine = Engine(self.config)
+        engine.warm_up()   # CUDA: compiles and captures the batch-1 programs before the model reports ready
         self.metrics = TritonMetrics(pb_utils, IPC_LOCK, {"model": args["model_name"],
                                                           "instance": args["model_instance_name"]})
         self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
