@@ -67,7 +67,8 @@ class Sequence:
     slot: int = -1
     root: int = -1                           # last committed token, not yet in the cache
     start: int = 0                           # its position = committed cache length
-    pending_taps: torch.Tensor | None = None  # target features of tokens the drafter has not seen
+    # target features of tokens the drafter has not seen, a chunk per round (joined once, when it next drafts)
+    pending_taps: list[torch.Tensor] = field(default_factory=list)
     skip_rounds: int = 0                     # mode auto: rounds left without drafting (trees did not pay)
     backoff: int = 1                         # mode auto: next skip length after another zero-node round
     calibration: float = 1.0                 # mode auto: observed / drafter-expected accepted nodes (EMA)
@@ -76,6 +77,10 @@ class Sequence:
     def depth_limit(self) -> int:
         """Deeper drafts can never be used: the bonus token always adds one."""
         return self.max_tokens - self.request.num_output_tokens - 1
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor | None:
+    return None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 class Engine:
@@ -227,7 +232,7 @@ class Engine:
                                          torch.tensor([params.min_tokens > 0], device=self.device))
             seq.root = self._choose(row_logits[0], params, seq.generator)
             seq.start = n
-            seq.pending_taps = taps[row : row + n] if taps is not None and params.mode != "ar" else None
+            seq.pending_taps = [taps[row : row + n]] if taps is not None and params.mode != "ar" else []
             row += n
             if self.draft_caches:
                 self.draft_caches[seq.slot].length = 0
@@ -351,7 +356,7 @@ class Engine:
         index = torch.tensor([starts[i] + r for i in keep for r in accepted[i]], device=self.device)
         for i, new_taps in zip(keep, taps[index].split([len(accepted[i]) for i in keep])):
             seq = seqs[i]
-            seq.pending_taps = new_taps if seq.pending_taps is None else torch.cat([seq.pending_taps, new_taps])
+            seq.pending_taps.append(new_taps)
 
     def _advance(self, seq: Sequence, tree: DraftTree, acceptance) -> RequestOutput:
         new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
@@ -369,7 +374,7 @@ class Engine:
         self.stage_times.draft_passes += 1
         drafter, block = self.drafter, self.drafter.block_size
         caches = [self.draft_caches[seqs[i].slot] for i in drafting]
-        taps = [seqs[i].pending_taps for i in drafting]
+        taps = [_joined(seqs[i].pending_taps) for i in drafting]
         blocks = [[seqs[i].root] + [drafter.config.mask_token_id] * (block - 1) for i in drafting]
         hidden = None
         if self.static_drafter is not None:
@@ -380,7 +385,7 @@ class Engine:
                                             [seqs[i].start for i in drafting])
         for cache, i in zip(caches, drafting):
             assert cache.length == seqs[i].start, "drafter context out of step with the target"
-            seqs[i].pending_taps = None
+            seqs[i].pending_taps = []
         self._sync()
         t1 = time.perf_counter()
         # one lm_head pass, one top-k and one device-to-host copy for every drafting request
