@@ -14,13 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, default_cost_model, node_weights, parse_arms
 from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
 from ddtree.models.dense import KVCache, Segment
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.models.graphs import GraphPool, StaticDrafter, StaticTarget
+from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticDrafter, StaticTarget
 from ddtree.models.loader import dtype_of
 from ddtree.models.target import load_target
 from ddtree.request import Request, RequestOutput
@@ -32,6 +33,8 @@ from ddtree.verify import accept
 
 logger = logging.getLogger(__name__)
 
+# Engine.warm_up prepares the static programs of prompts up to this many cache positions (longer ones capture on use).
+WARM_UP_MAX_KEYS = 4096
 # Time between two decoding rounds beyond this is an idle spell (or a debugger), not serving work (auto's accounting).
 MAX_SERVE_GAP_S = 0.5
 
@@ -501,10 +504,16 @@ class Engine:
         t0 = time.perf_counter()
         budgets = [min(b, self.config.max_tree_budget) for b in (16, 64)]
         modes = [("ar", 1)] + ([("dflash", 1)] + [("ddtree", b) for b in budgets] if self.drafter is not None else [])
-        prompt = [i % self.target.config.vocab_size for i in range(1, 17)]
-        for mode, budget in dict.fromkeys(modes):
-            self.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=4, ignore_eos=True),
-                              request_id="warm-up")
+        # one prompt per key bucket (attention over 256, 512, ... cache positions), up to WARM_UP_MAX_KEYS
+        lengths, keys = [16], 2 * MIN_KEYS
+        while keys <= min(WARM_UP_MAX_KEYS, 2 * self.config.max_model_len) and keys // 2 + 1 < self.config.max_model_len - 8:
+            lengths.append(keys // 2 + 1)
+            keys *= 2
+        for n in tqdm(lengths, desc="warm-up (compile, capture)", disable=None):
+            prompt = [1 + i % (self.target.config.vocab_size - 1) for i in range(n)]
+            for mode, budget in dict.fromkeys(modes):
+                self.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=4, ignore_eos=True),
+                                  request_id="warm-up")
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
         logger.info("warm-up: %d static programs ready in %.1f s", len(self.graphs.programs), time.perf_counter() - t0)
 
