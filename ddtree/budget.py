@@ -149,6 +149,9 @@ class ArmSelector:
         self.misses: dict[tuple[int, Arm], int] = defaultdict(int)        # re-probes since the arm last led
         self.probing: dict[int, tuple[Arm, float]] = {}                   # bucket -> (arm re-probed, best's rate)
         self.rounds: dict[int, int] = defaultdict(int)
+        self.last: Arm | None = None                # the last round's arm (any batch size)
+        self.catching_up = False                    # this round's arm drafts after rounds that did not
+        self.repeat: tuple[int, Arm] | None = None  # (bucket, arm) to run again, measured, after a catch-up round
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
@@ -204,6 +207,12 @@ class ArmSelector:
         """This round's arm for `num_seqs` running requests; ddtree arms above max_budget (the auto requests'
         largest tree_budget) are left out, they would build the same trees as smaller ones."""
         b = self.bucket(num_seqs)
+        repeat, self.repeat = self.repeat, None
+        if repeat is not None and repeat[0] == b:   # the measured round of an arm whose last round caught up
+            self.rounds[b] += 1
+            self.last_tried[repeat] = self.rounds[b]
+            self.last = repeat[1]
+            return repeat[1]
         arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
         arms = arms or self.arms
         pruned = self._pruned(b, arms)
@@ -223,6 +232,10 @@ class ArmSelector:
                 self.misses[(b, arm)] = min(self.misses[(b, arm)] + 1, MAX_BACKOFF)
                 self.probing[b] = (arm, self.rate(b, best))
         self.last_tried[(b, arm)] = self.rounds[b]
+        # the drafter has not seen the features of the tokens committed while nobody drafted: the first drafting round
+        # after them ingests them all (a catch-up that steady drafting never pays), so it is not the arm's measure
+        self.catching_up = arm.mode != "ar" and (self.last is None or self.last.mode == "ar")
+        self.last = arm
         return arm
 
     def reprobe_interval(self, bucket: int, arm: Arm, best: Arm) -> float:
@@ -235,6 +248,9 @@ class ArmSelector:
     def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float) -> None:
         b = self.bucket(num_seqs)
         key = (b, arm)
+        if self.catching_up:   # not measured: the same arm runs again next round (choose), and that round counts
+            self.catching_up, self.repeat = False, key
+            return
         probed, best_rate = self.probing.pop(b, (None, 0.0))
         if probed == arm and seconds > 0 and tokens / seconds > best_rate:
             # a re-probe beat the leader: try it again at once until its estimate (old rounds decayed) leads or a
