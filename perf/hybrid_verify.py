@@ -14,6 +14,7 @@ Writes perf/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -204,6 +205,18 @@ def weight_bytes(model: torch.nn.Module, exclude: tuple[str, ...] = ("embed_toke
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith(exclude))
 
 
+def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams, rounds: int, round_ms: float) -> dict:
+    """GPU kernel time per round (a profiled request less a profiled prefill of the same prompt) and the share of the
+    round the GPU idles: the host's share measured from the device side (Python, launches, synchronizations), where
+    round - draft - verify also counts device work of the tree-build and commit stages."""
+    whole = kernel_profile(lambda: engine.generate_ids(prompt, params), repeats=1)
+    prefill = kernel_profile(lambda: engine.generate_ids(prompt, dataclasses.replace(params, max_tokens=1)), repeats=1)
+    if "error" in whole or "error" in prefill:
+        return {"device_profile_error": whole.get("error") or prefill.get("error")}
+    device_ms = (whole["device_ms"] - prefill["device_ms"]) / rounds
+    return {"device_ms": device_ms, "gpu_idle_share": max(0.0, 1.0 - device_ms / round_ms)}
+
+
 @torch.inference_mode()
 def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
                    prompt_len: int, rounds: int, static_forward: str = "auto") -> dict:
@@ -227,6 +240,8 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in ("draft", "tree_build", "verify", "commit", "decode")}
         entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
         entry["rounds"] = n
+        if device.startswith("cuda") and static_forward != "off":
+            entry.update(round_device_time(engine, prompt, params, n, entry["round_ms"]))
         name = mode if mode != "ddtree" else f"ddtree-{budget}"
         results[name] = entry
         print(f"{name}: {entry}", flush=True)

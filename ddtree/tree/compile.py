@@ -14,7 +14,16 @@ from ddtree.tree.build import DraftTree
 class VerifyBatch:
     input_ids: torch.Tensor   # [num_nodes + 1] long; row 0 is the root
     positions: torch.Tensor   # [num_nodes + 1] long; root position + depth (siblings share)
-    visibility: torch.Tensor  # [num_nodes + 1, num_nodes + 1] bool; ancestors and self
+    mask: torch.Tensor | None = None      # the visibility, given or built on first use
+    tree: DraftTree | None = None
+
+    @property
+    def visibility(self) -> torch.Tensor:
+        """[num_nodes + 1, num_nodes + 1] bool; ancestors and self. Built from the tree on first use: a static forward
+        derives it on the device from the parents and never asks (host work saved every round)."""
+        if self.mask is None:
+            self.mask = ancestor_matrix(self.tree.parents, self.tree.depths)
+        return self.mask
 
 
 def ancestor_matrix(parents: list[int], depths: list[int]) -> torch.Tensor:
@@ -37,8 +46,4 @@ def ancestor_matrix(parents: list[int], depths: list[int]) -> torch.Tensor:
 def compile_tree(tree: DraftTree, root_token: int, start: int) -> VerifyBatch:
     tokens = [root_token] + tree.tokens[1:]
     depths = torch.tensor(tree.depths, dtype=torch.long)
-    return VerifyBatch(
-        input_ids=torch.tensor(tokens, dtype=torch.long),
-        positions=depths + start,
-        visibility=ancestor_matrix(tree.parents, tree.depths),
-    )
+    return VerifyBatch(input_ids=torch.tensor(tokens, dtype=torch.long), positions=depths + start, tree=tree)
