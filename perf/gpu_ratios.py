@@ -91,7 +91,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     floor_bytes = weight_bytes(target)
     # the engine's static forward (CUDA graphs on CUDA) is what it serves batch 1 with; the dynamic forward is
     # measured beside it to show what the graphs buy
-    forwards = args.forwards.split(",")
+    forwards, errors = args.forwards.split(","), {}
     verify = {forward: measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                       static=forward == "static", profile=(16, 64))
               for forward in forwards}
@@ -103,6 +103,17 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
                                                      static=True, profile=(16, 64))
         finally:
             qwen3_5.PATHS_MAX_ROWS = saved
+        # the paths form through our tree kernel (one shared committed state, ddtree.models.tree_kernel) instead of
+        # fla's (a state copy per path); off by default until this comparison says it pays
+        os.environ["DDTREE_TREE_KERNEL"] = "1"
+        try:
+            verify["static-treekernel"] = measure_verify(target, args.device, [b for b in args.budgets if b <= 32],
+                                                         args.prompt_len, args.repeats, static=True, profile=(16,))
+        except Exception as exc:   # a diagnostic variant: its failure must not cost the run's other measurements
+            errors["static-treekernel"] = f"{type(exc).__name__}: {exc}"
+            print(f"tree kernel variant failed: {errors['static-treekernel']}", flush=True)
+        finally:
+            del os.environ["DDTREE_TREE_KERNEL"]
     if args.device.startswith("cuda") and fused.enabled():
         # the same static forward with the elementwise chains uncompiled (ddtree.models.fused), for comparison
         os.environ["DDTREE_COMPILE"] = "0"
@@ -135,7 +146,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"weight_bytes": floor_bytes, "floor_ms": floor_ms, "ar_step_ms": verify["static"]["ar_step_ms"],
-            "verify": verify, "rounds": rounds, "ratios": ratios}
+            "verify": verify, "rounds": rounds, "ratios": ratios, "errors": errors}
 
 
 def table(result: dict) -> str:
@@ -181,6 +192,8 @@ def table(result: dict) -> str:
                 lines += [f"{shape}, {forward} {name}: {p['kernels']} kernels, {p['device_ms']:.2f} ms of device time "
                           f"(floor {r['floor_ms']:.2f} ms)", "", "| kernel | per call | ms per call |", "|---|---|---|"]
                 lines += [f"| `{k}` | {n} | {ms:.3f} |" for k, n, ms in p["top"]] + [""]
+        if r.get("errors"):
+            lines += [f"{shape}: variants that failed: " + "; ".join(f"{k}: {v}" for k, v in r["errors"].items()), ""]
         lines.append("")
     return "\n".join(lines)
 

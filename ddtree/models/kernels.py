@@ -46,6 +46,15 @@ def _fla_fused_recurrent() -> Callable | None:
     return fused_recurrent_gated_delta_rule
 
 
+def tree_gdn_kernel(device: torch.device) -> Callable | None:
+    """Our Triton kernel for the paths form from one shared committed state (ddtree.models.tree_kernel) on `device`,
+    or None: CUDA and DDTREE_TREE_KERNEL=1 only (off by default until it is measured against fla's kernel there)."""
+    if device.type != "cuda" or os.environ.get("DDTREE_TREE_KERNEL", "0") in ("", "0"):
+        return None
+    from ddtree.models.tree_kernel import tree_paths_recurrence
+    return tree_paths_recurrence
+
+
 def step_gdn_kernel(device: torch.device) -> Callable | None:
     """fla's fused recurrent gated delta rule (one kernel per layer for a decode step) on `device`, or None."""
     if device.type != "cuda":
@@ -76,4 +85,4 @@ def gdn_chain_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return o[0], state[0]
 
 
-__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "step_gdn_kernel"]
+__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "step_gdn_kernel", "tree_gdn_kernel"]

@@ -38,7 +38,7 @@ from ddtree.models.gdn import (
     replay_path,
     tree_paths,
 )
-from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, step_gdn_kernel
+from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, step_gdn_kernel, tree_gdn_kernel
 from ddtree.models.layers import Derived, FusedProjections, GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
@@ -265,7 +265,9 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             conv_state = conv_state_after(mixed, list(range(-1, n - 1)), n - 1, cache.conv[slot])
             cache.pending[slot] = CommittedState(state=state, conv=conv_state, last=n - 1)
         elif layout.paths is not None:   # the paths form; the commit replays the accepted path from the stash
-            o = gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, cache.state[slot])
+            tree = tree_gdn_kernel(q.device)   # ours, from the shared committed state (DDTREE_TREE_KERNEL=1), or fla's
+            o = (tree(q, k, v, g, beta, layout.paths.tokens, layout.paths.cu_seqlens, cache.state[slot], PATHS_MAX_LEN)
+                 if tree is not None else gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, cache.state[slot]))
             for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
                 buffer[slot].copy_(value)
         else:
