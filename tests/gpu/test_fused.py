@@ -73,8 +73,7 @@ def test_compiled_chains_are_captured_in_a_graph():
 def test_engine_with_compiled_chains_decodes_what_eager_decodes(family, tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with the chains compiled == with DDTREE_COMPILE=0."""
     from ddtree.config import EngineConfig
-    from ddtree.engine import Engine
-    from ddtree.sampling_params import SamplingParams
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens
     from tests.unit.oracle import make_tiny_hybrid
 
     if family == "hybrid":
@@ -84,14 +83,5 @@ def test_engine_with_compiled_chains_decodes_what_eager_decodes(family, tiny_mod
         target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
     config = EngineConfig(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64,
                           device="cuda")
-    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    cases = [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)]
-    monkeypatch.setenv("DDTREE_COMPILE", "0")
-    eager = Engine(config)
-    expected = [eager.generate_ids(prompt, SamplingParams(mode=m, tree_budget=b, max_tokens=40, ignore_eos=True)).output_ids
-                for m, b in cases]
-    monkeypatch.setenv("DDTREE_COMPILE", "1")
-    compiled = Engine(config)
-    for (mode, budget), want in zip(cases, expected):
-        got = compiled.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=40, ignore_eos=True))
-        assert got.output_ids == want, f"{family} {mode}-{budget}"
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_COMPILE", config,
+                                      [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)], seed=5)

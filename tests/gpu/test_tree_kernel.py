@@ -66,21 +66,11 @@ def test_tree_kernel_equals_per_node_recurrence(kernel, n, dtype):
 def test_engine_with_the_tree_kernel_decodes_what_it_decodes_with_fla(monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards, graphs) on the tiny hybrid with DDTREE_TREE_KERNEL=1 == without."""
     from ddtree.config import EngineConfig
-    from ddtree.engine import Engine
-    from ddtree.sampling_params import SamplingParams
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens
     from tests.unit.oracle import make_tiny_hybrid
 
     root, _ = make_tiny_hybrid(tmp_path)
     config = EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"), max_model_len=300,
                           max_tree_budget=32, device="cuda")
-    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(6)).tolist()
-    cases = [("dflash", 1), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32)]
-    monkeypatch.setenv("DDTREE_TREE_KERNEL", "0")
-    fla = Engine(config)
-    expected = [fla.generate_ids(prompt, SamplingParams(mode=m, tree_budget=b, max_tokens=40, ignore_eos=True)).output_ids
-                for m, b in cases]
-    monkeypatch.setenv("DDTREE_TREE_KERNEL", "1")
-    ours = Engine(config)
-    for (mode, budget), want in zip(cases, expected):
-        got = ours.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=40, ignore_eos=True))
-        assert got.output_ids == want, f"{mode}-{budget}"
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_TREE_KERNEL", config,
+                                      [("dflash", 1), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32)], seed=6)

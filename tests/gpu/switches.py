@@ -1,0 +1,22 @@
+"""A GPU test helper: greedy decoding with a kernel switch off and on."""
+
+from __future__ import annotations
+
+import torch
+
+
+def assert_switch_keeps_greedy_tokens(monkeypatch, variable: str, config, cases: list[tuple[str, int]], seed: int) -> None:
+    """Greedy tokens of each (mode, budget) with environment `variable` = 0 == with it = 1 (fresh engines, so each
+    captures its own graphs under its setting)."""
+    from ddtree.engine import Engine
+    from ddtree.sampling_params import SamplingParams
+
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+    outputs = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv(variable, value)
+        engine = Engine(config)
+        outputs[value] = [engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=40,
+                                                                     ignore_eos=True)).output_ids for mode, budget in cases]
+    for (mode, budget), off, on in zip(cases, outputs["0"], outputs["1"]):
+        assert on == off, f"{variable}=1 changed {mode}-{budget}"
