@@ -150,21 +150,42 @@ class GatedRMSNorm(nn.Module):
         return fused.gated_rms_norm(o, z, self.weight, self.eps)
 
 
+class RecurrentPool:
+    """The GDN layers' conv windows and recurrent states of every cache slot: conv [slots, L, C, K] (model dtype),
+    state [slots, L, HV, dk, dv] (float32). A slot's HybridCache holds views; a static forward reads and writes a
+    slot named by a device index (PooledSlot), so one program serves every slot."""
+
+    def __init__(self, c: HybridConfig, slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        n = sum(t != "full_attention" for t in c.layer_types)
+        self.conv = torch.zeros(slots, n, c.conv_dim, c.conv_kernel, dtype=dtype, device=device)
+        self.state = torch.zeros(slots, n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                                 dtype=torch.float32, device=device)
+
+
 class HybridCache:
-    """Attention K/V for the full-attention layers, conv windows and recurrent states for the GDN layers."""
+    """Attention K/V for the full-attention layers, conv windows and recurrent states for the GDN layers (views of
+    one slot of a RecurrentPool, its own pool of one slot unless one is given)."""
 
     def __init__(self, c: HybridConfig, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                 kv_pool: KVPool | None = None, slot: int = 0) -> None:
+                 kv_pool: KVPool | None = None, slot: int = 0, gdn_pool: RecurrentPool | None = None) -> None:
         self.attention_layers = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
         self.gdn_layers = [i for i, t in enumerate(c.layer_types) if t != "full_attention"]
         self.kv = KVCache(len(self.attention_layers), max_len, c.num_key_value_heads, c.head_dim, dtype, device,
                           pool=kv_pool, slot=slot)
         self.max_len = max_len
-        n = len(self.gdn_layers)
-        self.conv = torch.zeros(n, c.conv_dim, c.conv_kernel, dtype=dtype, device=device)
-        self.state = torch.zeros(n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-                                 dtype=torch.float32, device=device)
+        self.gdn_pool = gdn_pool or RecurrentPool(c, 1, dtype, device)
+        self.slot = slot if gdn_pool is not None else 0
+        self.conv, self.state = self.gdn_pool.conv[self.slot], self.gdn_pool.state[self.slot]
         self.pending: TreeStash | ReplayStash | dict[int, CommittedState] | None = None   # the last forward's
+
+    def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv window [C, K], recurrent state [HV, dk, dv]) committed at GDN layer `layer`."""
+        return self.conv[layer], self.state[layer]
+
+    def commit_step(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Commit one token at GDN layer `layer` (an `ar` step: the forward is the commit)."""
+        self.conv[layer].copy_(conv)
+        self.state[layer].copy_(state)
 
     def reset(self) -> None:
         self.conv.zero_()
@@ -249,29 +270,28 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         c, n = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
-        conv = conv_tree(mixed, None, cache.conv[slot], self.conv_weight(self.conv1d.weight), window=layout.window)
+        window, state = cache.gdn_state(slot)                               # committed conv window and state
+        conv = conv_tree(mixed, None, window, self.conv_weight(self.conv1d.weight), window=layout.window)
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # q, k keep their key heads: fla's kernels group value heads onto them (GVA); the torch forms repeat them
         q, k = q.reshape(n, c.linear_num_key_heads, dk), k.reshape(n, c.linear_num_key_heads, dk)
         v = v.reshape(n, hv, dv)
         beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
         if stash is None and n == 1:
-            o, state = self._step(q, k, v, g, beta, cache.state[slot])
-            window = cache.conv[slot]
-            window.copy_(fused.shifted_window(window, mixed))
-            cache.state[slot].copy_(state)
+            o, new_state = self._step(q, k, v, g, beta, state)
+            cache.commit_step(slot, fused.shifted_window(window, mixed), new_state)
         elif stash is None:
-            o, state = self._chunked_chain(q, k, v, g, beta, cache.state[slot])
-            conv_state = conv_state_after(mixed, list(range(-1, n - 1)), n - 1, cache.conv[slot])
-            cache.pending[slot] = CommittedState(state=state, conv=conv_state, last=n - 1)
+            o, new_state = self._chunked_chain(q, k, v, g, beta, state)
+            conv_state = conv_state_after(mixed, list(range(-1, n - 1)), n - 1, window)
+            cache.pending[slot] = CommittedState(state=new_state, conv=conv_state, last=n - 1)
         elif layout.paths is not None:   # the paths form; the commit replays the accepted path from the stash
             tree = tree_gdn_kernel(q.device)   # ours, from the shared committed state (DDTREE_TREE_KERNEL=1), or fla's
-            o = (tree(q, k, v, g, beta, layout.paths.tokens, layout.paths.cu_seqlens, cache.state[slot], PATHS_MAX_LEN)
-                 if tree is not None else gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, cache.state[slot]))
+            o = (tree(q, k, v, g, beta, layout.paths.tokens, layout.paths.cu_seqlens, state, PATHS_MAX_LEN)
+                 if tree is not None else gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, state))
             for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
                 buffer[slot].copy_(value)
         else:
-            o, _ = gdn_tree(*value_heads(q, k, hv), v, g, beta, None, cache.state[slot], ancestors=layout.ancestors,
+            o, _ = gdn_tree(*value_heads(q, k, hv), v, g, beta, None, state, ancestors=layout.ancestors,
                             out=stash.layer(slot))
             stash.x[slot].copy_(mixed)
         z = z.reshape(n, hv, dv)
@@ -342,7 +362,8 @@ class HybridTarget(TargetModel):
         c, p = self.config, self.embed_tokens.weight
         pool = KVPool(c.layer_types.count("full_attention"), slots, max_len, c.num_key_value_heads, c.head_dim,
                       p.dtype, p.device)
-        return [HybridCache(c, max_len, p.dtype, p.device, kv_pool=pool, slot=i) for i in range(slots)]
+        gdn_pool = RecurrentPool(c, slots, p.dtype, p.device)
+        return [HybridCache(c, max_len, p.dtype, p.device, kv_pool=pool, slot=i, gdn_pool=gdn_pool) for i in range(slots)]
 
     def uses_paths(self, rows: int, device: torch.device) -> bool:
         """Whether a tree of `rows` rows on `device` goes through the paths form (PATHS_MAX_ROWS)."""
