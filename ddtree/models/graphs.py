@@ -29,7 +29,7 @@ import torch
 from ddtree.models import fused
 from ddtree.models.dense import ForwardPlan, PackedAttention, Segment
 from ddtree.models.gdn import TreeLayout, TreePaths, ancestors_from_parents, conv_window_index, leaves, tree_paths
-from ddtree.models.qwen3_5 import PATHS_MAX_LEN
+from ddtree.models.qwen3_5 import PATHS_MAX_LEN, PooledSlot
 
 logger = logging.getLogger(__name__)
 
@@ -212,39 +212,39 @@ class StaticTarget:
             paths = tree_paths(parents, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows)
             if paths is None:
                 return None
-        key = ("target", rows, keys, num_paths, id(cache))
+        key = ("target", rows, keys, num_paths)     # every slot: the slot is an input
         program = self.graphs.program(key, lambda: self._make_hybrid(cache, rows, keys, num_paths))
         host = program.host.numpy()
         host[: 3 * rows] = 0
         host[2 * rows : 3 * rows] = -1                              # padding rows: roots of their own
         host[:n], host[rows : rows + n], host[2 * rows : 2 * rows + n] = input_ids, positions, parents
         host[rows + n : 2 * rows] = start
-        host[3 * rows] = start
+        host[3 * rows], host[3 * rows + 1] = start, cache.slot
         if paths is not None:
-            host[3 * rows + 1 :] = np.concatenate(paths)
+            host[3 * rows + 2 :] = np.concatenate(paths)
         logits, taps, stash = self.graphs.run(key, program)
         if stash is not None:
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
         return logits[:n], None if taps is None else taps[:n]
 
     def _make_hybrid(self, cache, rows: int, keys: int, num_paths: int) -> Program:
-        """num_paths: 0, or the (bucketed) number of root-to-leaf paths of the paths form."""
-        kv = cache.kv                                                 # a hybrid cache's attention K/V
+        """num_paths: 0, or the (bucketed) number of root-to-leaf paths of the paths form. `cache` is any slot's (the
+        pools are shared); the program's inputs name the slot."""
         paths = num_paths > 0
         path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if paths else []   # tokens, cu_seqlens, node_pos
-        host, inputs = self.graphs.new_inputs(3 * rows + 1 + sum(path_sizes))
-        slot = torch.tensor([kv.slot], dtype=torch.long, device=inputs.device)
+        host, inputs = self.graphs.new_inputs(3 * rows + 2 + sum(path_sizes))
 
         def body():
             ids, positions, parents = inputs[:rows], inputs[rows : 2 * rows], inputs[2 * rows : 3 * rows]
-            start = inputs[3 * rows : 3 * rows + 1]
+            start, slot = inputs[3 * rows : 3 * rows + 1], inputs[3 * rows + 1 : 3 * rows + 2]
             ancestors = ancestors_from_parents(parents)
-            tree = TreePaths(*inputs[3 * rows + 1 :].split(path_sizes)) if paths else None
+            tree = TreePaths(*inputs[3 * rows + 2 :].split(path_sizes)) if paths else None
             layouts = [TreeLayout(ancestors=ancestors, window=conv_window_index(parents, self.conv_kernel), paths=tree)]
             plan = ForwardPlan(PackedAttention.static(slot, start, ancestors, keys), layouts)
-            segment = Segment(cache=cache, start=-1, length=rows, mask=ancestors)   # start and mask: the plan's
+            pooled = PooledSlot(cache, slot)
+            segment = Segment(cache=pooled, start=-1, length=rows, mask=ancestors)   # start and mask: the plan's
             logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None, plan=plan)
-            return logits, taps, getattr(cache, "pending", None)
+            return logits, taps, pooled.pending
 
         return Program(body=body, host=host, inputs=inputs)
 

@@ -207,6 +207,25 @@ class HybridCache:
                 self.state[slot], self.conv[slot] = chain.state, chain.conv
 
 
+class PooledSlot:
+    """A static forward's handle on one request's cache whose slot is a device index (an input of the program), so
+    that one captured program serves every slot: GDN reads gather the slot's conv window and state of a layer, an
+    `ar` step's commit scatters them back; attention goes through the shared K/V pool (PackedAttention.static)."""
+
+    def __init__(self, template: HybridCache, slot: torch.Tensor) -> None:
+        self.gdn_pool, self.kv, self.gdn_layers, self.max_len = template.gdn_pool, template.kv, template.gdn_layers, template.max_len
+        self.slot = slot                 # [1] long on the device
+        self.pending = None              # the forward's stash (the program returns it for the request's own cache)
+
+    def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self.gdn_pool
+        return pool.conv[:, layer].index_select(0, self.slot)[0], pool.state[:, layer].index_select(0, self.slot)[0]
+
+    def commit_step(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.gdn_pool.conv[:, layer].index_copy_(0, self.slot, conv[None].to(self.gdn_pool.conv.dtype))
+        self.gdn_pool.state[:, layer].index_copy_(0, self.slot, state[None].float())
+
+
 class GatedAttention(FusedProjections, nn.Module):
     PROJECTIONS = ("q_proj", "k_proj", "v_proj")    # q_proj holds q and its output gate
 
