@@ -253,15 +253,7 @@ class Engine:
         trees = self._draft(seqs)
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
         times.tree_nodes += sum(tree.num_nodes for tree in trees)
-        if len(seqs) > 1 and self.static_target is not None and self.static_target.lone_only:
-            # a hybrid target's static forward holds one request (its recurrent state's slot is part of the program,
-            # and its commit stash lives in the graphs' shared memory): verify and commit the requests one by one,
-            # R graph replays, still far cheaper than one dynamic forward (whose host work grows with R too)
-            outputs = []
-            for i in range(len(seqs)):
-                outputs += self._verify_and_commit(seqs[i : i + 1], trees[i : i + 1], batches[i : i + 1])
-        else:
-            outputs = self._verify_and_commit(seqs, trees, batches)
+        outputs = self._verify_and_commit(seqs, trees, batches)
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before

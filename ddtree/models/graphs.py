@@ -124,9 +124,9 @@ def batch_bucket(n: int) -> int:
 
 
 class StaticTarget:
-    """The target's verify (or ar step) as a static forward: of any number of requests for a dense target (each
-    padded to the same rows, the request count to a bucket), of one request for a hybrid one (its recurrent
-    state's slot is part of the program)."""
+    """The target's verify (or ar step) of any number of requests as one static forward (each padded to the same
+    rows, the request count to a bucket); a hybrid target's requests each run their GDN layers on their own slot's
+    recurrent state, named by the program's inputs."""
 
     MAX_ROWS = 4096   # requests x rows of one batched static forward (beyond: the dynamic forward)
 
@@ -135,15 +135,6 @@ class StaticTarget:
         self.target, self.tap_layers, self.graphs, self.scratch = target, list(tap_layers), graphs, scratch
         self.conv_kernel = getattr(target.config, "conv_kernel", None)   # hybrid targets only
         self.uses_paths = getattr(target, "uses_paths", lambda rows, device: False)
-        self.lone_only = self.conv_kernel is not None      # a hybrid target's program holds one request
-
-    def shape(self, cache, start: int, n: int) -> tuple[int, int] | None:
-        """(rows, keys) of a static forward of n rows after `start` cached ones, or None if none fits the cache."""
-        rows = row_bucket(n)
-        keys = key_bucket(start + rows, cache.max_len)
-        if start < 1 or keys is None:
-            return None
-        return rows, keys
 
     def __call__(self, cache, start: int, input_ids, positions, parents: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -157,7 +148,7 @@ class StaticTarget:
         """Several requests' trees (the lists hold one entry per request): logits and taps of their rows packed in
         request order, or None (the caller runs the dynamic forward)."""
         if self.conv_kernel is not None:
-            return self._hybrid(caches[0], starts[0], input_ids[0], positions[0], parents[0]) if len(caches) == 1 else None
+            return self._hybrid(caches, starts, input_ids, positions, parents)
         sizes = [len(p) for p in parents]
         rows = row_bucket(max(sizes))
         keys = key_bucket(max(starts) + rows, caches[0].max_len)
@@ -197,54 +188,76 @@ class StaticTarget:
 
         return Program(body=body, host=host, inputs=inputs)
 
-    def _hybrid(self, cache, start: int, input_ids, positions, parents: list[int]
+    def _hybrid(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]]
                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        n = len(parents)
-        shape = self.shape(cache, start, n)
-        if shape is None:
+        """A hybrid target's verify (or ar step) of several requests as one static forward, like the dense one: rows
+        padded to the largest tree's bucket, requests to a power of two (padding requests in the scratch slot); every
+        request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each request's
+        commit stash goes to its cache (compact() commits from it)."""
+        sizes = [len(p) for p in parents]
+        rows = row_bucket(max(sizes))
+        keys = key_bucket(max(starts) + rows, caches[0].max_len)
+        reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
+        if min(starts) < 1 or keys is None or reqs * rows > self.MAX_ROWS or (reqs > 1 and self.scratch is None):
             return None
-        rows, keys = shape
-        paths, num_paths = None, 0
+        paths, num_paths = [], 0
         if self.uses_paths(rows, self.graphs.device):
-            # the paths form: the tree's root-to-leaf paths (padding rows take none), their count to a bucket (each
-            # path costs a copy of the committed state per layer)
-            num_paths = row_bucket(len(leaves(parents)))
-            paths = tree_paths(parents, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows)
-            if paths is None:
+            # the paths form: each tree's root-to-leaf paths (padding rows take none), their count to a bucket (each
+            # path costs a copy of the committed state per layer); padding requests have none
+            num_paths = row_bucket(max(len(leaves(p)) for p in parents))
+            paths = [tree_paths(p, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows) for p in parents]
+            if any(p is None for p in paths):
                 return None
-        key = ("target", rows, keys, num_paths)     # every slot: the slot is an input
-        program = self.graphs.program(key, lambda: self._make_hybrid(cache, rows, keys, num_paths))
+        key = ("target", reqs, rows, keys, num_paths)     # every slot: the slots are inputs
+        program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths))
         host = program.host.numpy()
-        host[: 3 * rows] = 0
-        host[2 * rows : 3 * rows] = -1                              # padding rows: roots of their own
-        host[:n], host[rows : rows + n], host[2 * rows : 2 * rows + n] = input_ids, positions, parents
-        host[rows + n : 2 * rows] = start
-        host[3 * rows], host[3 * rows + 1] = start, cache.slot
-        if paths is not None:
-            host[3 * rows + 2 :] = np.concatenate(paths)
-        logits, taps, stash = self.graphs.run(key, program)
-        if stash is not None:
+        n, total = reqs * rows, sum(sizes)
+        ids, pos, par, start, slot, out, rest = np.split(host, np.cumsum([n, n, n, reqs, reqs, n]))
+        ids[:], pos[:], par[:], out[:], rest[:] = 0, 0, -1, 0, 0   # padding rows: roots of their own, outputs unread
+        start[:], slot[:] = 0, self.scratch if self.scratch is not None else 0
+        tokens, bounds, node_pos = (np.split(rest, np.cumsum([reqs * num_paths * PATHS_MAX_LEN, reqs * (num_paths + 1)]))
+                                    if num_paths else (None, None, None))
+        row = 0
+        for r, (cache, s, size) in enumerate(zip(caches, starts, sizes)):
+            at = slice(r * rows, r * rows + size)
+            ids[at], pos[at], par[at] = input_ids[r], positions[r], parents[r]
+            pos[r * rows + size : (r + 1) * rows] = s
+            start[r], slot[r] = s, cache.slot
+            out[row : row + size] = np.arange(r * rows, r * rows + size)
+            row += size
+            if num_paths:
+                t, b, p = paths[r]
+                tokens[r * t.size : (r + 1) * t.size], bounds[r * b.size : (r + 1) * b.size] = t, b
+                node_pos[r * rows : (r + 1) * rows] = p
+        logits, taps, stashes = self.graphs.run(key, program)
+        for cache, stash in zip(caches, stashes):
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
-        return logits[:n], None if taps is None else taps[:n]
+        return logits[:total], None if taps is None else taps[:total]
 
-    def _make_hybrid(self, cache, rows: int, keys: int, num_paths: int) -> Program:
-        """num_paths: 0, or the (bucketed) number of root-to-leaf paths of the paths form. `cache` is any slot's (the
-        pools are shared); the program's inputs name the slot."""
-        paths = num_paths > 0
-        path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if paths else []   # tokens, cu_seqlens, node_pos
-        host, inputs = self.graphs.new_inputs(3 * rows + 2 + sum(path_sizes))
+    def _make_hybrid(self, template, reqs: int, rows: int, keys: int, num_paths: int) -> Program:
+        """num_paths: 0, or the (bucketed) number of root-to-leaf paths of each request's tree (the paths form).
+        `template` is any slot's cache (the pools are shared); the program's inputs name the slots."""
+        n = reqs * rows
+        path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if num_paths else []   # per request
+        host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs + reqs * sum(path_sizes))
 
         def body():
-            ids, positions, parents = inputs[:rows], inputs[rows : 2 * rows], inputs[2 * rows : 3 * rows]
-            start, slot = inputs[3 * rows : 3 * rows + 1], inputs[3 * rows + 1 : 3 * rows + 2]
-            ancestors = ancestors_from_parents(parents)
-            tree = TreePaths(*inputs[3 * rows + 2 :].split(path_sizes)) if paths else None
-            layouts = [TreeLayout(ancestors=ancestors, window=conv_window_index(parents, self.conv_kernel), paths=tree)]
-            plan = ForwardPlan(PackedAttention.static(slot, start, ancestors, keys), layouts)
-            pooled = PooledSlot(cache, slot)
-            segment = Segment(cache=pooled, start=-1, length=rows, mask=ancestors)   # start and mask: the plan's
-            logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None, plan=plan)
-            return logits, taps, pooled.pending
+            ids, positions, parents, starts, slots, out, rest = inputs.split([n, n, n, reqs, reqs, n, reqs * sum(path_sizes)])
+            parents = parents.view(reqs, rows)
+            ancestors = ancestors_from_parents(parents)                               # [R, Q, Q]
+            per_request = ([part.view(reqs, -1) for part in rest.split([reqs * size for size in path_sizes])]
+                           if num_paths else None)
+            layouts, segments = [], []
+            for r in range(reqs):
+                tree = TreePaths(*(part[r] for part in per_request)) if num_paths else None
+                layouts.append(TreeLayout(ancestors=ancestors[r], window=conv_window_index(parents[r], self.conv_kernel),
+                                          paths=tree))
+                segments.append(Segment(cache=PooledSlot(template, slots[r : r + 1]), start=-1, length=rows,
+                                        mask=ancestors[r]))                           # start and mask: the plan's
+            plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys), layouts)
+            logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers or None, logit_rows=out,
+                                                      plan=plan)
+            return logits, None if taps is None else taps[out], [seg.cache.pending for seg in segments]
 
         return Program(body=body, host=host, inputs=inputs)
 

@@ -89,9 +89,8 @@ def test_sixteen_concurrent_greedy_requests_equal_alone(engines):
     if kind.endswith("-static"):   # the batches went through static passes of several (padded) requests
         counts = {key[1] for key in batched.graphs.programs if key[0] in ("batch", "draft")}
         assert max(counts) >= 8, counts
-        if kind == "hybrid-static":   # a hybrid target's programs name the slot in their inputs: one per shape
-            targets = [key for key in batched.graphs.programs if key[0] == "target"]
-            assert targets and all(len(key) == 4 for key in targets), targets
+        if kind == "hybrid-static":   # a hybrid target's batches too, in programs that name the slots in their inputs
+            assert max(key[1] for key in batched.graphs.programs if key[0] == "target") >= 8
 
 
 def test_mixed_sampling_parameters_in_one_batch(engines):
