@@ -281,21 +281,37 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         self.decay_rate = Derived(lambda a_log: -a_log.float().exp())        # g = decay_rate * softplus(a + dt_bias)
         self.conv_weight = Derived(lambda w: w.squeeze(1).to(torch.float64 if w.dtype == torch.float64 else torch.float32))
 
-    def forward(self, x: torch.Tensor, cache: HybridCache, slot: int, layout: TreeLayout,
-                stash: TreeStash | ReplayStash | None) -> torch.Tensor:
-        """Rows of one sequence: a tree whose accepted path is committed later from `stash`; without a stash, rows
-        committed whole: one token (an `ar` step or a one-token prompt: its state and conv window are committed here,
-        in place) or a long prompt (run in chunks; committed by compact)."""
+    def forward(self, x: torch.Tensor, segments: list[Segment], slot: int, layouts: list[TreeLayout],
+                stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
+        """Rows of several sequences, packed: the projections, gates, output norm and out_proj over all rows at once
+        (each weight read once per forward, whatever the batch); the conv and the recurrence per sequence, from its
+        own committed state (`_core`)."""
         c, n = self.c, x.shape[0]
-        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
+        beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
+        outputs, row = [], 0
+        for seg, layout, stash in zip(segments, layouts, stashes):
+            rows = slice(row, row + seg.length)
+            outputs.append(self._core(mixed[rows], g[rows], beta[rows], seg.cache, slot, layout, stash))
+            row += seg.length
+        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
+        return self.out_proj(o.reshape(n, hv * dv))
+
+    def _core(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: HybridCache, slot: int,
+              layout: TreeLayout, stash: TreeStash | ReplayStash | None) -> torch.Tensor:
+        """One sequence's conv and recurrence: o [n, HV, dv]. A tree is committed later from `stash`; without a stash,
+        rows committed whole: one token (an `ar` step or a one-token prompt: its state and conv window are committed
+        here) or a long prompt (run in chunks; committed by compact)."""
+        c, n = self.c, mixed.shape[0]
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         window, state = cache.gdn_state(slot)                               # committed conv window and state
         conv = conv_tree(mixed, None, window, self.conv_weight(self.conv1d.weight), window=layout.window)
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # q, k keep their key heads: fla's kernels group value heads onto them (GVA); the torch forms repeat them
         q, k = q.reshape(n, c.linear_num_key_heads, dk), k.reshape(n, c.linear_num_key_heads, dk)
         v = v.reshape(n, hv, dv)
-        beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
         if stash is None and n == 1:
             o, new_state = self._step(q, k, v, g, beta, state)
             cache.commit_step(slot, fused.shifted_window(window, mixed), new_state)
@@ -313,9 +329,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             o, _ = gdn_tree(*value_heads(q, k, hv), v, g, beta, None, state, ancestors=layout.ancestors,
                             out=stash.layer(slot))
             stash.x[slot].copy_(mixed)
-        z = z.reshape(n, hv, dv)
-        o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
-        return self.out_proj(o.reshape(n, hv * dv))
+        return o
 
     @staticmethod
     def _step(q, k, v, g, beta, state):
@@ -448,11 +462,7 @@ class HybridTarget(TargetModel):
                 h = layer.self_attn(h, rope, segments, attn_slot, plan.packed)
                 attn_slot += 1
             else:
-                outputs, row = [], 0
-                for seg, layout, stash in zip(segments, plan.layouts, stashes):
-                    outputs.append(layer.linear_attn(h[row : row + seg.length], seg.cache, gdn_slot, layout, stash))
-                    row += seg.length
-                h = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+                h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes)
                 gdn_slot += 1
             x, h = layer.post_attention_layernorm.add_norm(x, h)
             pending = layer.mlp(h)

@@ -189,6 +189,6 @@ def test_paths_form_decodes_the_targets_greedy_tokens(hybrid, monkeypatch):
                 assert engine.generate_ids(ids, greedy(mode, budget)).output_ids == tokens, f"{static} {mode}-{budget}"
     assert len(replays) > 50 and max(len(path) for path in replays) > 2   # trees were verified and committed so
     # static programs per (rows, keys, number of paths): padded rows take no path, path counts go to buckets
-    shapes = [key[1:4] for key in engine.graphs.programs if key[0] == "target"]
+    shapes = [key[2:5] for key in engine.graphs.programs if key[0] == "target"]   # ("target", requests, rows, keys, paths, ...)
     assert any(paths and paths < rows for rows, _, paths in shapes), shapes
     assert len({(rows, paths) for rows, _, paths in shapes}) > len({rows for rows, _, _ in shapes}), shapes
