@@ -70,8 +70,8 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, hybrid):
-    """Concurrent requests of mixed modes, arriving while others decode: the target's (dense) and the drafter's
-    batched passes captured as graphs (requests padded with scratch-slot requests) give each request the tokens
+    """Concurrent requests of mixed modes, arriving while others decode: the target's (dense or hybrid) and the
+    drafter's batched passes captured as graphs (requests padded with scratch-slot requests) give each request the tokens
     it gets alone without graphs."""
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
@@ -97,6 +97,6 @@ def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, h
         graphed.step()
     for request, (prompt, params) in zip(requests, jobs):
         assert request.output_ids == plain.generate_ids(prompt, params).output_ids, f"{family} {params.mode}"
-    batched = {key[1] for key in graphed.graphs.programs if key[0] in ("batch", "draft")}
+    batched = {key[1] for key in graphed.graphs.programs if key[0] in ("batch", "draft", "target")}   # key[1]: requests
     assert max(batched) >= 4, batched
     assert captured(graphed.static_target) >= 4
