@@ -163,11 +163,23 @@ def conv_windows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
 
 
 @fused
+def conv_steps(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One committed token per sequence: the conv + SiLU output [R, C] and the shifted windows [R, C, K].
+    x  # [R, C]; conv_states  # [R, C, K]; weight  # [C, K]. Each window is conv_windows' for a root node (the last
+    K - 1 committed inputs, then x), summed in the same layout and order."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    shifted = torch.cat([conv_states[:, :, 1:], x[:, :, None].to(conv_states.dtype)], dim=2)       # [R, C, K]
+    windows = torch.cat([conv_states[:, :, 1:].to(dtype), x[:, :, None].to(dtype)], dim=2).transpose(1, 2)
+    acc = (windows * weight.to(dtype).transpose(0, 1)).sum(dim=1)                                    # [R, C]
+    return F.silu(acc).to(x.dtype), shifted
+
+
+@fused
 def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """conv_state [C, K] after one committed input x [1, C]."""
     return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
 
 
-__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "conv_windows", "enabled", "fused", "gated_rms_norm",
+__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "conv_steps", "conv_windows", "enabled", "fused", "gated_rms_norm",
            "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window", "sigmoid_gate", "silu_mul", "static",
            "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

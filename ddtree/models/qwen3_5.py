@@ -290,12 +290,16 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
         beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
-        outputs, row = [], 0
-        for seg, layout, stash in zip(segments, layouts, stashes):
-            rows = slice(row, row + seg.length)
-            outputs.append(self._core(mixed[rows], g[rows], beta[rows], seg.cache, slot, layout, stash))
-            row += seg.length
-        o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        pools = {id(seg.cache.gdn_pool) for seg in segments}
+        if len(segments) > 1 and n == len(segments) and all(s is None for s in stashes) and len(pools) == 1:
+            o = self._steps(mixed, g, beta, segments, slot)       # a batch of `ar` steps: one pass for all of them
+        else:
+            outputs, row = [], 0
+            for seg, layout, stash in zip(segments, layouts, stashes):
+                rows = slice(row, row + seg.length)
+                outputs.append(self._core(mixed[rows], g[rows], beta[rows], seg.cache, slot, layout, stash))
+                row += seg.length
+            o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
 
@@ -329,6 +333,36 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             o, _ = gdn_tree(*value_heads(q, k, hv), v, g, beta, None, state, ancestors=layout.ancestors,
                             out=stash.layer(slot))
             stash.x[slot].copy_(mixed)
+        return o
+
+    def _steps(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment],
+               slot: int) -> torch.Tensor:
+        """One committed token for each of R sequences at GDN layer `slot`: their states gathered from the pool,
+        one conv and (on CUDA) one fla call for all, the new states scattered back. Per sequence the same values as
+        `_core` computes for it alone (the torch recurrence runs per sequence; fla's programs are per sequence)."""
+        c, r = self.c, mixed.shape[0]
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        pool = segments[0].cache.gdn_pool
+        slots = [seg.cache.slot for seg in segments]
+        slots = (torch.cat(slots) if isinstance(slots[0], torch.Tensor)
+                 else torch.tensor(slots, dtype=torch.long, device=mixed.device))
+        conv_states, states = pool.conv[:, slot].index_select(0, slots), pool.state[:, slot].index_select(0, slots)
+        conv, shifted = fused.conv_steps(mixed, conv_states, self.conv_weight(self.conv1d.weight))
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(r, c.linear_num_key_heads, dk), k.reshape(r, c.linear_num_key_heads, dk)
+        v = v.reshape(r, hv, dv)
+        kernel = step_gdn_kernel(mixed.device)
+        if kernel is not None:   # the sequences as fla's batch: [R, 1, ...]
+            o, new_states = kernel(q[:, None].to(v.dtype), k[:, None].to(v.dtype), v[:, None], g=g[:, None].float(),
+                                   beta=beta[:, None].to(v.dtype), initial_state=states.contiguous(),
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o = o[:, 0]
+        else:
+            steps = [self._step(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], states[i])
+                     for i in range(r)]
+            o, new_states = torch.cat([s[0] for s in steps]), torch.stack([s[1] for s in steps])
+        pool.conv[:, slot].index_copy_(0, slots, shifted)
+        pool.state[:, slot].index_copy_(0, slots, new_states.float())
         return o
 
     @staticmethod

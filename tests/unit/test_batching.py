@@ -123,3 +123,23 @@ def test_aborts_free_every_slot(engines):
         batched.step()
     assert not batched.running and not batched.waiting
     assert sorted(batched.free_slots) == list(range(batched.config.max_num_seqs)), kind
+
+
+def test_a_batch_of_ar_steps_runs_as_one_pass_and_equals_alone(engines, monkeypatch):
+    """Hybrid targets: when every request of a round takes an `ar` step, the GDN layers gather their states, run one
+    conv and one recurrence call for all and scatter the states back (GatedDeltaNet._steps); each request still
+    decodes what it decodes alone."""
+    kind, batched, single, vocab = engines
+    if not kind.startswith("hybrid"):
+        pytest.skip("a hybrid target's path")
+    from ddtree.models.qwen3_5 import GatedDeltaNet
+
+    calls, steps = [], GatedDeltaNet._steps
+    monkeypatch.setattr(GatedDeltaNet, "_steps", lambda self, mixed, *a: calls.append(mixed.shape[0]) or steps(self, mixed, *a))
+    rng = random.Random(4)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 30))],
+             SamplingParams(max_tokens=rng.randint(6, 14), mode="ar", ignore_eos=True)) for _ in range(6)]
+    together = run_together(batched, jobs, arrive_every=1)
+    assert calls and max(calls) >= 4, calls
+    for i, (prompt, params) in enumerate(jobs):
+        assert together[f"r{i}"] == single.generate_ids(prompt, params).output_ids, f"{kind} request {i}"
