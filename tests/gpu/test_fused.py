@@ -36,6 +36,7 @@ def chain_inputs(n: int, dtype: torch.dtype) -> dict[str, tuple]:
         "conv_windows": (rand(n, channels), rand(channels, kernel), rand(channels, kernel, dt=torch.float32),
                          torch.randint(0, kernel + n, (n, kernel), generator=g, device="cuda")),
         "shifted_window": (rand(channels, kernel), rand(1, channels)),
+        "conv_steps": (rand(n, channels), rand(n, channels, kernel), rand(channels, kernel, dt=torch.float32)),
     }
 
 
