@@ -34,6 +34,7 @@ from perf.hybrid_verify import (  # noqa: E402
     DRAFTERS,
     _fill_random,
     copy_bandwidth,
+    measure_batched_rounds,
     measure_rounds,
     measure_verify,
     random_drafter,
@@ -126,6 +127,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
               for forward in forwards}
+    batched = (measure_batched_rounds(target, drafter, args.device, args.dtype, args.batches, args.prompt_len,
+                                      args.rounds) if args.batches else {})
     floor_ms = floor_bytes / bandwidth * 1e3
     ratios = {"ar_over_floor": verify["static"]["ar_step_ms"] / floor_ms,
               "dynamic_ar_over_floor": verify["dynamic"]["ar_step_ms"] / floor_ms if "dynamic" in verify else float("nan")}
@@ -146,7 +149,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"weight_bytes": floor_bytes, "floor_ms": floor_ms, "ar_step_ms": verify["static"]["ar_step_ms"],
-            "verify": verify, "rounds": rounds, "ratios": ratios, "errors": errors}
+            "verify": verify, "rounds": rounds, "batched": batched, "ratios": ratios, "errors": errors}
 
 
 def table(result: dict) -> str:
@@ -177,6 +180,13 @@ def table(result: dict) -> str:
                 lines.append(f"| {forward} | {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {e['draft_ms']:.1f} | "
                              f"{e['tree_build_ms']:.1f} | {e['verify_ms']:.1f} | {e['commit_ms']:.1f} | {e['host_share']:.0%} | "
                              f"{e.get('device_ms', float('nan')):.1f} | {e.get('gpu_idle_share', float('nan')):.0%} |")
+        if r.get("batched"):
+            sizes = list(next(iter(r["batched"].values())))
+            lines += ["", f"{shape}: R concurrent requests, whole rounds (static forwards): ms per round / tokens per s",
+                      "", "| method | " + " | ".join(f"R={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+            for name, per in r["batched"].items():
+                lines.append(f"| {name} | " + " | ".join(f"{e['round_ms']:.1f} / {e['tokens_per_s']:.0f}" for e in per.values())
+                             + " |")
         budgets = list(r["verify"]["static"]["budgets"])
         lines += ["", f"{shape}: target verify alone (ms)", "",
                   "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
@@ -239,10 +249,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--forwards", default="dynamic,static", help="static alone skips the dynamic forward (slow)")
+    parser.add_argument("--batches", default="1,2,4,8", help="concurrent requests of the batched-round table ('' skips it)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)
     args.budgets = [int(b) for b in args.budgets.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     bandwidth = copy_bandwidth(args.device)   # NaN without a GPU: the floor and ar / floor are then NaN
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "prompt_len": args.prompt_len,
               "copy_bytes_per_s": bandwidth, "goals": GOALS, "shapes": {}}

@@ -31,6 +31,7 @@ from ddtree.models.gdn import gdn_sequential, gdn_tree  # noqa: E402
 from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
 from ddtree.models.kernels import chain_gdn_kernel  # noqa: E402
 from ddtree.models.qwen3_5 import HybridConfig, HybridTarget  # noqa: E402
+from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tree import build_tree, compile_tree, top_log_probs  # noqa: E402
 from ddtree.tree.compile import VerifyBatch  # noqa: E402
@@ -248,6 +249,41 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
     ar = results["ar"]["round_ms"]
     for entry in results.values():
         entry["round_over_ar"] = entry["round_ms"] / ar
+    return results
+
+
+@torch.inference_mode()
+def measure_batched_rounds(target, drafter: DFlashDrafter, device: str, dtype: str, batches: list[int], prompt_len: int,
+                           rounds: int, modes: tuple[tuple[str, int], ...] = (("ar", 1), ("ddtree", 16))) -> dict:
+    """Whole engine rounds of R concurrent requests (static forwards, CUDA graphs on CUDA): ms per round and committed
+    tokens per second against R, per mode. What batching buys: a round of R requests streams the weights once."""
+    config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
+                          max_model_len=prompt_len + rounds + 4, max_tree_budget=max(b for _, b in modes),
+                          max_num_seqs=max(batches), static_forward="on")
+    engine = Engine(config, target=target, drafter=drafter)
+    gen = torch.Generator().manual_seed(3)
+    results: dict[str, dict[int, dict]] = {}
+    for mode, budget in modes:
+        name = mode if mode != "ddtree" else f"ddtree-{budget}"
+        for r in batches:
+            params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds + 1, ignore_eos=True)
+            prompts = [torch.randint(0, target.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(r)]
+
+            def run(tag: str) -> list[Request]:
+                requests = [Request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)]
+                for request in requests:
+                    engine.add(request)
+                engine.step()                      # the prefills
+                while engine.has_work:
+                    engine.step()
+                return requests
+
+            run("warm")                            # captures this batch's programs
+            before = (engine.stage_times.decode, engine.stage_times.batch_rounds)
+            tokens = sum(req.num_output_tokens - 1 for req in run("measured"))   # less each prefill's token
+            seconds, n = engine.stage_times.decode - before[0], engine.stage_times.batch_rounds - before[1]
+            results.setdefault(name, {})[r] = {"round_ms": seconds / n * 1e3, "tokens_per_s": tokens / seconds, "rounds": n}
+            print(f"batched {name} x{r}: {results[name][r]}", flush=True)
     return results
 
 

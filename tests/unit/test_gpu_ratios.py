@@ -20,6 +20,9 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
             assert set(rounds) == {"ar", "dflash", "ddtree-16", "ddtree-64"}
             assert all(1 <= e["rounds"] <= 3 and e["round_ms"] > 0 and 0 <= e["host_share"] < 1 for e in rounds.values())
             assert rounds["ar"]["draft_ms"] == 0 and rounds["ddtree-64"]["draft_ms"] > 0
+        assert set(shape["batched"]) == {"ar", "ddtree-16"}
+        for per in shape["batched"].values():                         # R = 1, 2, 4, 8 concurrent requests
+            assert list(per) == ["1", "2", "4", "8"] and all(e["rounds"] == 3 and e["tokens_per_s"] > 0 for e in per.values())
         assert math.isnan(shape["ratios"]["ar_over_floor"])          # no GPU, no bandwidth floor
         assert shape["ratios"]["ddtree-64_over_ar"] == shape["rounds"]["static"]["ddtree-64"]["round_over_ar"]
         for forward, verify in shape["verify"].items():
