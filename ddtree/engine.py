@@ -299,7 +299,7 @@ class Engine:
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target pass over every request's tree: logits and taps of all rows, packed in request order; through
-        the static forward where one fits (a CUDA graph replay on CUDA; a hybrid target's for one request at a time)."""
+        the static forward where one fits (a CUDA graph replay on CUDA)."""
         if self.static_target is not None:
             result = self.static_target.batch([self.caches[s.slot] for s in seqs], [s.start for s in seqs],
                                               [b.input_ids for b in batches], [b.positions for b in batches],
