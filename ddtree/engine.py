@@ -46,6 +46,8 @@ class StageTimes:
     draft: float = 0.0           # packed drafter passes, their lm_head and top-k, read to the host
     tree_build: float = 0.0      # best-first trees (and the budget policy) on the host
     verify: float = 0.0          # packed target verify passes
+    verify_gpu: float = 0.0      # CUDA: GPU timeline from the verify's start to its last kernel (verify - this: the
+    #                              host's wake-up after the GPU finished, e.g. waiting for the GIL)
     commit: float = 0.0          # acceptance walks and commits
     decode: float = 0.0          # whole decoding rounds: draft, tree_build, verify, commit and the glue between
     batch_rounds: int = 0        # decoding rounds of the whole batch
@@ -127,6 +129,8 @@ class Engine:
         self.auto_calibration = 1.0
         self.auto_backoff = 1
         self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
+        self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        if self.device.type == "cuda" else None)   # around each verify (StageTimes.verify_gpu)
 
     @property
     def cache(self):
@@ -277,9 +281,15 @@ class Engine:
     def _verify_and_commit(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> list[RequestOutput]:
         """One target pass over the requests' trees, then each one's acceptance walk and commit."""
         times, t_verify = self.stage_times, time.perf_counter()
+        if self._events is not None:
+            self._events[0].record()
         logits, taps = self._verify(seqs, trees, batches)
+        if self._events is not None:
+            self._events[1].record()
         self._sync()
         t_commit = time.perf_counter()
+        if self._events is not None:
+            times.verify_gpu += self._events[0].elapsed_time(self._events[1]) / 1e3
         # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
         # suppress tokens are recomputed per request)
         choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None

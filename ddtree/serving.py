@@ -61,6 +61,7 @@ class ServiceStats:
     num_tree_nodes: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    verify_gpu_seconds: float = 0.0  # CUDA: the verifies' GPU timeline (verify_seconds - this: host wake-up after them)
     host_seconds: float = 0.0        # decoding round time outside the drafter and target passes
     serve_seconds: float = 0.0       # engine-thread time outside engine steps: streaming, cancellation checks, metrics
     acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a round -> rounds
@@ -221,6 +222,7 @@ class GenerationService:
         self.stats.num_rounds, self.stats.num_tree_nodes = times.rounds, times.tree_nodes
         self.stats.num_batch_rounds = times.batch_rounds
         self.stats.draft_seconds, self.stats.verify_seconds = times.draft, times.verify
+        self.stats.verify_gpu_seconds = times.verify_gpu
         self.stats.host_seconds = times.host
         self.stats.acceptance_histogram = dict(times.acceptance_histogram)
         # publishing costs one IPC call per changed metric in Triton (several per round): at most every

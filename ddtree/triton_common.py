@@ -119,6 +119,8 @@ class TritonMetrics:
                 ("ddtree_tree_nodes_total", "num_tree_nodes", "Draft tree nodes verified"),
                 ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
                 ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
+                ("ddtree_verify_gpu_seconds_total", "verify_gpu_seconds",
+                 "CUDA: the verifies' GPU timeline (verify time less this: the host waking up after them)"),
                 ("ddtree_host_seconds_total", "host_seconds", "Decoding round time outside drafter and verify passes"),
                 ("ddtree_serve_seconds_total", "serve_seconds",
                  "Engine-thread time outside engine steps: streaming responses, cancellation checks, metrics"),

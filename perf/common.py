@@ -74,6 +74,6 @@ def per_round_ms(before: dict, after: dict) -> dict:
     the same counters in process (Engine.stage_times) and through Triton (its metrics), so the two sides compare
     stage by stage; mean_batch = request rounds per batch round."""
     rounds = after["batch_rounds"] - before["batch_rounds"]
-    return {f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in ("draft", "verify", "host", "serve")
+    return {f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in ("draft", "verify", "verify_gpu", "host", "serve")
             if k in after} | {
         "batch_rounds": rounds, "mean_batch": (after["rounds"] - before["rounds"]) / max(rounds, 1)}
