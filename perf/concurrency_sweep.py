@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="concurrency_cpu")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"of {', '.join(n for _, _, n in METHODS)}")
+    parser.add_argument("--requests-per-stream", type=int, default=2,
+                        help="perf_analyzer's requests per measurement window = this x concurrency (at least 4): more, "
+                             "longer windows, less spread between runs")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one unmeasured perf_analyzer run before each measured one (steady state, not start-up)")
     parser.add_argument("--gpus", default="", help="one engine replica per listed GPU, e.g. 0,1 (KIND_GPU instances)")
@@ -95,7 +98,7 @@ def main() -> None:
                             "tree_budget": budget}
                 result["methods"][name] = {}
                 for level in levels:
-                    count = max(2 * level, 4)
+                    count = max(args.requests_per_stream * level, 4)
                     if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size
                         run_perf_analyzer(server, input_data(prompts, sampling), workdir, count, level)
                     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
