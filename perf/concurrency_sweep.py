@@ -108,10 +108,10 @@ def main() -> None:
                     # step (one execution per streamed response) queues
                     entry["stages"] = per_round_ms(stages, wait_stages(server.metrics_url, stages))
                     after = model_stats(server.http_url, "postprocessing")
-                    count = max(after["count"] - post["count"], 1)
+                    executions = max(after["count"] - post["count"], 1)
                     entry["postprocessing"] = {"executions": after["count"] - post["count"],
-                                               "queue_ms": (after["queue_ns"] - post["queue_ns"]) / count / 1e6,
-                                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / count / 1e6}
+                                               "queue_ms": (after["queue_ns"] - post["queue_ns"]) / executions / 1e6,
+                                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6}
                     print(f"{name} c={level}: {entry}", flush=True)
                 write(result, levels, args)      # after each method: a cut-off run keeps what it measured
 
