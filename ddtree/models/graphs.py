@@ -198,7 +198,7 @@ class StaticTarget:
         rows = row_bucket(max(sizes))
         keys = key_bucket(max(starts) + rows, caches[0].max_len)
         reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
-        if min(starts) < 1 or keys is None or reqs * rows > self.MAX_ROWS or (reqs > 1 and self.scratch is None):
+        if min(starts) < 1 or keys is None or reqs * rows > self.MAX_ROWS:
             return None
         paths, num_paths = [], 0
         if self.uses_paths(rows, self.graphs.device):
