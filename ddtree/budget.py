@@ -102,6 +102,7 @@ DECAY = 0.9              # weight of an arm's past rounds against its newest one
 PRUNE = 0.8              # a tree below this fraction of a lighter arm (fewer draft nodes) rules out larger trees
 PRUNE_ACROSS = 0.95      # an arm below this fraction of a lighter arm at a smaller batch is not tried at larger ones
 UCB = 0.2                # optimism bonus of an arm measured in n rounds: rate x (1 + UCB / sqrt(n))
+PRUNE_EVERY = 8          # rounds of a bucket between recomputations of the arms it rules out
 MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
 
 
@@ -149,6 +150,7 @@ class ArmSelector:
         self.misses: dict[tuple[int, Arm], int] = defaultdict(int)        # re-probes since the arm last led
         self.probing: dict[int, tuple[Arm, float]] = {}                   # bucket -> (arm re-probed, best's rate)
         self.rounds: dict[int, int] = defaultdict(int)
+        self._eligible: dict[tuple, tuple[int, set[Arm]]] = {}   # (bucket, arms) -> (round to recompute at, pruned)
         self.last: Arm | None = None                # the last round's arm (any batch size)
         self.catching_up = False                    # this round's arm drafts after rounds that did not
         self.repeat: tuple[int, Arm] | None = None  # (bucket, arm) to run again, measured, after a catch-up round
@@ -215,7 +217,14 @@ class ArmSelector:
             return repeat[1]
         arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
         arms = arms or self.arms
-        pruned = self._pruned(b, arms)
+        cached = self._eligible.get((b, arms))
+        if (cached is None or self.rounds[b] >= cached[0]
+                or any(self.samples[(b, a)] < self.min_samples for a in arms if a not in cached[1])):
+            # once exploration is done, which arms are ruled out changes slowly (it compares decayed rates): it is
+            # recomputed every PRUNE_EVERY rounds of the bucket, not every round (O(buckets x arms^2) of Python)
+            pruned = self._pruned(b, arms)
+            cached = self._eligible[(b, arms)] = (self.rounds[b] + PRUNE_EVERY, pruned)
+        pruned = cached[1]
         arms = tuple(a for a in arms if a not in pruned) or arms
         self.rounds[b] += 1
         unexplored = [a for a in arms if self.samples[(b, a)] < self.min_samples]
