@@ -147,31 +147,47 @@ class StaticTarget:
               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Several requests' trees (the lists hold one entry per request): logits and taps of their rows packed in
         request order, or None (the caller runs the dynamic forward)."""
+        shape = self._shape(caches, starts, parents)
+        if shape is None:
+            return None
         if self.conv_kernel is not None:
-            return self._hybrid(caches, starts, input_ids, positions, parents)
-        sizes = [len(p) for p in parents]
-        rows = row_bucket(max(sizes))
+            return self._hybrid(*shape, caches, starts, input_ids, positions, parents)
+        reqs, rows, keys = shape
+        key = ("batch", reqs, rows, keys)
+        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys))
+        total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
+        logits, taps = self.graphs.run(key, program)
+        return logits[:total], None if taps is None else taps[:total]
+
+    def _shape(self, caches: list, starts: list[int], parents: list[list[int]]) -> tuple[int, int, int] | None:
+        """(requests, rows, keys) of a batched static forward: rows padded to the largest tree's bucket, requests to a
+        power of two (padding requests in the scratch slot), keys to a bucket; None where none fits."""
+        rows = row_bucket(max(len(p) for p in parents))
         keys = key_bucket(max(starts) + rows, caches[0].max_len)
         reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
         if min(starts) < 1 or keys is None or reqs * rows > self.MAX_ROWS:
             return None
-        key = ("batch", reqs, rows, keys)
-        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys))
-        host = program.host.numpy()
-        n, total = reqs * rows, sum(sizes)
-        ids, pos, par, start, slot, out = np.split(host, np.cumsum([n, n, n, reqs, reqs]))
-        ids[:], pos[:], par[:], out[:] = 0, 0, -1, 0          # padding rows: roots of their own, outputs unread
+        return reqs, rows, keys
+
+    def _fill(self, host: np.ndarray, reqs: int, rows: int, caches: list, starts: list[int], input_ids: list,
+              positions: list, parents: list[list[int]]) -> tuple[int, np.ndarray]:
+        """Write the requests into a batched program's host inputs (ids, positions, parents, starts, slots, output
+        rows, then whatever the program adds); padding rows are roots of their own, padding requests sit in the
+        scratch slot, their outputs unread. Returns (the requests' rows, the host inputs after these)."""
+        n = reqs * rows
+        ids, pos, par, start, slot, out, rest = np.split(host, np.cumsum([n, n, n, reqs, reqs, n]))
+        ids[:], pos[:], par[:], out[:] = 0, 0, -1, 0
         start[:], slot[:] = 0, self.scratch if self.scratch is not None else 0
         row = 0
-        for r, (cache, s, size) in enumerate(zip(caches, starts, sizes)):
+        for r, (cache, s, tree) in enumerate(zip(caches, starts, parents)):
+            size = len(tree)
             at = slice(r * rows, r * rows + size)
-            ids[at], pos[at], par[at] = input_ids[r], positions[r], parents[r]
+            ids[at], pos[at], par[at] = input_ids[r], positions[r], tree
             pos[r * rows + size : (r + 1) * rows] = s
             start[r], slot[r] = s, cache.slot
             out[row : row + size] = np.arange(r * rows, r * rows + size)
             row += size
-        logits, taps = self.graphs.run(key, program)
-        return logits[:total], None if taps is None else taps[:total]
+        return row, rest
 
     def _make_batch(self, cache, reqs: int, rows: int, keys: int) -> Program:
         n = reqs * rows
@@ -188,18 +204,11 @@ class StaticTarget:
 
         return Program(body=body, host=host, inputs=inputs)
 
-    def _hybrid(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]]
-                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A hybrid target's verify (or ar step) of several requests as one static forward, like the dense one: rows
-        padded to the largest tree's bucket, requests to a power of two (padding requests in the scratch slot); every
-        request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each request's
-        commit stash goes to its cache (compact() commits from it)."""
-        sizes = [len(p) for p in parents]
-        rows = row_bucket(max(sizes))
-        keys = key_bucket(max(starts) + rows, caches[0].max_len)
-        reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
-        if min(starts) < 1 or keys is None or reqs * rows > self.MAX_ROWS:
-            return None
+    def _hybrid(self, reqs: int, rows: int, keys: int, caches: list, starts: list[int], input_ids: list, positions: list,
+                parents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A hybrid target's verify (or ar step) of several requests as one static forward, shaped like the dense one;
+        every request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each
+        request's commit stash goes to its cache (compact() commits from it)."""
         paths, num_paths = [], 0
         if self.uses_paths(rows, self.graphs.device):
             # the paths form: each tree's root-to-leaf paths (padding rows take none), their count to a bucket (each
@@ -214,23 +223,11 @@ class StaticTarget:
         lone = caches[0] if reqs == 1 else None
         key = ("target", reqs, rows, keys, num_paths) + ((lone.slot,) if lone is not None else ())
         program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths, lone))
-        host = program.host.numpy()
-        n, total = reqs * rows, sum(sizes)
-        ids, pos, par, start, slot, out, rest = np.split(host, np.cumsum([n, n, n, reqs, reqs, n]))
-        ids[:], pos[:], par[:], out[:], rest[:] = 0, 0, -1, 0, 0   # padding rows: roots of their own, outputs unread
-        start[:], slot[:] = 0, self.scratch if self.scratch is not None else 0
-        tokens, bounds, node_pos = (np.split(rest, np.cumsum([reqs * num_paths * PATHS_MAX_LEN, reqs * (num_paths + 1)]))
-                                    if num_paths else (None, None, None))
-        row = 0
-        for r, (cache, s, size) in enumerate(zip(caches, starts, sizes)):
-            at = slice(r * rows, r * rows + size)
-            ids[at], pos[at], par[at] = input_ids[r], positions[r], parents[r]
-            pos[r * rows + size : (r + 1) * rows] = s
-            start[r], slot[r] = s, cache.slot
-            out[row : row + size] = np.arange(r * rows, r * rows + size)
-            row += size
-            if num_paths:
-                t, b, p = paths[r]
+        total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
+        rest[:] = 0                                    # padding requests: no paths
+        if num_paths:
+            tokens, bounds, node_pos = np.split(rest, np.cumsum([reqs * num_paths * PATHS_MAX_LEN, reqs * (num_paths + 1)]))
+            for r, (t, b, p) in enumerate(paths):
                 tokens[r * t.size : (r + 1) * t.size], bounds[r * b.size : (r + 1) * b.size] = t, b
                 node_pos[r * rows : (r + 1) * rows] = p
         logits, taps, stashes = self.graphs.run(key, program)
