@@ -43,6 +43,7 @@ from tritonclient.utils import InferenceServerException
 
 from client.chat import bool_tensor, build_inputs, string_tensor
 from ddtree import api
+from ddtree.engine import StageTimes
 from ddtree.sampling_params import SamplingParams
 from ddtree.serving import GenerationService, is_fatal, parse_fault_injection
 from tests.server.conftest import DEFAULT_DRAFTER, DEFAULT_TARGET, ROOT, TritonServer, set_parameter
@@ -75,8 +76,7 @@ class FakeEngine:
     def __init__(self, fail: str):
         self.fail, self.waiting, self.running, self.free_slots = fail, [], [], [0, 1]
         self.config = SimpleNamespace(max_num_seqs=2)
-        self.stage_times = SimpleNamespace(rounds=0, tree_nodes=0, batch_rounds=0, draft=0.0, verify=0.0, host=0.0,
-                                           acceptance_histogram={})
+        self.stage_times = StageTimes()   # the engine's own counters (all zero)
 
     def add(self, request):
         self.waiting.append(request)
