@@ -38,6 +38,11 @@ RECOMPILE_LIMIT = 64   # shapes per chain: row counts (automatic dynamic after t
 _here = threading.local()
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64, everything else computes in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def enabled() -> bool:
     return os.environ.get("DDTREE_COMPILE", "1") not in ("0", "", "off")
 
@@ -156,10 +161,9 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, decay_rate: torch.Tensor, dt_bia
 def conv_windows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + SiLU over each node's window (ddtree.models.gdn.conv_tree, which checks the shapes):
     x  # [N, C]; conv_state, weight  # [C, K]; window  # [N, K] indices into cat(conv_state.T, x)."""
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(x)
     src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])
-    acc = (src[window] * weight.to(dtype).transpose(0, 1)).sum(dim=1)
-    return F.silu(acc).to(x.dtype)
+    return _conv_silu(src[window], weight, x.dtype)
 
 
 @fused
@@ -167,11 +171,15 @@ def conv_steps(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor)
     """One committed token per sequence: the conv + SiLU output [R, C] and the shifted windows [R, C, K].
     x  # [R, C]; conv_states  # [R, C, K]; weight  # [C, K]. Each window is conv_windows' for a root node (the last
     K - 1 committed inputs, then x), summed in the same layout and order."""
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(x)
     shifted = torch.cat([conv_states[:, :, 1:], x[:, :, None].to(conv_states.dtype)], dim=2)       # [R, C, K]
     windows = torch.cat([conv_states[:, :, 1:].to(dtype), x[:, :, None].to(dtype)], dim=2).transpose(1, 2)
-    acc = (windows * weight.to(dtype).transpose(0, 1)).sum(dim=1)                                    # [R, C]
-    return F.silu(acc).to(x.dtype), shifted
+    return _conv_silu(windows, weight, x.dtype), shifted
+
+
+def _conv_silu(windows: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SiLU of each window [..., K, C] weighted by weight [C, K] and summed over K (in the windows' dtype), in dtype."""
+    return F.silu((windows * weight.to(windows.dtype).transpose(0, 1)).sum(dim=-2)).to(dtype)
 
 
 @fused
@@ -180,6 +188,6 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
 
 
-__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "conv_steps", "conv_windows", "enabled", "fused", "gated_rms_norm",
-           "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window", "sigmoid_gate", "silu_mul", "static",
-           "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]
+__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_windows", "enabled",
+           "fused", "gated_rms_norm", "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window",
+           "sigmoid_gate", "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

@@ -203,11 +203,6 @@ def parents_from_visibility(visibility: Tensor) -> list[int]:
 # gated delta rule
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """float64 stays float64, everything else computes in float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _l2norm(x: Tensor) -> Tensor:
     """x * rsqrt(sum(x^2) + 1e-6) over the last dim (fla / transformers l2norm)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
@@ -306,7 +301,7 @@ def gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, parents: 
         _check_shapes(q, k, v, g, beta, parents, initial_state)
     n, hv, dk = q.shape
     dv = v.shape[-1]
-    dtype = _compute_dtype(q)
+    dtype = fused.compute_dtype(q)
     if head_chunk is None:
         head_chunk = max(1, AUTO_HEAD_ELEMENTS // max(1, n * n))
     if head_chunk < 1:
@@ -502,7 +497,7 @@ def reference_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None
     bounds = cu_seqlens.tolist() if cu_seqlens is not None else None
     seqs = ([(0, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])] if bounds is not None
             else [(i, 0, t) for i in range(b)])
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    dtype = fused.compute_dtype(v)
     o = torch.zeros(b, t, hv, dv, dtype=v.dtype, device=v.device)
     finals = []
     for n, (row, lo, hi) in enumerate(seqs):

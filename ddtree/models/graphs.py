@@ -220,9 +220,8 @@ class StaticTarget:
         # a lone request's program works on its own cache's views (no per-layer gather and scatter of its recurrent
         # state: ~0.1 ms and 300 MB of a 27B step), so it is made per slot (a lone request mostly holds slot 0); a
         # batch's program serves every slot (the slots are inputs)
-        lone = caches[0] if reqs == 1 else None
-        key = ("target", reqs, rows, keys, num_paths) + ((lone.slot,) if lone is not None else ())
-        program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths, lone))
+        key = ("target", reqs, rows, keys, num_paths) + ((caches[0].slot,) if reqs == 1 else ())
+        program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths))
         total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         rest[:] = 0                                    # padding requests: no paths
         if num_paths:
@@ -235,10 +234,10 @@ class StaticTarget:
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
         return logits[:total], None if taps is None else taps[:total]
 
-    def _make_hybrid(self, template, reqs: int, rows: int, keys: int, num_paths: int, lone=None) -> Program:
-        """num_paths: 0, or the (bucketed) number of root-to-leaf paths of each request's tree (the paths form).
-        `template` is any slot's cache (the pools are shared); the program's inputs name the slots. `lone`: the
-        cache of a one-request program, whose GDN layers then use its views directly."""
+    def _make_hybrid(self, cache, reqs: int, rows: int, keys: int, num_paths: int) -> Program:
+        """num_paths: 0, or the (bucketed) number of root-to-leaf paths of each request's tree (the paths form). A
+        one-request program works on `cache` itself; a batch's on any slot named by its inputs (PooledSlot over
+        `cache`'s pools)."""
         n = reqs * rows
         path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if num_paths else []   # per request
         host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs + reqs * sum(path_sizes))
@@ -254,8 +253,8 @@ class StaticTarget:
                 tree = TreePaths(*(part[r] for part in per_request)) if num_paths else None
                 layouts.append(TreeLayout(ancestors=ancestors[r], window=conv_window_index(parents[r], self.conv_kernel),
                                           paths=tree))
-                cache = lone if lone is not None else PooledSlot(template, slots[r : r + 1])
-                segments.append(Segment(cache=cache, start=-1, length=rows, mask=ancestors[r]))   # start, mask: the plan's
+                handle = cache if reqs == 1 else PooledSlot(cache, slots[r : r + 1])
+                segments.append(Segment(cache=handle, start=-1, length=rows, mask=ancestors[r]))   # start, mask: the plan's
             plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys), layouts)
             logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers or None, logit_rows=out,
                                                       plan=plan)

@@ -78,11 +78,19 @@ def gdn_chain_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.T
     in the kernel, q scaled by dk**-0.5; H divides HV: value head j reads key head j // (HV / H)), g [N, HV] log
     decay, beta [N, HV], initial_state [HV, dk, dv].
     """
-    dtype = v.dtype
-    o, state = kernel(q[None].to(dtype), k[None].to(dtype), v[None], g=g[None].float(), beta=beta[None].to(dtype),
-                      initial_state=initial_state[None].float().contiguous(), output_final_state=True,
-                      use_qk_l2norm_in_kernel=True)
+    o, state = gdn_sequences_fla(kernel, q[None], k[None], v[None], g[None], beta[None], initial_state[None])
     return o[0], state[0]
 
 
-__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "step_gdn_kernel", "tree_gdn_kernel"]
+def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, initial_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """B sequences of T tokens through fla in one call (gdn_chain_fla's conventions with a leading batch dim):
+    q, k [B, T, H, dk], v [B, T, HV, dv], g, beta [B, T, HV], initial_states [B, HV, dk, dv] -> o [B, T, HV, dv] in
+    v's dtype and the final states [B, HV, dk, dv] in float32."""
+    dtype = v.dtype
+    return kernel(q.to(dtype), k.to(dtype), v, g=g.float(), beta=beta.to(dtype),
+                  initial_state=initial_states.float().contiguous(), output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+
+
+__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel", "tree_gdn_kernel"]

@@ -38,7 +38,7 @@ from ddtree.models.gdn import (
     replay_path,
     tree_paths,
 )
-from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, step_gdn_kernel, tree_gdn_kernel
+from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_sequences_fla, step_gdn_kernel, tree_gdn_kernel
 from ddtree.models.layers import Derived, FusedProjections, GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
@@ -161,6 +161,15 @@ class RecurrentPool:
         self.state = torch.zeros(slots, n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
                                  dtype=torch.float32, device=device)
 
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv windows [R, C, K], states [R, HV, dk, dv]) of GDN layer `layer` in the slots [R] (device indices)."""
+        return self.conv[:, layer].index_select(0, slots), self.state[:, layer].index_select(0, slots)
+
+    def scatter(self, layer: int, slots: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Commit the slots' conv windows and states of GDN layer `layer` (the inverse of gather)."""
+        self.conv[:, layer].index_copy_(0, slots, conv.to(self.conv.dtype))
+        self.state[:, layer].index_copy_(0, slots, state.float())
+
 
 class HybridCache:
     """Attention K/V for the full-attention layers, conv windows and recurrent states for the GDN layers (views of
@@ -218,12 +227,11 @@ class PooledSlot:
         self.pending = None              # the forward's stash (the program returns it for the request's own cache)
 
     def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = self.gdn_pool
-        return pool.conv[:, layer].index_select(0, self.slot)[0], pool.state[:, layer].index_select(0, self.slot)[0]
+        conv, state = self.gdn_pool.gather(layer, self.slot)
+        return conv[0], state[0]
 
     def commit_step(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        self.gdn_pool.conv[:, layer].index_copy_(0, self.slot, conv[None].to(self.gdn_pool.conv.dtype))
-        self.gdn_pool.state[:, layer].index_copy_(0, self.slot, state[None].float())
+        self.gdn_pool.scatter(layer, self.slot, conv[None], state[None])
 
 
 class GatedAttention(FusedProjections, nn.Module):
@@ -279,7 +287,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         self.norm = GatedRMSNorm(c.linear_value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, c.hidden_size, bias=False)
         self.decay_rate = Derived(lambda a_log: -a_log.float().exp())        # g = decay_rate * softplus(a + dt_bias)
-        self.conv_weight = Derived(lambda w: w.squeeze(1).to(torch.float64 if w.dtype == torch.float64 else torch.float32))
+        self.conv_weight = Derived(lambda w: w.squeeze(1).to(fused.compute_dtype(w)))
 
     def forward(self, x: torch.Tensor, segments: list[Segment], slot: int, layouts: list[TreeLayout],
                 stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
@@ -308,14 +316,9 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         """One sequence's conv and recurrence: o [n, HV, dv]. A tree is committed later from `stash`; without a stash,
         rows committed whole: one token (an `ar` step or a one-token prompt: its state and conv window are committed
         here) or a long prompt (run in chunks; committed by compact)."""
-        c, n = self.c, mixed.shape[0]
-        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        n = mixed.shape[0]
         window, state = cache.gdn_state(slot)                               # committed conv window and state
-        conv = conv_tree(mixed, None, window, self.conv_weight(self.conv1d.weight), window=layout.window)
-        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        # q, k keep their key heads: fla's kernels group value heads onto them (GVA); the torch forms repeat them
-        q, k = q.reshape(n, c.linear_num_key_heads, dk), k.reshape(n, c.linear_num_key_heads, dk)
-        v = v.reshape(n, hv, dv)
+        q, k, v = self._heads(conv_tree(mixed, None, window, self.conv_weight(self.conv1d.weight), window=layout.window))
         if stash is None and n == 1:
             o, new_state = self._step(q, k, v, g, beta, state)
             cache.commit_step(slot, fused.shifted_window(window, mixed), new_state)
@@ -330,7 +333,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
                 buffer[slot].copy_(value)
         else:
-            o, _ = gdn_tree(*value_heads(q, k, hv), v, g, beta, None, state, ancestors=layout.ancestors,
+            o, _ = gdn_tree(*value_heads(q, k, v.shape[1]), v, g, beta, None, state, ancestors=layout.ancestors,
                             out=stash.layer(slot))
             stash.x[slot].copy_(mixed)
         return o
@@ -340,30 +343,31 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         """One committed token for each of R sequences at GDN layer `slot`: their states gathered from the pool,
         one conv and (on CUDA) one fla call for all, the new states scattered back. Per sequence the same values as
         `_core` computes for it alone (the torch recurrence runs per sequence; fla's programs are per sequence)."""
-        c, r = self.c, mixed.shape[0]
-        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         pool = segments[0].cache.gdn_pool
         slots = [seg.cache.slot for seg in segments]
         slots = (torch.cat(slots) if isinstance(slots[0], torch.Tensor)
                  else torch.tensor(slots, dtype=torch.long, device=mixed.device))
-        conv_states, states = pool.conv[:, slot].index_select(0, slots), pool.state[:, slot].index_select(0, slots)
+        conv_states, states = pool.gather(slot, slots)
         conv, shifted = fused.conv_steps(mixed, conv_states, self.conv_weight(self.conv1d.weight))
-        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.reshape(r, c.linear_num_key_heads, dk), k.reshape(r, c.linear_num_key_heads, dk)
-        v = v.reshape(r, hv, dv)
+        q, k, v = self._heads(conv)
         kernel = step_gdn_kernel(mixed.device)
         if kernel is not None:   # the sequences as fla's batch: [R, 1, ...]
-            o, new_states = kernel(q[:, None].to(v.dtype), k[:, None].to(v.dtype), v[:, None], g=g[:, None].float(),
-                                   beta=beta[:, None].to(v.dtype), initial_state=states.contiguous(),
-                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o, new_states = gdn_sequences_fla(kernel, q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)
             o = o[:, 0]
         else:
             steps = [self._step(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], states[i])
-                     for i in range(r)]
+                     for i in range(mixed.shape[0])]
             o, new_states = torch.cat([s[0] for s in steps]), torch.stack([s[1] for s in steps])
-        pool.conv[:, slot].index_copy_(0, slots, shifted)
-        pool.state[:, slot].index_copy_(0, slots, new_states.float())
+        pool.scatter(slot, slots, shifted, new_states)
         return o
+
+    def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k [n, key heads, dk] and v [n, HV, dv] of the conv output [n, conv_dim]: q, k keep their key heads
+        (fla's kernels group value heads onto them, GVA; the torch forms repeat them)."""
+        c, n = self.c, conv.shape[0]
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        heads, dk = c.linear_num_key_heads, c.linear_key_head_dim
+        return q.reshape(n, heads, dk), k.reshape(n, heads, dk), v.reshape(n, c.linear_num_value_heads, c.linear_value_head_dim)
 
     @staticmethod
     def _step(q, k, v, g, beta, state):
@@ -483,8 +487,7 @@ class HybridTarget(TargetModel):
             elif layout.paths is not None:
                 stashes.append(ReplayStash.empty(*shape, x.dtype, x.device, key_heads=c.linear_num_key_heads))
             else:
-                compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-                stashes.append(TreeStash.empty(*shape, compute, x.dtype, x.device))
+                stashes.append(TreeStash.empty(*shape, fused.compute_dtype(x), x.dtype, x.device))
             seg.cache.pending = stashes[-1] or {}
         rope = self.rotary(positions, x.dtype)
         taps, wanted = {}, set(tap_layers or ())
