@@ -22,6 +22,7 @@ import gc
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -98,31 +99,23 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
               for forward in forwards}
     if hasattr(target, "uses_paths") and target.uses_paths(17, torch.device(args.device)):
         # small hybrid trees went through the paths form (fla): the ancestor-masked form beside it, for comparison
-        saved, qwen3_5.PATHS_MAX_ROWS = qwen3_5.PATHS_MAX_ROWS, 0
-        try:
+        with mock.patch.object(qwen3_5, "PATHS_MAX_ROWS", 0):
             verify["static-masked"] = measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                                      static=True, profile=(16, 64))
-        finally:
-            qwen3_5.PATHS_MAX_ROWS = saved
         # the paths form through our tree kernel (one shared committed state, ddtree.models.tree_kernel) instead of
         # fla's (a state copy per path); off by default until this comparison says it pays
-        os.environ["DDTREE_TREE_KERNEL"] = "1"
         try:
-            verify["static-treekernel"] = measure_verify(target, args.device, [b for b in args.budgets if b <= 32],
-                                                         args.prompt_len, args.repeats, static=True, profile=(16,))
+            with mock.patch.dict(os.environ, {"DDTREE_TREE_KERNEL": "1"}):
+                verify["static-treekernel"] = measure_verify(target, args.device, [b for b in args.budgets if b <= 32],
+                                                             args.prompt_len, args.repeats, static=True, profile=(16,))
         except Exception as exc:   # a diagnostic variant: its failure must not cost the run's other measurements
             errors["static-treekernel"] = f"{type(exc).__name__}: {exc}"
             print(f"tree kernel variant failed: {errors['static-treekernel']}", flush=True)
-        finally:
-            del os.environ["DDTREE_TREE_KERNEL"]
     if args.device.startswith("cuda") and fused.enabled():
         # the same static forward with the elementwise chains uncompiled (ddtree.models.fused), for comparison
-        os.environ["DDTREE_COMPILE"] = "0"
-        try:
+        with mock.patch.dict(os.environ, {"DDTREE_COMPILE": "0"}):
             verify["static-uncompiled"] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
                                                          args.prompt_len, args.repeats, static=True)
-        finally:
-            del os.environ["DDTREE_COMPILE"]
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
