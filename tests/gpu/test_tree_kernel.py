@@ -24,11 +24,33 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def module():
     if not CUDA:
         os.environ["TRITON_INTERPRET"] = "1"   # before the module defines its kernel
-    module = importlib.import_module("ddtree.models.tree_kernel")
+        _interpreter_scalar_index()
+    return importlib.import_module("ddtree.models.tree_kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel(module):
     return module.tree_paths_recurrence
+
+
+def _interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a loaded scalar into a Python int with int(array), which numpy >= 2.3 refuses
+    for its 1-element arrays (a loop bound read from memory fails); index such arrays by their one element."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "ddtree_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.ddtree_patched = True
+    interpreter._patch_lang_tensor = patched
 
 
 def random_tree(n: int, rng: np.random.Generator) -> list[int]:
@@ -60,6 +82,38 @@ def test_tree_kernel_equals_per_node_recurrence(kernel, n, dtype):
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got[:n].double().cpu(), want, rtol=tolerance, atol=tolerance)
     assert not got[n:].any(), "rows on no path stay 0"
+
+
+def test_batched_tree_paths_start_each_tree_from_its_own_slot(module):
+    """Three trees of a batch in one call: each path from its request's state, a slot of a pool whose states lie
+    layers apart (the recurrent pool's layer view), rows of each tree at its own offset; == each tree alone."""
+    h, hv, dk, dv, rows, slots, layers = 2, 4, 16, 8, 9, 5, 3
+    rng, gen = np.random.default_rng(3), torch.Generator().manual_seed(3)
+    trees = [random_tree(n, rng) for n in (9, 4, 6)]
+    n = rows * len(trees)
+    q, k = (torch.randn(n, h, dk, generator=gen) for _ in range(2))
+    v = torch.randn(n, hv, dv, generator=gen)
+    g, beta = -torch.rand(n, hv, generator=gen), torch.rand(n, hv, generator=gen)
+    pool = torch.randn(slots, layers, hv, dk, dv, generator=gen) * 0.1
+    layer, request_slots = 1, [4, 0, 2]
+    tokens, first, last, path_state = [], [], [], []
+    for r, parents in enumerate(trees):
+        t, bounds, _ = tree_paths(parents, max_len=16, num_paths=len(parents) + 1)   # one empty padding path each
+        first += list(len(tokens) + bounds[:-1])
+        last += list(len(tokens) + bounds[1:])
+        tokens += list(r * rows + t)
+        path_state += [request_slots[r]] * (len(bounds) - 1)
+    as_long = (lambda x: torch.tensor(x, dtype=torch.long, device=DEVICE))
+    got = module.batched_tree_paths(*(x.to(DEVICE) for x in (q, k, v, g, beta)), as_long(tokens), as_long(first),
+                                    as_long(last), pool.to(DEVICE)[:, layer], as_long(path_state)).cpu()
+    repeat = hv // h
+    for r, parents in enumerate(trees):
+        at = slice(r * rows, r * rows + len(parents))
+        want, _ = gdn_sequential(q[at].double().repeat_interleave(repeat, 1), k[at].double().repeat_interleave(repeat, 1),
+                                 v[at].double(), g[at].double(), beta[at].double(), parents,
+                                 pool[request_slots[r], layer].double())
+        torch.testing.assert_close(got[at].double(), want, rtol=1e-4, atol=1e-4)
+        assert not got[r * rows + len(parents) : (r + 1) * rows].any(), "rows on no path stay 0"
 
 
 @pytest.mark.skipif(not CUDA, reason="the engine path needs CUDA (fla for the commit replay)")

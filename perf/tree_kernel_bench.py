@@ -1,0 +1,171 @@
+"""The tree part of the Gated DeltaNet recurrence on the GPU: fla's fused recurrent kernel over each request's
+root-to-leaf paths (the paths form as the engine's static verify runs it: the committed state copied per path,
+inputs gathered into path order, one call per request) against our kernel (ddtree.models.tree_kernel: every
+request's paths in one call, each from its slot of the recurrent pool, nodes read and written in place), over
+our kernel's launch shapes.
+
+One layer's dims of the target shape (Qwen3.6-27B: 16 key heads, 48 value heads, 128 x 128 states), a whole
+verify's worth of layers (48) per timed CUDA graph replay, trees built by the engine's own builder from drafter-like
+distributions (peaked: deep trees with side branches; flat: bushy ones), budgets and batch sizes as given.
+Writes perf/results/<name>.{json,md}.
+
+    python perf/tree_kernel_bench.py --name tree_kernel_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.models.gdn import TreePaths, gdn_paths, leaves, tree_paths  # noqa: E402
+from ddtree.models.graphs import row_bucket  # noqa: E402
+from ddtree.models.kernels import step_gdn_kernel  # noqa: E402
+from ddtree.models.qwen3_5 import PATHS_MAX_LEN  # noqa: E402
+from ddtree.tree import build_tree, top_log_probs  # noqa: E402
+from perf.common import ROOT, header, write_results  # noqa: E402
+
+DIMS = {"qwen36-27b": dict(h=16, hv=48, dk=128, dv=128, layers=48)}
+
+
+def make_trees(budget: int, count: int, peak: float, seed: int) -> list[list[int]]:
+    """`count` verify trees (root + `budget` nodes) from drafter-like distributions: logits ~ N(0, peak^2)."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = []
+    for _ in range(count):
+        log_probs, token_ids = top_log_probs(torch.randn(15, 4096, generator=gen) * peak, budget)
+        trees.append(build_tree(log_probs, token_ids, budget).parents)
+    return trees
+
+
+def graph_ms(fn, repeats: int) -> float:
+    """Median ms of one replay of a CUDA graph of fn (warmed up eagerly first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, int]], repeats: int) -> dict:
+    from ddtree.models.tree_kernel import batched_tree_paths
+
+    h, hv, dk, dv, layers = dims["h"], dims["hv"], dims["dk"], dims["dv"], dims["layers"]
+    reqs, rows = len(trees), row_bucket(max(len(p) for p in trees))
+    n, dev, gen = reqs * rows, "cuda", torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(n, h, dk, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(n, hv, dv, device=dev, generator=gen, dtype=torch.bfloat16)
+    g = -torch.rand(n, hv, device=dev, generator=gen) * 0.5
+    beta = torch.rand(n, hv, device=dev, generator=gen, dtype=torch.bfloat16)
+    pool = torch.randn(max(reqs, 2), layers, hv, dk, dv, device=dev, generator=gen) * 0.05   # [slots, L, ...]
+    slots = list(range(reqs))
+    # the engine's static paths form: path count to its bucket, tokens padded to bucket x PATHS_MAX_LEN
+    num_paths = row_bucket(max(len(leaves(p)) for p in trees))
+    per_request = []
+    for parents in trees:
+        t, b, pos = tree_paths(parents, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows)
+        per_request.append(TreePaths(*(torch.from_numpy(a).to(dev) for a in (t, b, pos))))
+    fla = step_gdn_kernel(torch.device(dev))
+
+    def run_fla():
+        outs = []
+        for layer in range(layers):
+            for r, paths in enumerate(per_request):
+                at = slice(r * rows, (r + 1) * rows)
+                outs.append(gdn_paths(fla, q[at], k[at], v[at], g[at], beta[at], paths, pool[slots[r], layer]))
+        return outs
+
+    # ours: every request's paths in one call per layer (the flat form the batched engine builds once per forward)
+    tokens = torch.cat([p.tokens + r * rows for r, p in enumerate(per_request)])
+    first = torch.cat([p.cu_seqlens[:-1] + r * p.tokens.shape[0] for r, p in enumerate(per_request)])
+    last = torch.cat([p.cu_seqlens[1:] + r * p.tokens.shape[0] for r, p in enumerate(per_request)])
+    path_state = torch.tensor(slots, device=dev).repeat_interleave(num_paths)
+
+    def run_ours(config):
+        bv, warps, stages = config
+        return [batched_tree_paths(q, k, v, g, beta, tokens, first, last, pool[:, layer], path_state, block_v=bv,
+                                   num_warps=warps, num_stages=stages) for layer in range(layers)]
+
+    want = run_fla()
+    result = {"requests": reqs, "rows": rows, "paths": [len(leaves(p)) for p in trees], "path_bucket": num_paths,
+              "fla_ms": graph_ms(run_fla, repeats), "ours": {}}
+    for config in configs:
+        got = run_ours(config)
+        error = max((got[layer][r * rows : r * rows + len(p)].float()
+                     - want[layer * reqs + r][: len(p)].float()).abs().max().item()
+                    for layer in (0, layers - 1) for r, p in enumerate(trees))
+        result["ours"]["bv{}_w{}_s{}".format(*config)] = {"ms": graph_ms(lambda: run_ours(config), repeats),
+                                                          "max_abs_diff": error}
+    best = min(result["ours"].items(), key=lambda kv: kv[1]["ms"])
+    result["best"] = {"config": best[0], "ms": best[1]["ms"], "fla_over_best": result["fla_ms"] / best[1]["ms"]}
+    print(f"R={reqs} rows={rows} paths={result['paths']}: fla {result['fla_ms']:.3f} ms, best {best[0]} "
+          f"{best[1]['ms']:.3f} ms", flush=True)
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"Time of {result['layers']} layers' tree recurrence (one CUDA graph replay, median of {result['repeats']}), "
+             "ms; fla = the engine's paths form per request; ours = one call per layer for the batch.\n",
+             "| trees | budget | requests | paths (bucket) | fla ms | best ours | ours ms | fla / ours | max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for case in result["cases"]:
+        best = case["best"]
+        lines.append(f"| {case['trees']} | {case['budget']} | {case['requests']} | {max(case['paths'])} ({case['path_bucket']}) | "
+                     f"{case['fla_ms']:.3f} | {best['config']} | {best['ms']:.3f} | {best['fla_over_best']:.2f} | "
+                     f"{case['ours'][best['config']]['max_abs_diff']:.2e} |")
+    configs = list(result["cases"][0]["ours"])
+    lines += ["", "Every launch shape (ms): bv = value columns per program, w = warps, s = pipeline stages\n",
+              "| trees | budget | requests | " + " | ".join(configs) + " |", "|---|---|---|" + "---|" * len(configs)]
+    for case in result["cases"]:
+        lines.append(f"| {case['trees']} | {case['budget']} | {case['requests']} | "
+                     + " | ".join(f"{case['ours'][c]['ms']:.3f}" for c in configs) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen36-27b", choices=sorted(DIMS))
+    parser.add_argument("--budgets", default="16,32")
+    parser.add_argument("--requests", default="1,4,8")
+    parser.add_argument("--peaks", default="peaked=8,flat=1", help="tree kinds: name=logit scale")
+    parser.add_argument("--configs", default="8x1x1,8x1x2,8x1x3,16x1x2,16x2x2,32x2x2,32x4x2,32x4x1")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="tree_kernel")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or step_gdn_kernel(torch.device("cuda")) is None:
+        raise SystemExit("needs a CUDA GPU with fla installed")
+    dims = DIMS[args.shape]
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    result = {"header": header(), "shape": args.shape, "layers": dims["layers"], "repeats": args.repeats, "cases": []}
+    for kind in args.peaks.split(","):
+        name, peak = kind.split("=")
+        for budget in (int(b) for b in args.budgets.split(",")):
+            for reqs in (int(r) for r in args.requests.split(",")):
+                trees = make_trees(budget, reqs, float(peak), seed=budget)
+                case = measure(dims, trees, configs, args.repeats)
+                result["cases"].append({"trees": name, "budget": budget, **case})
+    write_results(Path(args.out), args.name, result, table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
