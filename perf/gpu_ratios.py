@@ -102,15 +102,16 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         with mock.patch.object(qwen3_5, "PATHS_MAX_ROWS", 0):
             verify["static-masked"] = measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                                      static=True, profile=(16, 64))
-        # the paths form through our tree kernel (one shared committed state, ddtree.models.tree_kernel) instead of
-        # fla's (a state copy per path); off by default until this comparison says it pays
+        # the paths form through fla's kernel per request (a state copy per path; at most FLA_PATHS_MAX_ROWS rows)
+        # instead of ours (ddtree.models.tree_kernel, the default), for comparison
         try:
-            with mock.patch.dict(os.environ, {"DDTREE_TREE_KERNEL": "1"}):
-                verify["static-treekernel"] = measure_verify(target, args.device, [b for b in args.budgets if b <= 32],
-                                                             args.prompt_len, args.repeats, static=True, profile=(16,))
+            with mock.patch.dict(os.environ, {"DDTREE_TREE_KERNEL": "0"}):
+                verify["static-flapaths"] = measure_verify(target, args.device,
+                                                           [b for b in args.budgets if b < qwen3_5.FLA_PATHS_MAX_ROWS],
+                                                           args.prompt_len, args.repeats, static=True, profile=(16,))
         except Exception as exc:   # a diagnostic variant: its failure must not cost the run's other measurements
-            errors["static-treekernel"] = f"{type(exc).__name__}: {exc}"
-            print(f"tree kernel variant failed: {errors['static-treekernel']}", flush=True)
+            errors["static-flapaths"] = f"{type(exc).__name__}: {exc}"
+            print(f"fla paths variant failed: {errors['static-flapaths']}", flush=True)
     if args.device.startswith("cuda") and fused.enabled():
         # the same static forward with the elementwise chains uncompiled (ddtree.models.fused), for comparison
         with mock.patch.dict(os.environ, {"DDTREE_COMPILE": "0"}):
@@ -149,6 +150,7 @@ def table(result: dict) -> str:
     lines = [f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, measured in this run)", "",
              "Static forward (CUDA graphs on CUDA; what the engine serves batch 1 with) unless marked dynamic; "
              "static-masked: small hybrid trees on the ancestor-masked GDN form instead of the paths form; "
+             "static-flapaths: the paths form through fla's kernel per request instead of ours (DDTREE_TREE_KERNEL=0); "
              "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",

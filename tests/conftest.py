@@ -11,6 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.triton_interpreter import interpret_on_the_cpu  # noqa: E402
+
+interpret_on_the_cpu()   # before anything imports triton: its own jit functions are defined at its import
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:

@@ -49,13 +49,16 @@ HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")
 # costs O(N^2) memory and O(N^3) for the solve, a chain needs neither beyond a chunk.
 PREFILL_CHUNK = 128
 # Trees of up to this many rows go through the paths form where a fused chain kernel exists (fla on CUDA): one
-# kernel per layer over the root-to-leaf paths instead of ~40 small operations of the ancestor-masked form. Each
-# path starts from its own copy of the committed state (HV x dk x dv floats: 3 MiB per layer at Qwen3.6-27B dims),
-# so larger trees (many leaves) stay on the ancestor-masked form, as do paths longer than a DFlash block (never,
-# with a block of 16). Measured on an H200 at 27B dims (perf/results/gpu_ratios_h200.md, static verify): paths /
-# masked = 25.8 / 27.7 ms at 17 rows, 29.1 / 29.4 at 33, 35.6 / 33.1 at 65 (a 64-node tree has ~40 leaves), hence 33.
-# DDTREE_PATHS_MAX_ROWS=0 turns the paths form off (perf/gpu_ratios.py measures both).
-PATHS_MAX_ROWS = int(os.environ.get("DDTREE_PATHS_MAX_ROWS", "33"))
+# kernel per layer over the root-to-leaf paths instead of ~40 small operations of the ancestor-masked form. Paths
+# longer than a DFlash block (never, with a block of 16) stay on the ancestor-masked form. Through fla's kernel
+# each path starts from its own copy of the committed state (HV x dk x dv floats: 3 MiB per layer at Qwen3.6-27B
+# dims), so larger trees (many leaves) stay on the masked form: measured on an H200 at 27B dims
+# (perf/results/gpu_ratios_h200.md, static verify) paths / masked = 25.8 / 27.7 ms at 17 rows, 29.1 / 29.4 at 33,
+# 35.6 / 33.1 at 65 (a 64-node tree has ~40 leaves), hence FLA_PATHS_MAX_ROWS. Our kernel (tree_gdn_kernel) reads
+# the one committed state in place, so PATHS_MAX_ROWS applies to it. DDTREE_PATHS_MAX_ROWS=0 turns the paths form
+# off (perf/gpu_ratios.py measures both).
+PATHS_MAX_ROWS = int(os.environ.get("DDTREE_PATHS_MAX_ROWS", "65"))
+FLA_PATHS_MAX_ROWS = 33
 PATHS_MAX_LEN = 16
 
 
@@ -65,6 +68,41 @@ class CommittedState:
     state: torch.Tensor
     conv: torch.Tensor
     last: int
+
+
+@dataclass(slots=True)
+class TreeBatch:
+    """Every tree of one forward through our paths kernel (tree_gdn_kernel), one call per GDN layer for all of them:
+    their paths flattened with rows numbered across the batch, each path's recurrent-pool slot, each row's conv
+    window as indices into [every request's committed window (K rows each); all rows], and one commit stash for
+    all rows (each request's own stash is a view of its rows). Built once per forward, on the device."""
+    kernel: object        # tree_gdn_kernel's batched_tree_paths
+    slots: torch.Tensor   # [R] long
+    tokens: torch.Tensor  # [T] long rows
+    first: torch.Tensor   # [S] long
+    last: torch.Tensor    # [S] long
+    path_state: torch.Tensor   # [S] long slots
+    window: torch.Tensor  # [N, K] long
+    stash: ReplayStash    # [L, N, ...]
+
+    @classmethod
+    def of(cls, kernel, segments: list[Segment], layouts: list[TreeLayout], stash: ReplayStash,
+           conv_kernel: int) -> "TreeBatch":
+        slots = torch.cat([seg.cache.slot_index for seg in segments])
+        tokens, first, last, path_state, windows = [], [], [], [], []
+        row = tok = 0
+        for r, (seg, layout) in enumerate(zip(segments, layouts)):
+            paths, window = layout.paths, layout.window
+            tokens.append(paths.tokens + row)
+            first.append(paths.cu_seqlens[:-1] + tok)
+            last.append(paths.cu_seqlens[1:] + tok)
+            path_state.append(slots[r : r + 1].expand(paths.num_paths))
+            # local window index i < K: the request's committed column i (its block r of the committed rows); else row i - K
+            windows.append(torch.where(window < conv_kernel, window + r * conv_kernel,
+                                       window + (len(segments) - 1) * conv_kernel + row))
+            row, tok = row + seg.length, tok + paths.tokens.shape[0]
+        return cls(kernel=kernel, slots=slots, tokens=torch.cat(tokens), first=torch.cat(first), last=torch.cat(last),
+                   path_state=torch.cat(path_state), window=torch.cat(windows), stash=stash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +222,7 @@ class HybridCache:
         self.max_len = max_len
         self.gdn_pool = gdn_pool or RecurrentPool(c, 1, dtype, device)
         self.slot = slot if gdn_pool is not None else 0
+        self.slot_index = torch.tensor([self.slot], dtype=torch.long, device=device)   # the slot as a device index
         self.conv, self.state = self.gdn_pool.conv[self.slot], self.gdn_pool.state[self.slot]
         self.pending: TreeStash | ReplayStash | dict[int, CommittedState] | None = None   # the last forward's
 
@@ -223,7 +262,7 @@ class PooledSlot:
 
     def __init__(self, template: HybridCache, slot: torch.Tensor) -> None:
         self.gdn_pool, self.kv, self.gdn_layers, self.max_len = template.gdn_pool, template.kv, template.gdn_layers, template.max_len
-        self.slot = slot                 # [1] long on the device
+        self.slot = self.slot_index = slot   # [1] long on the device
         self.pending = None              # the forward's stash (the program returns it for the request's own cache)
 
     def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,16 +329,19 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         self.conv_weight = Derived(lambda w: w.squeeze(1).to(fused.compute_dtype(w)))
 
     def forward(self, x: torch.Tensor, segments: list[Segment], slot: int, layouts: list[TreeLayout],
-                stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
+                stashes: list[TreeStash | ReplayStash | None], trees: TreeBatch | None = None) -> torch.Tensor:
         """Rows of several sequences, packed: the projections, gates, output norm and out_proj over all rows at once
-        (each weight read once per forward, whatever the batch); the conv and the recurrence per sequence, from its
-        own committed state (`_core`)."""
+        (each weight read once per forward, whatever the batch); the conv and the recurrence of a batch of `ar`
+        steps (`_steps`) or of trees through our paths kernel (`_trees`) for all sequences at once, else per
+        sequence, from its own committed state (`_core`)."""
         c, n = self.c, x.shape[0]
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
         beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
         pools = {id(seg.cache.gdn_pool) for seg in segments}
-        if len(segments) > 1 and n == len(segments) and all(s is None for s in stashes) and len(pools) == 1:
+        if trees is not None:
+            o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees)
+        elif len(segments) > 1 and n == len(segments) and all(s is None for s in stashes) and len(pools) == 1:
             o = self._steps(mixed, g, beta, segments, slot)       # a batch of `ar` steps: one pass for all of them
         else:
             outputs, row = [], 0
@@ -326,10 +368,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             o, new_state = self._chunked_chain(q, k, v, g, beta, state)
             conv_state = conv_state_after(mixed, list(range(-1, n - 1)), n - 1, window)
             cache.pending[slot] = CommittedState(state=new_state, conv=conv_state, last=n - 1)
-        elif layout.paths is not None:   # the paths form; the commit replays the accepted path from the stash
-            tree = tree_gdn_kernel(q.device)   # ours, from the shared committed state (DDTREE_TREE_KERNEL=1), or fla's
-            o = (tree(q, k, v, g, beta, layout.paths.tokens, layout.paths.cu_seqlens, state, PATHS_MAX_LEN)
-                 if tree is not None else gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, state))
+        elif layout.paths is not None:   # the paths form through fla (ours runs in _trees); the commit replays the path
+            o = gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, state)
             for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
                 buffer[slot].copy_(value)
         else:
@@ -338,15 +378,28 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             stash.x[slot].copy_(mixed)
         return o
 
+    def _trees(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: "RecurrentPool", slot: int,
+               trees: TreeBatch) -> torch.Tensor:
+        """Every tree of the forward at GDN layer `slot` (TreeBatch): one conv over all rows (each window into its own
+        request's committed one), one call of our paths kernel (each path from its slot's state, read in place), one
+        copy of each stash buffer. The same values as `_core` computes for each tree alone."""
+        conv_states = pool.conv[:, slot].index_select(0, trees.slots)                  # [R, C, K]
+        channels = conv_states.shape[1]
+        committed = conv_states.permute(1, 0, 2).reshape(channels, -1)                 # [C, R * K]: column r * K + i
+        q, k, v = self._heads(fused.conv_windows(mixed, committed, self.conv_weight(self.conv1d.weight), trees.window))
+        o = trees.kernel(q, k, v, g, beta, trees.tokens, trees.first, trees.last, pool.state[:, slot], trees.path_state)
+        stash = trees.stash
+        for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
+            buffer[slot].copy_(value)
+        return o
+
     def _steps(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment],
                slot: int) -> torch.Tensor:
         """One committed token for each of R sequences at GDN layer `slot`: their states gathered from the pool,
         one conv and (on CUDA) one fla call for all, the new states scattered back. Per sequence the same values as
         `_core` computes for it alone (the torch recurrence runs per sequence; fla's programs are per sequence)."""
         pool = segments[0].cache.gdn_pool
-        slots = [seg.cache.slot for seg in segments]
-        slots = (torch.cat(slots) if isinstance(slots[0], torch.Tensor)
-                 else torch.tensor(slots, dtype=torch.long, device=mixed.device))
+        slots = torch.cat([seg.cache.slot_index for seg in segments])
         conv_states, states = pool.gather(slot, slots)
         conv, shifted = fused.conv_steps(mixed, conv_states, self.conv_weight(self.conv1d.weight))
         q, k, v = self._heads(conv)
@@ -437,8 +490,11 @@ class HybridTarget(TargetModel):
         return [HybridCache(c, max_len, p.dtype, p.device, kv_pool=pool, slot=i, gdn_pool=gdn_pool) for i in range(slots)]
 
     def uses_paths(self, rows: int, device: torch.device) -> bool:
-        """Whether a tree of `rows` rows on `device` goes through the paths form (PATHS_MAX_ROWS)."""
-        return 1 < rows <= PATHS_MAX_ROWS and step_gdn_kernel(device) is not None
+        """Whether a tree of `rows` rows on `device` goes through the paths form (PATHS_MAX_ROWS; FLA_PATHS_MAX_ROWS
+        at most where fla's kernel runs it)."""
+        if step_gdn_kernel(device) is None:
+            return False
+        return 1 < rows <= (PATHS_MAX_ROWS if tree_gdn_kernel(device) is not None else min(PATHS_MAX_ROWS, FLA_PATHS_MAX_ROWS))
 
     @staticmethod
     def _committed_whole(seg: Segment, device: torch.device) -> bool:
@@ -467,6 +523,18 @@ class HybridTarget(TargetModel):
                                          paths=TreePaths(*parts[1:]) if paths is not None else None))
         return ForwardPlan(PackedAttention.plan([seg.cache.kv for seg in segments], segments), layouts)
 
+    def _tree_batch(self, segments: list[Segment], layouts: list[TreeLayout], x: torch.Tensor) -> TreeBatch | None:
+        """The forward's TreeBatch where every segment is a tree on the paths form, our kernel runs and all share
+        one recurrent pool; else None (each sequence on its own, `_core`)."""
+        kernel = tree_gdn_kernel(x.device)
+        if kernel is None or any(layout.paths is None for layout in layouts) or len({id(seg.cache.gdn_pool) for seg in segments}) != 1:
+            return None
+        c = self.config
+        stash = ReplayStash.empty(len(segments[0].cache.gdn_layers), x.shape[0], c.linear_num_value_heads,
+                                  c.linear_key_head_dim, c.linear_value_head_dim, c.conv_dim, x.dtype, x.device,
+                                  key_heads=c.linear_num_key_heads)
+        return TreeBatch.of(kernel, segments, layouts, stash, c.conv_kernel)
+
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                        tap_layers: list[int] | None = None, logit_rows: torch.Tensor | None = None,
                        plan: ForwardPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -478,17 +546,22 @@ class HybridTarget(TargetModel):
                     seg.cache.reset()   # a new sequence: no committed recurrent state
             plan = self.plan(segments)
         c, x = self.config, self.embed_tokens(input_ids)
-        stashes = []
+        trees = self._tree_batch(segments, plan.layouts, x)
+        stashes, row = [], 0
         for seg, layout in zip(segments, plan.layouts):
             shape = (len(seg.cache.gdn_layers), seg.length, c.linear_num_value_heads, c.linear_key_head_dim,
                      c.linear_value_head_dim, c.conv_dim)
             if self._committed_whole(seg, x.device):
                 stashes.append(None)
+            elif trees is not None:   # a view of the batch's one stash
+                stashes.append(ReplayStash(*(t[:, row : row + seg.length] for t in (
+                    trees.stash.k, trees.stash.v, trees.stash.g, trees.stash.beta, trees.stash.x))))
             elif layout.paths is not None:
                 stashes.append(ReplayStash.empty(*shape, x.dtype, x.device, key_heads=c.linear_num_key_heads))
             else:
                 stashes.append(TreeStash.empty(*shape, fused.compute_dtype(x), x.dtype, x.device))
             seg.cache.pending = stashes[-1] or {}
+            row += seg.length
         rope = self.rotary(positions, x.dtype)
         taps, wanted = {}, set(tap_layers or ())
         attn_slot = gdn_slot = 0
@@ -499,7 +572,7 @@ class HybridTarget(TargetModel):
                 h = layer.self_attn(h, rope, segments, attn_slot, plan.packed)
                 attn_slot += 1
             else:
-                h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes)
+                h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes, trees)
                 gdn_slot += 1
             x, h = layer.post_attention_layernorm.add_norm(x, h)
             pending = layer.mlp(h)

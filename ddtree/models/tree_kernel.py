@@ -26,8 +26,9 @@ import triton.language as tl
 from ddtree.models.gdn import L2_EPS
 
 # Launch shape: a narrow block of value columns per program and one warp (as fla's fused recurrent kernel), so a
-# tree's few paths still fill the GPU (HV x paths x dv / BLOCK_V programs). perf/tree_kernel_bench.py sweeps these.
-BLOCK_V, NUM_WARPS, NUM_STAGES = 8, 1, 2
+# tree's few paths still fill the GPU (HV x paths x dv / BLOCK_V programs). perf/tree_kernel_bench.py sweeps these:
+# 16 columns, one warp, two stages was the fastest of 8 shapes in every case on an H200 (tree_kernel_h200.md).
+BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
 
 
 @triton.jit

@@ -7,50 +7,26 @@ image has none: fla's trap applies to it too).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from ddtree.models.gdn import gdn_sequential, tree_paths
+from tests.triton_interpreter import AVAILABLE, tree_kernel_module
 
 CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not CUDA and importlib.util.find_spec("triton") is None,
-                                reason="needs a CUDA GPU, or triton for its interpreter")
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs a CUDA GPU, or triton for its interpreter")
 DEVICE = "cuda" if CUDA else "cpu"
 
 
 @pytest.fixture(scope="module")
 def module():
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"   # before the module defines its kernel
-        _interpreter_scalar_index()
-    return importlib.import_module("ddtree.models.tree_kernel")
+    return tree_kernel_module()
 
 
 @pytest.fixture(scope="module")
 def kernel(module):
     return module.tree_paths_recurrence
-
-
-def _interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter turns a loaded scalar into a Python int with int(array), which numpy >= 2.3 refuses
-    for its 1-element arrays (a loop bound read from memory fails); index such arrays by their one element."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "ddtree_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.ddtree_patched = True
-    interpreter._patch_lang_tensor = patched
 
 
 def random_tree(n: int, rng: np.random.Generator) -> list[int]:
@@ -118,13 +94,51 @@ def test_batched_tree_paths_start_each_tree_from_its_own_slot(module):
 
 @pytest.mark.skipif(not CUDA, reason="the engine path needs CUDA (fla for the commit replay)")
 def test_engine_with_the_tree_kernel_decodes_what_it_decodes_with_fla(monkeypatch, tmp_path):
-    """Greedy tokens (fp32, static forwards, graphs) on the tiny hybrid with DDTREE_TREE_KERNEL=1 == without."""
+    """Greedy tokens (fp32, static forwards, graphs) on the tiny hybrid with our kernel (DDTREE_TREE_KERNEL=1, the
+    default) == with fla's paths form (=0); at budget 64 against the ancestor-masked form (fla's limit is 33 rows)."""
     from ddtree.config import EngineConfig
     from tests.gpu.switches import assert_switch_keeps_greedy_tokens
     from tests.unit.oracle import make_tiny_hybrid
 
     root, _ = make_tiny_hybrid(tmp_path)
     config = EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"), max_model_len=300,
-                          max_tree_budget=32, device="cuda")
+                          max_tree_budget=64, device="cuda")
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_TREE_KERNEL", config,
-                                      [("dflash", 1), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32)], seed=6)
+                                      [("dflash", 1), ("ddtree", 8), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64)], seed=6)
+
+
+@pytest.mark.skipif(not CUDA, reason="the engine path needs CUDA (fla for the commit replay)")
+def test_a_batch_of_trees_through_the_kernel_decodes_what_each_decodes_alone(monkeypatch, tmp_path):
+    """Eight concurrent greedy requests (fp32, static batch programs, graphs) with every tree of a round in one
+    kernel call per layer == each request alone on fla's paths form."""
+    import random
+
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.models import qwen3_5
+    from ddtree.request import Request
+    from ddtree.sampling_params import SamplingParams
+    from tests.unit.oracle import make_tiny_hybrid
+
+    root, _ = make_tiny_hybrid(tmp_path)
+    rng = random.Random(7)
+    jobs = [([rng.randrange(90) for _ in range(rng.randint(5, 60))],
+             SamplingParams(mode="ddtree", tree_budget=(8, 16, 32, 64)[i % 4], max_tokens=40, ignore_eos=True))
+            for i in range(8)]
+    config = dict(target_path=str(root / "target"), drafter_path=str(root / "dflash"), max_model_len=300,
+                  max_tree_budget=64, device="cuda")
+    monkeypatch.setenv("DDTREE_TREE_KERNEL", "0")
+    alone = Engine(EngineConfig(**config, max_num_seqs=1))
+    expected = [alone.generate_ids(prompt, params).output_ids for prompt, params in jobs]
+    monkeypatch.setenv("DDTREE_TREE_KERNEL", "1")
+    batches, make = [], qwen3_5.TreeBatch.of
+    monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
+    engine = Engine(EngineConfig(**config, max_num_seqs=8))
+    requests = [Request(request_id=f"r{i}", prompt_ids=p, params=params) for i, (p, params) in enumerate(jobs)]
+    for request in requests:
+        engine.add(request)
+    while engine.has_work:
+        engine.step()
+    assert max(batches) >= 4, batches
+    for i, request in enumerate(requests):
+        assert request.output_ids == expected[i], f"request {i} budget {jobs[i][1].tree_budget}"

@@ -13,6 +13,7 @@ from ddtree.config import EngineConfig
 from ddtree.models.dflash import dflash_hf_config, init_random_drafter, save_drafter
 from ddtree.request import Request
 from ddtree.sampling_params import SamplingParams
+from tests.triton_interpreter import AVAILABLE, tree_kernel_module
 from tests.unit.oracle import OracleDraftEngine
 
 MODES = [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
@@ -143,3 +144,29 @@ def test_a_batch_of_ar_steps_runs_as_one_pass_and_equals_alone(engines, monkeypa
     assert calls and max(calls) >= 4, calls
     for i, (prompt, params) in enumerate(jobs):
         assert together[f"r{i}"] == single.generate_ids(prompt, params).output_ids, f"{kind} request {i}"
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter runs our kernel on the CPU)")
+def test_trees_of_a_batch_through_our_paths_kernel_equal_alone(engines, monkeypatch):
+    """Hybrid targets where our paths kernel runs (on CUDA; here Triton's interpreter, with fla's interface in plain
+    torch for the commit replay): every tree of a round goes through one kernel call per GDN layer (TreeBatch), each
+    path from its own request's slot, and each request decodes what it decodes alone on the ancestor-masked form."""
+    kind, batched, single, vocab = engines
+    if not kind.startswith("hybrid"):
+        pytest.skip("a hybrid target's path")
+    from ddtree.models import qwen3_5
+    from ddtree.models.gdn import reference_recurrent
+
+    rng = random.Random(5)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 30))],
+             SamplingParams(max_tokens=rng.randint(6, 12), mode=("dflash", "ddtree")[i % 2], tree_budget=(1, 4, 1, 16)[i % 4],
+                            ignore_eos=True)) for i in range(5)]
+    expected = [single.generate_ids(prompt, params).output_ids for prompt, params in jobs]
+    kernel, batches, make = tree_kernel_module().batched_tree_paths, [], qwen3_5.TreeBatch.of
+    monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+    monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: kernel)
+    monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
+    together = run_together(batched, jobs, arrive_every=1)
+    assert batches and max(batches) >= 3, batches
+    for i, (prompt, params) in enumerate(jobs):
+        assert together[f"r{i}"] == expected[i], f"{kind} request {i} mode {params.mode} budget {params.tree_budget}"

@@ -1,0 +1,88 @@
+"""A forward's trees through our paths kernel in one call per GDN layer (qwen3_5.TreeBatch) against each tree on the
+ancestor-masked form: the same logits and, after each request commits its accepted path, the same recurrent state
+and conv window in every request's slot. Random committed states of unit size in each slot make a wrong slot,
+window or row offset visible (a tiny model's own states are too small to flip greedy tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree.models.dense import Segment
+from ddtree.models.gdn import reference_recurrent
+from ddtree.tree import build_tree, top_log_probs
+from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+from tests.unit.test_batching import make_hybrid
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter runs our kernel on the CPU)")
+
+
+def trees(budgets: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for budget in budgets:
+        log_probs, token_ids = top_log_probs(torch.randn(7, 64, generator=gen) * 3, budget)
+        out.append(build_tree(log_probs, token_ids, budget).parents)
+    return out
+
+
+def forward_and_commit(target, caches, slots, starts, parents, ids, positions):
+    segments = []
+    for slot, start, tree in zip(slots, starts, parents):
+        n = len(tree)
+        visibility = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            visibility[i] |= visibility[tree[i]]
+        segments.append(Segment.of(caches[slot], start, visibility, parents=list(tree)))
+    with torch.no_grad():
+        logits, _ = target.forward_packed(ids, positions, segments)
+        for slot, start, tree in zip(slots, starts, parents):
+            leaf = len(tree) - 1                                      # the accepted path: root .. the last node
+            path = [leaf]
+            while tree[path[-1]] >= 0:
+                path.append(tree[path[-1]])
+            caches[slot].compact(start, path[::-1])
+    pool = caches[0].gdn_pool
+    return logits, pool.state.clone(), pool.conv.clone()
+
+
+def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(tmp_path, monkeypatch):
+    from ddtree.models import qwen3_5
+
+    target_path, _ = make_hybrid(tmp_path)
+    target = qwen3_5.HybridTarget.from_pretrained(target_path)
+    caches = target.new_caches(5, 64)
+    gen = torch.Generator().manual_seed(0)
+    pool = caches[0].gdn_pool
+    pool.state.copy_(torch.randn(pool.state.shape, generator=gen))
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=gen))
+    committed = pool.state.clone(), pool.conv.clone()
+    slots, starts = [3, 0, 4], [5, 9, 2]
+    parents = trees([12, 5, 20], seed=1)
+    n = sum(len(p) for p in parents)
+    ids = torch.randint(0, 90, (n,), generator=gen)
+    positions = torch.cat([torch.tensor(np.array([s + depth(p, i) for i in range(len(p))])) for s, p in zip(starts, parents)])
+
+    def run():
+        pool.state.copy_(committed[0])
+        pool.conv.copy_(committed[1])
+        return forward_and_commit(target, caches, slots, starts, parents, ids, positions)
+
+    masked = run()                                   # CPU: no fused kernel, every tree on the ancestor-masked form
+    kernel, batches, make = tree_kernel_module().batched_tree_paths, [], qwen3_5.TreeBatch.of
+    monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+    monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: kernel)
+    monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
+    batched = run()
+    assert batches == [3]
+    for name, got, want in zip(("logits", "states", "conv windows"), batched, masked):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert not torch.equal(masked[1], committed[0]), "the commits moved the states"
+
+
+def depth(parents: list[int], node: int) -> int:
+    d = 0
+    while parents[node] >= 0:
+        node, d = parents[node], d + 1
+    return d
