@@ -208,7 +208,10 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
 
     results, texts = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        repo = make_repository(config, Path(tmp))
+        # the model serves the in-process engine's own config: the same cache sizes give the same static shapes (key
+        # buckets, slots), so the same numerics and, in bf16, the same texts and rounds on both sides
+        repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
+                                                         "max_num_seqs": str(config.max_num_seqs)})
         with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server:
             for method in methods:
                 stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed))
