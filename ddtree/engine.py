@@ -23,6 +23,7 @@ from ddtree.models.dense import KVCache, Segment
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticDrafter, StaticTarget
 from ddtree.models.loader import dtype_of
+from ddtree.models.qwen3_5 import compact_all
 from ddtree.models.target import load_target
 from ddtree.request import Request, RequestOutput
 from ddtree.sampling import probabilities, sample, suppress_tokens
@@ -342,13 +343,12 @@ class Engine:
     def _commit_caches(self, seqs: list[Sequence], accepted: list[list[int]]) -> None:
         """Move each request's accepted rows to its committed prefix: for a dense target one gather and one scatter
         over the whole KV pool for all of them (per request, that was an index copy and two kernels); a hybrid
-        cache also commits its recurrent state, per request."""
+        cache also commits its recurrent state (for a batch of trees on our paths kernel in one replay for all)."""
         caches = [self.caches[seq.slot] for seq in seqs]
         if isinstance(caches[0], KVCache):
             caches[0].pool.move_rows([(c.slot, seq.start, a) for c, seq, a in zip(caches, seqs, accepted)])
             return
-        for cache, seq, rows in zip(caches, seqs, accepted):
-            cache.compact(seq.start, rows)
+        compact_all(caches, [seq.start for seq in seqs], accepted)
 
     def _keep_taps(self, seqs: list[Sequence], accepted: list[list[int]], taps: torch.Tensor | None,
                    starts: list[int]) -> None:

@@ -439,6 +439,13 @@ class ReplayStash:
     g: Tensor      # [L, N, HV] float32 log decays
     beta: Tensor   # [L, N, HV]
     x: Tensor      # [L, N, C] pre-conv inputs
+    base: "ReplayStash | None" = None   # a batch's stash of which this one is rows offset.. (replay_batch)
+    offset: int = 0
+
+    def rows(self, offset: int, n: int) -> "ReplayStash":
+        """A view of rows offset..offset+n (one request's of a batch's stash)."""
+        return ReplayStash(*(t[:, offset : offset + n] for t in (self.k, self.v, self.g, self.beta, self.x)),
+                           base=self, offset=offset)
 
     @classmethod
     def empty(cls, layers: int, n: int, heads: int, key_dim: int, value_dim: int, channels: int,
@@ -468,6 +475,42 @@ def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Te
                     output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(new.view(layers, heads, dk, dv))
     _commit_conv(stash.x, index, conv)
+
+
+def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tensor, convs: Tensor, slots: Sequence[int],
+                 kernel) -> None:
+    """replay_path for R requests whose stashes are rows of one batch's stash `base` (paths: each request's accepted
+    path as rows of `base`, root first): one call of the chain kernel for all of them (one varlen sequence per
+    request, all layers as heads), their states gathered from and scattered back to the pool (states  # [slots, L,
+    HV, dk, dv]), and every conv window [slots, L, C, K] rebuilt by one gather from [committed windows; path rows]."""
+    device, r, kernel_size = base.k.device, len(paths), convs.shape[-1]
+    lengths = [len(p) for p in paths]
+    # conv: request i's new window is the last K of [its committed K columns; its path's rows], as columns of
+    # src = [every request's committed columns (K each); every path row of the batch]
+    columns, start = [], 0
+    for i, n in enumerate(lengths):
+        for t in range(n, n + kernel_size):   # position t of [committed; path]: a committed column or a path row
+            columns.append(i * kernel_size + t if t < kernel_size else r * kernel_size + start + t - kernel_size)
+        start += n
+    host = torch.tensor([row for p in paths for row in p] + list(slots) + np.cumsum([0] + lengths).tolist() + columns,
+                        dtype=torch.long)
+    index, slot_index, cu, columns = host.to(device).split([sum(lengths), r, r + 1, r * kernel_size])   # one copy
+    layers, _, heads, dv = base.v.shape
+    dk, total = base.k.shape[-1], index.shape[0]
+
+    def as_heads(t: Tensor) -> Tensor:   # [L, N, heads, ...] -> [1, T, L * heads, ...] (layer-major, as GVA groups)
+        return t[:, index].transpose(0, 1).reshape(1, total, layers * t.shape[2], *t.shape[3:])
+
+    k = as_heads(base.k)
+    initial = states.index_select(0, slot_index).reshape(r, layers * heads, dk, dv)
+    _, new = kernel(k, k, as_heads(base.v), g=as_heads(base.g), beta=as_heads(base.beta), initial_state=initial,
+                    output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    states.index_copy_(0, slot_index, new.view(r, layers, heads, dk, dv).to(states.dtype))
+    committed = convs.index_select(0, slot_index)                                     # [R, L, C, K]
+    src = torch.cat([committed.permute(1, 2, 0, 3).reshape(layers, -1, r * kernel_size),
+                     base.x[:, index].transpose(1, 2).to(convs.dtype)], dim=2)        # [L, C, R * K + T]
+    window = src[:, :, columns]                                                       # [L, C, R * K]
+    convs.index_copy_(0, slot_index, window.view(layers, -1, r, kernel_size).permute(2, 0, 1, 3))
 
 
 def gdn_paths(kernel, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, paths: TreePaths,

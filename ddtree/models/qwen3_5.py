@@ -35,6 +35,7 @@ from ddtree.models.gdn import (
     gdn_state_at,
     gdn_tree,
     parents_from_visibility,
+    replay_batch,
     replay_path,
     tree_paths,
 )
@@ -253,6 +254,25 @@ class HybridCache:
             for slot, chain in pending.items():
                 assert accepted[-1] == chain.last, f"a chunked prefill commits whole: accepted ends at {accepted[-1]}"
                 self.state[slot], self.conv[slot] = chain.state, chain.conv
+
+
+def compact_all(caches: list[HybridCache], starts: list[int], accepted: list[list[int]]) -> None:
+    """HybridCache.compact for several requests of one forward: where every stash is rows of one batch's stash (a
+    TreeBatch forward), the K/V rows of all move at once and their recurrent states and conv windows commit in one
+    replay (gdn.replay_batch); otherwise per request."""
+    stashes = [cache.pending for cache in caches]
+    base = stashes[0].base if isinstance(stashes[0], ReplayStash) else None
+    pool = caches[0].gdn_pool
+    if (len(caches) < 2 or base is None or any(not isinstance(s, ReplayStash) or s.base is not base for s in stashes)
+            or any(c.gdn_pool is not pool or c.kv.pool is not caches[0].kv.pool for c in caches)):
+        for cache, start, rows in zip(caches, starts, accepted):
+            cache.compact(start, rows)
+        return
+    caches[0].kv.pool.move_rows([(cache.kv.slot, start, rows) for cache, start, rows in zip(caches, starts, accepted)])
+    replay_batch(base, [[s.offset + row for row in rows] for s, rows in zip(stashes, accepted)], pool.state, pool.conv,
+                 [cache.slot for cache in caches], step_gdn_kernel(pool.state.device))
+    for cache in caches:
+        cache.pending = None
 
 
 class PooledSlot:
@@ -554,8 +574,7 @@ class HybridTarget(TargetModel):
             if self._committed_whole(seg, x.device):
                 stashes.append(None)
             elif trees is not None:   # a view of the batch's one stash
-                stashes.append(ReplayStash(*(t[:, row : row + seg.length] for t in (
-                    trees.stash.k, trees.stash.v, trees.stash.g, trees.stash.beta, trees.stash.x))))
+                stashes.append(trees.stash.rows(row, seg.length))
             elif layout.paths is not None:
                 stashes.append(ReplayStash.empty(*shape, x.dtype, x.device, key_heads=c.linear_num_key_heads))
             else:

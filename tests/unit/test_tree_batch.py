@@ -1,6 +1,6 @@
 """A forward's trees through our paths kernel in one call per GDN layer (qwen3_5.TreeBatch) against each tree on the
-ancestor-masked form: the same logits and, after each request commits its accepted path, the same recurrent state
-and conv window in every request's slot. Random committed states of unit size in each slot make a wrong slot,
+ancestor-masked form: the same logits and, after the requests commit their accepted paths (one replay for all,
+gdn.replay_batch, against each request's own commit), the same recurrent state and conv window in every slot. Random committed states of unit size in each slot make a wrong slot,
 window or row offset visible (a tiny model's own states are too small to flip greedy tokens)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from ddtree.models.dense import Segment
 from ddtree.models.gdn import reference_recurrent
+from ddtree.models.qwen3_5 import compact_all
 from ddtree.tree import build_tree, top_log_probs
 from tests.triton_interpreter import AVAILABLE, tree_kernel_module
 from tests.unit.test_batching import make_hybrid
@@ -37,12 +38,13 @@ def forward_and_commit(target, caches, slots, starts, parents, ids, positions):
         segments.append(Segment.of(caches[slot], start, visibility, parents=list(tree)))
     with torch.no_grad():
         logits, _ = target.forward_packed(ids, positions, segments)
-        for slot, start, tree in zip(slots, starts, parents):
-            leaf = len(tree) - 1                                      # the accepted path: root .. the last node
-            path = [leaf]
+        accepted = []
+        for tree in parents:
+            path = [len(tree) - 1]                                    # the accepted path: root .. the last node
             while tree[path[-1]] >= 0:
                 path.append(tree[path[-1]])
-            caches[slot].compact(start, path[::-1])
+            accepted.append(path[::-1])
+        compact_all([caches[slot] for slot in slots], starts, accepted)
     pool = caches[0].gdn_pool
     return logits, pool.state.clone(), pool.conv.clone()
 
@@ -74,8 +76,10 @@ def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(tmp_
     monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
     monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: kernel)
     monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
+    replays, replay = [], qwen3_5.replay_batch
+    monkeypatch.setattr(qwen3_5, "replay_batch", lambda base, paths, *a: replays.append(len(paths)) or replay(base, paths, *a))
     batched = run()
-    assert batches == [3]
+    assert batches == [3] and replays == [3], (batches, replays)   # one kernel call per layer, one replay
     for name, got, want in zip(("logits", "states", "conv windows"), batched, masked):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
     assert not torch.equal(masked[1], committed[0]), "the commits moved the states"
