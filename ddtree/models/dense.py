@@ -195,7 +195,7 @@ class PackedAttention:
         keys = pool_k[self.slots, : self.end].transpose(1, 2)                  # [R, kv_heads, E, d]
         values = pool_v[self.slots, : self.end].transpose(1, 2)
         queries = q[self.q_index].transpose(1, 2)                              # [R, heads, Q, d]
-        if grouped_attention_on(q.device, queries.shape[2], keys.shape[2]):   # small trees: see grouped_attention
+        if queries.shape[2] > 1 and grouped_attention_on(q.device):           # trees: see grouped_attention
             out = grouped_attention(queries, keys, values, self.mask, scale)
         else:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,

@@ -133,17 +133,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return fused.rotary(x, cos, sin)
 
 
-# grouped_attention's scores are a float32 product without tensor cores: queries x keys per request up to this
-# (65 rows at 2,048 keys, 17 at ~7,800: at most ~50 us a layer on an H200, a flash kernel's time for 17 rows)
-GROUPED_MAX_QUERY_KEYS = 65 * 2048
-
-
-def grouped_attention_on(device: torch.device, queries: int, keys: int) -> bool:
-    """Whether `queries` rows of a request over `keys` keys attend through grouped_attention: several rows, within
-    GROUPED_MAX_QUERY_KEYS, on CUDA unless DDTREE_GROUPED_ATTENTION=0 (scaled_dot_product_attention); =1: on the CPU
-    too."""
-    if queries < 2 or queries * keys > GROUPED_MAX_QUERY_KEYS:
-        return False
+def grouped_attention_on(device: torch.device) -> bool:
+    """Whether several queries of a request attend through grouped_attention: on CUDA unless DDTREE_GROUPED_ATTENTION=0
+    (scaled_dot_product_attention); =1 on the CPU too."""
     setting = os.environ.get("DDTREE_GROUPED_ATTENTION", "")
     return setting not in ("", "0") or (setting == "" and device.type == "cuda")
 
