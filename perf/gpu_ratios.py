@@ -112,11 +112,6 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         except Exception as exc:   # a diagnostic variant: its failure must not cost the run's other measurements
             errors["static-flapaths"] = f"{type(exc).__name__}: {exc}"
             print(f"fla paths variant failed: {errors['static-flapaths']}", flush=True)
-    if args.device.startswith("cuda"):
-        # trees' attention through scaled_dot_product_attention (a flash kernel) instead of grouped_attention
-        with mock.patch.dict(os.environ, {"DDTREE_GROUPED_ATTENTION": "0"}):
-            verify["static-sdpa"] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
-                                                   args.prompt_len, args.repeats, static=True, profile=(16,))
     if args.device.startswith("cuda") and fused.enabled():
         # the same static forward with the elementwise chains uncompiled (ddtree.models.fused), for comparison
         with mock.patch.dict(os.environ, {"DDTREE_COMPILE": "0"}):
@@ -156,8 +151,6 @@ def table(result: dict) -> str:
              "Static forward (CUDA graphs on CUDA; what the engine serves batch 1 with) unless marked dynamic; "
              "static-masked: small hybrid trees on the ancestor-masked GDN form instead of the paths form; "
              "static-flapaths: the paths form through fla's kernel per request instead of ours (DDTREE_TREE_KERNEL=0); "
-             "static-sdpa: trees' attention through scaled_dot_product_attention instead of grouped_attention "
-             "(DDTREE_GROUPED_ATTENTION=0); "
              "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",

@@ -17,16 +17,7 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.base import TargetModel
-from ddtree.models.layers import (
-    FusedProjections,
-    GatedMLP,
-    RMSNorm,
-    Rotary,
-    apply_rotary,
-    attend,
-    grouped_attention,
-    grouped_attention_on,
-)
+from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -195,11 +186,8 @@ class PackedAttention:
         keys = pool_k[self.slots, : self.end].transpose(1, 2)                  # [R, kv_heads, E, d]
         values = pool_v[self.slots, : self.end].transpose(1, 2)
         queries = q[self.q_index].transpose(1, 2)                              # [R, heads, Q, d]
-        if queries.shape[2] > 1 and grouped_attention_on(q.device):           # trees: see grouped_attention
-            out = grouped_attention(queries, keys, values, self.mask, scale)
-        else:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).flatten(0, 1)[self.out_index]               # [N, heads, d]
 
 

@@ -82,12 +82,6 @@ def fused(fn: Callable) -> Callable:
 
 
 @fused
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scores * scale) over the last dim where mask is True (masked entries 0), in scores' dtype."""
-    return torch.softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)
-
-
-@fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rmsnorm(x), normalised in float32 and rounded to x's dtype before the scale (HF's order)."""
     return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
@@ -195,5 +189,5 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_windows", "enabled",
-           "fused", "gated_rms_norm", "masked_softmax", "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window",
+           "fused", "gated_rms_norm", "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window",
            "sigmoid_gate", "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

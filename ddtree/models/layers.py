@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -131,31 +130,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x  # [..., n, heads, head_dim]; cos, sin  # [..., n, head_dim]"""
     return fused.rotary(x, cos, sin)
-
-
-def grouped_attention_on(device: torch.device) -> bool:
-    """Whether several queries of a request attend through grouped_attention: on CUDA unless DDTREE_GROUPED_ATTENTION=0
-    (scaled_dot_product_attention); =1 on the CPU too."""
-    setting = os.environ.get("DDTREE_GROUPED_ATTENTION", "")
-    return setting not in ("", "0") or (setting == "" and device.type == "cuda")
-
-
-def grouped_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """scaled_dot_product_attention for a few queries (a tree's rows) in three steps: the scores of each K/V head's
-    query heads stacked (one matrix product per K/V head, float32), the masked softmax (fused.masked_softmax), the
-    probabilities (in the values' dtype, as flash attention rounds them) times the values. For 17 queries a flash
-    kernel's 64-row tiles are mostly padding (measured on an H200: ~50 us a layer for 17 rows vs ~9 for one).
-
-    queries  # [R, H, Q, d]; keys, values  # [R, Hkv, E, d] (H a multiple of Hkv; query head h reads K/V head
-    h // (H / Hkv)); mask  # [R, 1, Q, E] bool (True = visible; every query sees a key) -> [R, H, Q, d]."""
-    r, h, q, d = queries.shape
-    hkv = keys.shape[1]
-    group = h // hkv
-    scores = torch.matmul(queries.reshape(r, hkv, group * q, d).float(), keys.float().transpose(-1, -2))
-    probs = fused.masked_softmax(scores.view(r, hkv, group, q, -1), mask[:, :, None], scale)      # [R, Hkv, G, Q, E]
-    out = torch.matmul(probs.to(values.dtype).view(r, hkv, group * q, -1), values)             # [R, Hkv, G*Q, d]
-    return out.view(r, h, q, d)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

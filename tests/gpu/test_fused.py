@@ -86,22 +86,3 @@ def test_engine_with_compiled_chains_decodes_what_eager_decodes(family, tiny_mod
                           device="cuda")
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_COMPILE", config,
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)], seed=5)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_engine_with_grouped_tree_attention_decodes_what_sdpa_decodes(family, tiny_models, monkeypatch, tmp_path):
-    """Greedy tokens (fp32, static forwards with graphs) with trees' attention through layers.grouped_attention (the
-    CUDA default) == through scaled_dot_product_attention (DDTREE_GROUPED_ATTENTION=0)."""
-    from ddtree.config import EngineConfig
-    from tests.gpu.switches import assert_switch_keeps_greedy_tokens
-    from tests.unit.oracle import make_tiny_hybrid
-
-    if family == "hybrid":
-        root, _ = make_tiny_hybrid(tmp_path)
-        target, drafter = root / "target", root / "dflash"
-    else:
-        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
-    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64,
-                          device="cuda")
-    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GROUPED_ATTENTION", config,
-                                      [("dflash", 1), ("ddtree", 16), ("ddtree", 64)], seed=7)

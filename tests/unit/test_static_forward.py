@@ -99,34 +99,6 @@ def test_static_dense_equals_dynamic(tiny_models):
     check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
 
 
-def test_grouped_attention_equals_sdpa():
-    """A tree's attention in three steps (layers.grouped_attention) == scaled_dot_product_attention with GQA."""
-    from ddtree.models.layers import grouped_attention
-
-    gen = torch.Generator().manual_seed(2)
-    r, h, hkv, q, e, d = 3, 6, 2, 5, 11, 8
-    queries = torch.randn(r, h, q, d, generator=gen)
-    keys, values = torch.randn(r, hkv, e, d, generator=gen), torch.randn(r, hkv, e, d, generator=gen)
-    mask = torch.rand(r, 1, q, e, generator=gen) < 0.5
-    mask[..., 0] = True                                    # every query sees a key (PackedAttention's rule)
-    want = torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(grouped_attention(queries, keys, values, mask, 0.3), want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_static_forward_with_grouped_attention_equals_dynamic(family, tiny_models, hybrid, monkeypatch):
-    """The static forward as CUDA serves it (trees through grouped_attention, the default there) against the dynamic
-    one (scaled_dot_product_attention)."""
-    monkeypatch.setenv("DDTREE_GROUPED_ATTENTION", "1")
-    if family == "hybrid":
-        model = HybridTarget.from_pretrained(hybrid[0] / "target")
-        check_static_equals_dynamic(model, model.new_cache(400), model.new_cache(400), model.config.vocab_size, [1, 2])
-    else:
-        model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
-        a, b = model.new_caches(2, 400)
-        check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
-
-
 def test_static_forward_declines_when_the_cache_is_too_short(tiny_models):
     model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
     static = StaticTarget(model, [], GraphPool(torch.device("cpu"), capture=False))
