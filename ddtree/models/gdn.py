@@ -502,10 +502,18 @@ def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tens
         return t[:, index].transpose(0, 1).reshape(1, total, layers * t.shape[2], *t.shape[3:])
 
     k = as_heads(base.k)
-    initial = states.index_select(0, slot_index).reshape(r, layers * heads, dk, dv)
-    _, new = kernel(k, k, as_heads(base.v), g=as_heads(base.g), beta=as_heads(base.beta), initial_state=initial,
-                    output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    states.index_copy_(0, slot_index, new.view(r, layers, heads, dk, dv).to(states.dtype))
+    # slots in a row (the usual case: the engine hands out the lowest free slots) are a view of the pool: no gather
+    # (each request's state is 150 MB at Qwen3.6-27B dims), the same traffic as one replay_path per request
+    run = list(slots) == list(range(slots[0], slots[0] + r))
+    held = states[slots[0] : slots[0] + r] if run else states.index_select(0, slot_index)
+    _, new = kernel(k, k, as_heads(base.v), g=as_heads(base.g), beta=as_heads(base.beta),
+                    initial_state=held.reshape(r, layers * heads, dk, dv), output_final_state=True,
+                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    new = new.view(r, layers, heads, dk, dv).to(states.dtype)
+    if run:
+        held.copy_(new)
+    else:
+        states.index_copy_(0, slot_index, new)
     committed = convs.index_select(0, slot_index)                                     # [R, L, C, K]
     src = torch.cat([committed.permute(1, 2, 0, 3).reshape(layers, -1, r * kernel_size),
                      base.x[:, index].transpose(1, 2).to(convs.dtype)], dim=2)        # [L, C, R * K + T]

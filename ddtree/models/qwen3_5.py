@@ -269,8 +269,9 @@ def compact_all(caches: list[HybridCache], starts: list[int], accepted: list[lis
             cache.compact(start, rows)
         return
     caches[0].kv.pool.move_rows([(cache.kv.slot, start, rows) for cache, start, rows in zip(caches, starts, accepted)])
-    replay_batch(base, [[s.offset + row for row in rows] for s, rows in zip(stashes, accepted)], pool.state, pool.conv,
-                 [cache.slot for cache in caches], step_gdn_kernel(pool.state.device))
+    order = sorted(range(len(caches)), key=lambda i: caches[i].slot)   # by slot: consecutive slots replay in place
+    replay_batch(base, [[stashes[i].offset + row for row in accepted[i]] for i in order], pool.state, pool.conv,
+                 [caches[i].slot for i in order], step_gdn_kernel(pool.state.device))
     for cache in caches:
         cache.pending = None
 

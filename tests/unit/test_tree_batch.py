@@ -49,7 +49,8 @@ def forward_and_commit(target, caches, slots, starts, parents, ids, positions):
     return logits, pool.state.clone(), pool.conv.clone()
 
 
-def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slots", [[3, 0, 4], [2, 1, 0]])   # scattered slots (gathered), a run of slots (a view)
+def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slots, tmp_path, monkeypatch):
     from ddtree.models import qwen3_5
 
     target_path, _ = make_hybrid(tmp_path)
@@ -60,7 +61,7 @@ def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(tmp_
     pool.state.copy_(torch.randn(pool.state.shape, generator=gen))
     pool.conv.copy_(torch.randn(pool.conv.shape, generator=gen))
     committed = pool.state.clone(), pool.conv.clone()
-    slots, starts = [3, 0, 4], [5, 9, 2]
+    starts = [5, 9, 2]
     parents = trees([12, 5, 20], seed=1)
     n = sum(len(p) for p in parents)
     ids = torch.randint(0, 90, (n,), generator=gen)
