@@ -1,7 +1,8 @@
 """A forward's trees through our paths kernel in one call per GDN layer (qwen3_5.TreeBatch) against each tree on the
 ancestor-masked form: the same logits and, after the requests commit their accepted paths (one replay for all,
-gdn.replay_batch, against each request's own commit), the same recurrent state and conv window in every slot. Random committed states of unit size in each slot make a wrong slot,
-window or row offset visible (a tiny model's own states are too small to flip greedy tokens)."""
+gdn.replay_batch, against each request's own commit), the same recurrent state and conv window in every slot.
+Random committed states of unit size in each slot make a wrong slot, window or row offset visible (a tiny
+model's own states are too small to flip greedy tokens)."""
 
 from __future__ import annotations
 
