@@ -36,9 +36,14 @@ DATA = Path(__file__).with_name("data")
 DEFAULT_COST_MODEL = DATA / "cost_model_cpu.json"
 
 
-def default_cost_model(device: str) -> Path:
-    """The measured cost model for the device kind: H200 data on CUDA devices, CPU data otherwise."""
-    return DATA / "cost_model_h200.json" if str(device).startswith("cuda") else DEFAULT_COST_MODEL
+def default_cost_model(device: str, hidden_size: int | None = None, num_layers: int | None = None) -> Path:
+    """The measured cost model for the device kind and target: on CUDA devices H200 data for a target of these
+    dimensions where the project measured one (cost_model_h200_<hidden>x<layers>.json: Qwen3.6-27B, Qwen3-8B, by
+    perf/gpu_ratios.py), else the embedded default's H200 data; CPU data otherwise."""
+    if not str(device).startswith("cuda"):
+        return DEFAULT_COST_MODEL
+    shaped = DATA / f"cost_model_h200_{hidden_size}x{num_layers}.json"
+    return shaped if shaped.is_file() else DATA / "cost_model_h200.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,11 @@ class CostModel:
                    draft_ms=float(data["draft_ms"]), source=data.get("source", str(path)))
 
     def verify(self, rows: int) -> float:
+        """Interpolated between measured points; past the last one, extended along the last segment's slope (never
+        flat: a tree larger than the data must not look as cheap as the largest measured one)."""
+        if rows > self.rows[-1] and len(self.rows) > 1:
+            slope = (self.verify_ms[-1] - self.verify_ms[-2]) / (self.rows[-1] - self.rows[-2])
+            return float(self.verify_ms[-1] + max(slope, 0.0) * (rows - self.rows[-1]))
         return float(np.interp(rows, self.rows, self.verify_ms))
 
 

@@ -120,7 +120,9 @@ class Engine:
         self.running: list[Sequence] = []
         self.stage_times = StageTimes()
         self._num_requests = 0
-        self.cost_model = CostModel.load(config.cost_model_path or default_cost_model(config.device))
+        dims = getattr(self.target, "config", None)
+        self.cost_model = CostModel.load(config.cost_model_path or default_cost_model(
+            config.device, getattr(dims, "hidden_size", None), getattr(dims, "num_hidden_layers", None)))
         self.arm_selector = ArmSelector(parse_arms(config.auto_arms),
                                         chain_nodes=drafter.block_size - 1 if drafter is not None else 15)
         self.graphs = GraphPool(self.device, capture=config.cuda_graphs)

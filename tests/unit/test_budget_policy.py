@@ -257,3 +257,22 @@ def test_a_drafting_round_after_ar_rounds_is_not_its_measure():
         last = arm
     assert chosen["ddtree-16"] > 400 - 40, chosen
     assert selector.rate(0, Arm("ddtree", 16)) == pytest.approx(110.0)
+
+
+def test_default_cost_model_follows_device_and_target_dimensions():
+    """CUDA: the H200 data measured for a target of these dimensions (Qwen3.6-27B: 5120 x 64, Qwen3-8B: 4096 x 36),
+    else the embedded default's; the CPU: CPU data. Past its last point a model extends its last segment (np.interp
+    alone would hold the last value: a tree larger than the data would look as cheap as the largest measured)."""
+    from ddtree.budget import DATA, default_cost_model
+
+    assert default_cost_model("cuda:0", 5120, 64).name == "cost_model_h200_5120x64.json"
+    assert default_cost_model("cuda", 4096, 36).name == "cost_model_h200_4096x36.json"
+    assert default_cost_model("cuda", 576, 30).name == "cost_model_h200.json"
+    assert default_cost_model("cpu", 5120, 64).name == "cost_model_cpu.json"
+    for path in DATA.glob("cost_model_*.json"):
+        model = CostModel.load(path)
+        assert model.rows[0] == 1 and model.rows[-1] >= 256, path.name
+        slope = (model.verify_ms[-1] - model.verify_ms[-2]) / (model.rows[-1] - model.rows[-2])
+        assert model.verify(2 * model.rows[-1]) == pytest.approx(model.verify_ms[-1] + max(slope, 0) * model.rows[-1])
+        if "x" in path.stem.rsplit("_", 1)[-1]:   # the shaped models: measured to 1025 rows, growing with the tree
+            assert model.rows[-1] >= 1025 and model.verify(1025) > 2 * model.verify(1), path.name
