@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -101,28 +102,42 @@ class Outbox:
     """Calls made in order on a thread of their own: the engine thread's responses and metrics. A Triton send or
     metric update is an IPC round trip (~0.7 ms per response measured on the CPU); queued here, it overlaps the
     engine's next round instead of delaying it. FIFO, so each request's responses keep their order and its final
-    response (or error) comes last."""
+    response (or error) comes last.
 
-    def __init__(self) -> None:
+    inline (DDTREE_INLINE_SENDS=1, a diagnostic): every call made at once on the caller's thread (the engine's), no
+    second thread holding the GIL when the engine thread wakes from its GPU waits. Measuring the engine's stage
+    times both ways through Triton (perf/humaneval.py's stage table) tells whether that contention is what makes
+    the stages slower inside the Python backend's stub than in process."""
+
+    def __init__(self, inline: bool = False) -> None:
+        self.inline = inline
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ddtree-outbox", daemon=True)
-        self._thread.start()
+        if not inline:
+            self._thread.start()
 
     def put(self, call, *args) -> None:
-        self._queue.put((call, args))
+        if self.inline:
+            self._call(call, args)
+        else:
+            self._queue.put((call, args))
+
+    @staticmethod
+    def _call(call, args) -> None:
+        try:
+            call(*args)
+        except Exception:   # each call handles its own failures; this keeps the outbox alive regardless
+            logger.exception("outbox call %s failed", getattr(call, "__name__", call))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            call, args = item
-            try:
-                call(*args)
-            except Exception:   # each call handles its own failures; this keeps the outbox alive regardless
-                logger.exception("outbox call %s failed", getattr(call, "__name__", call))
+            self._call(*item)
 
     def close(self, timeout_s: float) -> None:
         """Send what is queued, then stop."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        if not self.inline:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
 
 
 class GenerationService:
@@ -149,7 +164,7 @@ class GenerationService:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[str, Job] = {}   # engine request id (= job key) -> job
         self._stopping = False
-        self._outbox = Outbox()
+        self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"))
         if on_stats is not None:
             on_stats(self.stats)            # gauges start at their values (engine_healthy 1) before any request
         self._worker = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)

@@ -173,14 +173,18 @@ def pick_stop(tokenizer, ids, length: int = 5) -> str:
     raise AssertionError(f"no stop string to pick in {text!r}")
 
 
-@pytest.mark.parametrize("mode", ["ar", "ddtree"])
-def test_service_stops_the_request_at_the_round_that_completes_the_stop_string(engine, tokenizer, mode):
+@pytest.mark.parametrize("mode, inline", [("ar", False), ("ddtree", False), ("ddtree", True)])
+def test_service_stops_the_request_at_the_round_that_completes_the_stop_string(engine, tokenizer, mode, inline,
+                                                                               monkeypatch):
+    """inline: DDTREE_INLINE_SENDS=1, responses sent from the engine thread (no outbox thread): the same stream."""
+    monkeypatch.setenv("DDTREE_INLINE_SENDS", "1" if inline else "0")
     sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": mode, "tree_budget": 8}
     free_ids = engine.generate_ids(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, mode=mode,
                                                           tree_budget=8)).output_ids
     free, stop = decode(tokenizer, free_ids), pick_stop(tokenizer, free_ids)
     expected = free[: free.find(stop)]
     service = GenerationService(engine, tokenizer, max_queue_size=4)
+    assert service._outbox._thread.is_alive() is not inline
     try:
         streamed = serve(service, tokenizer, {**sampling, "stop": ["\u2603", stop]}, stream=True)
         whole = serve(service, tokenizer, {**sampling, "stop": stop}, stream=False)
