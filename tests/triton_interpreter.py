@@ -1,5 +1,5 @@
-"""Our Triton kernels on CPU tensors, through Triton's interpreter (where triton is installed: not in CI's image,
-where fla's trap applies to triton too; the GPU machine runs them compiled)."""
+"""Our Triton kernels on CPU tensors, through Triton's interpreter (triton is in requirements/dev.txt; fla, which
+would make transformers pick its kernels, is not); the GPU machine runs them compiled."""
 
 from __future__ import annotations
 

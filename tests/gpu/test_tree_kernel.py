@@ -1,8 +1,7 @@
 """The tree-paths Triton kernel (ddtree.models.tree_kernel) against the per-node reference recurrence.
 
-On a CUDA machine it runs the compiled kernel; elsewhere, where triton is installed, Triton's interpreter runs it
-on CPU tensors (TRITON_INTERPRET=1, set before the kernel is defined); without triton it is skipped (CI's CPU
-image has none: fla's trap applies to it too).
+On a CUDA machine it runs the compiled kernel; elsewhere Triton's interpreter runs it on CPU tensors
+(tests/triton_interpreter.py; triton is a test requirement, fla is not); without triton it is skipped.
 """
 
 from __future__ import annotations
