@@ -135,6 +135,8 @@ class PackedAttention:
     out_index: torch.Tensor    # [N] flat index into [R * Q] of each packed row
     mask: torch.Tensor         # [R, 1, Q, E] bool
     end: int                   # E: keys gathered per segment
+    in_order: bool = False     # rows are R x Q in request order (a static forward): q_index, out_index are identities
+    fixed_slot: int | None = None   # one request in this cache slot (a program made for it): its K/V read as views
 
     @classmethod
     def plan(cls, caches: list[KVCache], segments: list[Segment]) -> "PackedAttention | None":
@@ -162,10 +164,12 @@ class PackedAttention:
                    out_index=out_index, mask=mask[:, None], end=end)
 
     @classmethod
-    def static(cls, slots: torch.Tensor, starts: torch.Tensor, ancestors: torch.Tensor, end: int) -> "PackedAttention":
+    def static(cls, slots: torch.Tensor, starts: torch.Tensor, ancestors: torch.Tensor, end: int,
+               fixed_slot: int | None = None) -> "PackedAttention":
         """R segments of Q rows each from device tensors only (no host reads: a CUDA graph's static forward):
         slots, starts  # [R] long; ancestors  # [R, Q, Q] bool among each segment's queries (or [Q, Q] for R = 1);
-        keys 0..end-1 of each slot, of which the prefix < its start is visible."""
+        keys 0..end-1 of each slot, of which the prefix < its start is visible. fixed_slot: R = 1 and the program is
+        made for that slot (its K/V then read as views of the pool, no gather per layer)."""
         if ancestors.dim() == 2:
             ancestors = ancestors[None]
         r, q_len, device = ancestors.shape[0], ancestors.shape[1], ancestors.device
@@ -176,19 +180,24 @@ class PackedAttention:
         return cls(slots=slots, write_slot=slots[:, None].expand(r, q_len).flatten(),
                    write_pos=(starts[:, None] + rows).flatten(),
                    q_index=torch.arange(r * q_len, device=device).view(r, q_len),
-                   out_index=torch.arange(r * q_len, device=device), mask=mask[:, None], end=end)
+                   out_index=torch.arange(r * q_len, device=device), mask=mask[:, None], end=end, in_order=True,
+                   fixed_slot=fixed_slot)
 
     def attend(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """pool_k, pool_v  # [slots, max_len, kv_heads, d] of one layer; q  # [N, heads, d]; k, v  # [N, kv_heads, d]"""
         pool_k[self.write_slot, self.write_pos] = k
         pool_v[self.write_slot, self.write_pos] = v
-        keys = pool_k[self.slots, : self.end].transpose(1, 2)                  # [R, kv_heads, E, d]
-        values = pool_v[self.slots, : self.end].transpose(1, 2)
-        queries = q[self.q_index].transpose(1, 2)                              # [R, heads, Q, d]
+        if self.fixed_slot is not None:                                        # views: no copy of the K/V
+            keys, values = (pool[self.fixed_slot, : self.end][None].transpose(1, 2) for pool in (pool_k, pool_v))
+        else:
+            keys = pool_k[self.slots, : self.end].transpose(1, 2)              # [R, kv_heads, E, d]
+            values = pool_v[self.slots, : self.end].transpose(1, 2)
+        r, q_len = self.q_index.shape
+        queries = (q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]).transpose(1, 2)   # [R, heads, Q, d]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2).flatten(0, 1)[self.out_index]               # [N, heads, d]
+                                             enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+        return out.reshape(r * q_len, *out.shape[2:]) if self.in_order else out.flatten(0, 1)[self.out_index]   # [N, heads, d]
 
 
 def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[KVCache], segments: list[Segment],

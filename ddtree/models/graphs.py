@@ -153,7 +153,7 @@ class StaticTarget:
         if self.conv_kernel is not None:
             return self._hybrid(*shape, caches, starts, input_ids, positions, parents)
         reqs, rows, keys = shape
-        key = ("batch", reqs, rows, keys)
+        key = ("batch", reqs, rows, keys)   # one program for every slot (the slots are inputs)
         program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys))
         total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         logits, taps = self.graphs.run(key, program)
@@ -218,8 +218,8 @@ class StaticTarget:
             if any(p is None for p in paths):
                 return None
         # a lone request's program works on its own cache's views (no per-layer gather and scatter of its recurrent
-        # state: ~0.1 ms and 300 MB of a 27B step), so it is made per slot (a lone request mostly holds slot 0); a
-        # batch's program serves every slot (the slots are inputs)
+        # state: ~0.1 ms and 300 MB of a 27B step; its attention reads its K/V as views too), so it is made per slot
+        # (a lone request mostly holds slot 0); a batch's program serves every slot (the slots are inputs)
         key = ("target", reqs, rows, keys, num_paths) + ((caches[0].slot,) if reqs == 1 else ())
         program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths))
         total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
@@ -255,7 +255,8 @@ class StaticTarget:
                                           paths=tree))
                 handle = cache if reqs == 1 else PooledSlot(cache, slots[r : r + 1])
                 segments.append(Segment(cache=handle, start=-1, length=rows, mask=ancestors[r]))   # start, mask: the plan's
-            plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys), layouts)
+            plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys,
+                                                      fixed_slot=cache.kv.slot if reqs == 1 else None), layouts)
             logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers or None, logit_rows=out,
                                                       plan=plan)
             stashes = [seg.cache.pending for seg in segments]
