@@ -323,15 +323,19 @@ class TritonServer:
             return ""
 
     def is_ready(self) -> bool:
+        """/v2/health/ready answers 200 and the metrics endpoint answers too (it can come up a moment after HTTP:
+        a test reading a gauge right after start-up found it refusing connections)."""
         try:
-            url = f"http://{self.http_url}/v2/health/ready"
-            with _NO_PROXY.open(url, timeout=2) as r:
+            with _NO_PROXY.open(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                if r.status != 200:
+                    return False
+            with _NO_PROXY.open(self.metrics_url, timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
 
     def wait_ready(self, timeout_s: float = 120.0) -> Self:
-        """Poll /v2/health/ready until 200; raise with the log's tail if the server exits or time runs out."""
+        """Poll until is_ready(); raise with the log's tail if the server exits or time runs out."""
         if self.process is None:
             raise RuntimeError("start() first")
         deadline = time.monotonic() + timeout_s
