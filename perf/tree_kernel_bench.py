@@ -143,7 +143,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen36-27b", choices=sorted(DIMS))
-    parser.add_argument("--budgets", default="16,32")
+    parser.add_argument("--budgets", default="16,32,64")
     parser.add_argument("--requests", default="1,4,8")
     parser.add_argument("--peaks", default="peaked=8,flat=1", help="tree kinds: name=logit scale")
     parser.add_argument("--configs", default="8x1x1,8x1x2,8x1x3,16x1x2,16x2x2,32x2x2,32x4x2,32x4x1")
