@@ -442,6 +442,11 @@ class ReplayStash:
     base: "ReplayStash | None" = None   # a batch's stash of which this one is rows offset.. (replay_batch)
     offset: int = 0
 
+    def put(self, layer: int, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, x: Tensor) -> None:
+        """Stash one GDN layer's inputs of every row."""
+        for buffer, value in ((self.k, k), (self.v, v), (self.g, g), (self.beta, beta), (self.x, x)):
+            buffer[layer].copy_(value)
+
     def rows(self, offset: int, n: int) -> "ReplayStash":
         """A view of rows offset..offset+n (one request's of a batch's stash)."""
         return ReplayStash(*(t[:, offset : offset + n] for t in (self.k, self.v, self.g, self.beta, self.x)),
@@ -459,27 +464,15 @@ class ReplayStash:
 
 def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Tensor, kernel) -> None:
     """Commit the root path `path` of every layer in place (as commit_path does for a TreeStash): one call of the
-    chain kernel (fla's fused recurrent interface) with the L layers' HV heads as L * HV heads of one sequence."""
-    if not path:
-        return
-    index = torch.tensor(list(path), dtype=torch.long, device=stash.k.device)   # [P]
-    layers, _, heads, dv = stash.v.shape
-    dk, p = stash.k.shape[-1], index.shape[0]
-
-    def as_heads(t: Tensor) -> Tensor:   # [L, N, heads, ...] -> [1, P, L * heads, ...] (layer-major, as GVA groups)
-        return t[:, index].transpose(0, 1).reshape(1, p, layers * t.shape[2], *t.shape[3:])
-
-    k = as_heads(stash.k)
-    _, new = kernel(k, k, as_heads(stash.v), g=as_heads(stash.g), beta=as_heads(stash.beta),
-                    initial_state=state.reshape(1, layers * heads, dk, dv).float().contiguous(),
-                    output_final_state=True, use_qk_l2norm_in_kernel=True)
-    state.copy_(new.view(layers, heads, dk, dv))
-    _commit_conv(stash.x, index, conv)
+    chain kernel (fla's fused recurrent interface) with the L layers' HV heads as L * HV heads of one sequence
+    (replay_batch for one request: state  # [L, HV, dk, dv], conv  # [L, C, K])."""
+    if path:
+        replay_batch(stash, [path], state[None], conv[None], [0], kernel)
 
 
 def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tensor, convs: Tensor, slots: Sequence[int],
                  kernel) -> None:
-    """replay_path for R requests whose stashes are rows of one batch's stash `base` (paths: each request's accepted
+    """Commit R requests' accepted paths whose stashes are rows of one stash `base` (paths: each request's accepted
     path as rows of `base`, root first): one call of the chain kernel for all of them (one varlen sequence per
     request, all layers as heads), their states gathered from and scattered back to the pool (states  # [slots, L,
     HV, dk, dv]), and every conv window [slots, L, C, K] rebuilt by one gather from [committed windows; path rows]."""
@@ -507,7 +500,7 @@ def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tens
     run = list(slots) == list(range(slots[0], slots[0] + r))
     held = states[slots[0] : slots[0] + r] if run else states.index_select(0, slot_index)
     _, new = kernel(k, k, as_heads(base.v), g=as_heads(base.g), beta=as_heads(base.beta),
-                    initial_state=held.reshape(r, layers * heads, dk, dv), output_final_state=True,
+                    initial_state=held.reshape(r, layers * heads, dk, dv).float(), output_final_state=True,
                     use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     new = new.view(r, layers, heads, dk, dv).to(states.dtype)
     if run:

@@ -211,8 +211,8 @@ class StaticTarget:
         request's commit stash goes to its cache (compact() commits from it)."""
         paths, num_paths = [], 0
         if self.uses_paths(rows, self.graphs.device):
-            # the paths form: each tree's root-to-leaf paths (padding rows take none), their count to a bucket (each
-            # path costs a copy of the committed state per layer); padding requests have none
+            # the paths form: each tree's root-to-leaf paths (padding rows take none), their count to a bucket (a
+            # program per bucket); padding requests have none
             num_paths = row_bucket(max(len(leaves(p)) for p in parents))
             paths = [tree_paths(p, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows) for p in parents]
             if any(p is None for p in paths):

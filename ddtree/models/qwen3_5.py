@@ -391,8 +391,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             cache.pending[slot] = CommittedState(state=new_state, conv=conv_state, last=n - 1)
         elif layout.paths is not None:   # the paths form through fla (ours runs in _trees); the commit replays the path
             o = gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, state)
-            for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
-                buffer[slot].copy_(value)
+            stash.put(slot, k, v, g, beta, mixed)
         else:
             o, _ = gdn_tree(*value_heads(q, k, v.shape[1]), v, g, beta, None, state, ancestors=layout.ancestors,
                             out=stash.layer(slot))
@@ -409,9 +408,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         committed = conv_states.permute(1, 0, 2).reshape(channels, -1)                 # [C, R * K]: column r * K + i
         q, k, v = self._heads(fused.conv_windows(mixed, committed, self.conv_weight(self.conv1d.weight), trees.window))
         o = trees.kernel(q, k, v, g, beta, trees.tokens, trees.first, trees.last, pool.state[:, slot], trees.path_state)
-        stash = trees.stash
-        for buffer, value in ((stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta), (stash.x, mixed)):
-            buffer[slot].copy_(value)
+        trees.stash.put(slot, k, v, g, beta, mixed)
         return o
 
     def _steps(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment],
