@@ -247,13 +247,26 @@ def test_overload_is_a_quick_clear_error(server):
 
 
 def one_chaotic_request(server, i: int, rng_seed: int) -> str:
-    """Finish, cancel after the first response, or drop the connection, at random."""
+    """Finish, cancel after the first response, or drop the connection, at random.
+
+    A refusal ("overloaded": dropped streams still hold slots until the server notices them) is retried the way a
+    client backs off, so every drawn action runs; the actions drawn are fixed by the seed, whatever the timing.
+    """
     import random
 
     rng = random.Random(rng_seed)
     action = rng.choice(["finish", "cancel", "disconnect"])
     sampling = {"max_tokens": rng.randint(6, 40), "temperature": rng.choice([0, 0.8]), "seed": i, "ignore_eos": True,
                 "mode": rng.choice(["ar", "dflash", "ddtree"]), "tree_budget": rng.choice([4, 16])}
+    deadline = time.time() + 120
+    while True:
+        outcome = chaotic_attempt(server, i, action, sampling)
+        if outcome != "overloaded" or time.time() > deadline:
+            return outcome
+        time.sleep(0.2)
+
+
+def chaotic_attempt(server, i: int, action: str, sampling: dict) -> str:
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
