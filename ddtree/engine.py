@@ -360,10 +360,15 @@ class Engine:
         keep = [i for i, seq in enumerate(seqs) if seq.request.params.mode != "ar"]
         if taps is None or not keep:
             return
-        index = torch.tensor([starts[i] + r for i in keep for r in accepted[i]], device=self.device)
-        for i, new_taps in zip(keep, taps[index].split([len(accepted[i]) for i in keep])):
-            seq = seqs[i]
-            seq.pending_taps.append(new_taps)
+        rows = [starts[i] + r for i in keep for r in accepted[i]]
+        if rows[-1] - rows[0] == len(rows) - 1 and len(rows) == len(keep):
+            # one row each, in order (a round where nobody drafted, e.g. `auto` on `ar`): a slice copied out of the
+            # verify's outputs (static buffers on CUDA), no index built on the host and sent to the device
+            kept = taps[rows[0] : rows[-1] + 1].clone().split(1)
+        else:
+            kept = taps[torch.tensor(rows, device=self.device)].split([len(accepted[i]) for i in keep])
+        for i, new_taps in zip(keep, kept):
+            seqs[i].pending_taps.append(new_taps)
 
     def _advance(self, seq: Sequence, tree: DraftTree, acceptance) -> RequestOutput:
         new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
