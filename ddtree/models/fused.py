@@ -158,12 +158,30 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, decay_rate: torch.Tensor, dt_bia
 
 
 @fused
+def gdn_gates_into(b: torch.Tensor, a: torch.Tensor, decay_rate: torch.Tensor, dt_bias: torch.Tensor,
+                   beta_out: torch.Tensor, g_out: torch.Tensor) -> None:
+    """gdn_gates written into beta_out and g_out (a tree batch's commit stash, as conv_windows_into)."""
+    beta, g = gdn_gates.eager(b, a, decay_rate, dt_bias)
+    beta_out.copy_(beta)
+    g_out.copy_(g)
+
+
+@fused
 def conv_windows(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + SiLU over each node's window (ddtree.models.gdn.conv_tree, which checks the shapes):
     x  # [N, C]; conv_state, weight  # [C, K]; window  # [N, K] indices into cat(conv_state.T, x)."""
     dtype = compute_dtype(x)
     src = torch.cat([conv_state.transpose(0, 1).to(dtype), x.to(dtype)])
     return _conv_silu(src[window], weight, x.dtype)
+
+
+@fused
+def conv_windows_into(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
+                      out: torch.Tensor, x_out: torch.Tensor) -> None:
+    """conv_windows written into out [N, C'] (C' = C), and x copied into x_out [N, C]: a tree batch's commit stash
+    (ddtree.models.gdn.ReplayStash) filled by the conv's own kernel instead of copies after it."""
+    out.copy_(conv_windows.eager(x, conv_state, weight, window))
+    x_out.copy_(x)
 
 
 @fused
@@ -188,6 +206,6 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
 
 
-__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_windows", "enabled",
-           "fused", "gated_rms_norm", "gdn_gates", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window",
+__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_windows", "conv_windows_into",
+           "enabled", "fused", "gated_rms_norm", "gdn_gates", "gdn_gates_into", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window",
            "sigmoid_gate", "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

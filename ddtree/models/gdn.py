@@ -433,33 +433,50 @@ def _commit_conv(x: Tensor, index: Tensor, conv: Tensor) -> None:
 @dataclass(slots=True)
 class ReplayStash:
     """The paths form's stash: every GDN layer's inputs of every node of one forward, from which the accepted path
-    is committed by running the chain kernel over it once, all layers at once (layers as heads: replay_path)."""
-    k: Tensor      # [L, N, H, dk] raw keys (the kernel normalises them; H key heads, H divides HV)
-    v: Tensor      # [L, N, HV, dv]
+    is committed by running the chain kernel over it once, all layers at once (layers as heads: replay_path).
+    Keys and values are kept as the conv's whole output (q, k, v of a row side by side, as the layer computes it),
+    so that a forward can have the conv write into the stash instead of copying k and v there after it."""
+    qkv: Tensor    # [L, N, 2 * H * dk + HV * dv] conv outputs: q, k (H key heads, H divides HV), v (HV value heads)
     g: Tensor      # [L, N, HV] float32 log decays
     beta: Tensor   # [L, N, HV]
     x: Tensor      # [L, N, C] pre-conv inputs
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
     base: "ReplayStash | None" = None   # a batch's stash of which this one is rows offset.. (replay_batch)
     offset: int = 0
 
-    def put(self, layer: int, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, x: Tensor) -> None:
-        """Stash one GDN layer's inputs of every row."""
-        for buffer, value in ((self.k, k), (self.v, v), (self.g, g), (self.beta, beta), (self.x, x)):
+    @property
+    def k(self) -> Tensor:
+        """[L, N, H, dk] raw keys (a view; the kernel normalises them)."""
+        width = self.key_heads * self.key_dim
+        return self.qkv[..., width : 2 * width].unflatten(-1, (self.key_heads, self.key_dim))
+
+    @property
+    def v(self) -> Tensor:
+        """[L, N, HV, dv] values (a view)."""
+        return self.qkv[..., 2 * self.key_heads * self.key_dim :].unflatten(-1, (self.value_heads, self.value_dim))
+
+    def put(self, layer: int, qkv: Tensor, g: Tensor, beta: Tensor, x: Tensor) -> None:
+        """Stash one GDN layer's inputs of every row (qkv: the conv's output [N, 2 * H * dk + HV * dv])."""
+        for buffer, value in ((self.qkv, qkv), (self.g, g), (self.beta, beta), (self.x, x)):
             buffer[layer].copy_(value)
 
     def rows(self, offset: int, n: int) -> "ReplayStash":
         """A view of rows offset..offset+n (one request's of a batch's stash)."""
-        return ReplayStash(*(t[:, offset : offset + n] for t in (self.k, self.v, self.g, self.beta, self.x)),
-                           base=self, offset=offset)
+        return ReplayStash(*(t[:, offset : offset + n] for t in (self.qkv, self.g, self.beta, self.x)),
+                           self.key_heads, self.key_dim, self.value_heads, self.value_dim, base=self, offset=offset)
 
     @classmethod
     def empty(cls, layers: int, n: int, heads: int, key_dim: int, value_dim: int, channels: int,
               dtype: torch.dtype, device: torch.device, key_heads: int | None = None) -> "ReplayStash":
-        return cls(k=torch.empty(layers, n, key_heads or heads, key_dim, dtype=dtype, device=device),
-                   v=torch.empty(layers, n, heads, value_dim, dtype=dtype, device=device),
+        key_heads = key_heads or heads
+        return cls(qkv=torch.empty(layers, n, 2 * key_heads * key_dim + heads * value_dim, dtype=dtype, device=device),
                    g=torch.empty(layers, n, heads, dtype=torch.float32, device=device),
                    beta=torch.empty(layers, n, heads, dtype=dtype, device=device),
-                   x=torch.empty(layers, n, channels, dtype=dtype, device=device))
+                   x=torch.empty(layers, n, channels, dtype=dtype, device=device),
+                   key_heads=key_heads, key_dim=key_dim, value_heads=heads, value_dim=value_dim)
 
 
 def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Tensor, kernel) -> None:

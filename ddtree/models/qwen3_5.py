@@ -358,21 +358,28 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         c, n = self.c, x.shape[0]
         hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
-        beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
-        pools = {id(seg.cache.gdn_pool) for seg in segments}
-        if trees is not None:
+        if trees is not None:   # the gates go straight into the batch's commit stash (no copies after them)
+            beta, g = trees.stash.beta[slot], trees.stash.g[slot]
+            fused.gdn_gates_into(b, a, self.decay_rate(self.A_log), self.dt_bias, beta, g)
             o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees)
-        elif len(segments) > 1 and n == len(segments) and all(s is None for s in stashes) and len(pools) == 1:
-            o = self._steps(mixed, g, beta, segments, slot)       # a batch of `ar` steps: one pass for all of them
         else:
-            outputs, row = [], 0
-            for seg, layout, stash in zip(segments, layouts, stashes):
-                rows = slice(row, row + seg.length)
-                outputs.append(self._core(mixed[rows], g[rows], beta[rows], seg.cache, slot, layout, stash))
-                row += seg.length
-            o = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
+            o = self._sequences(mixed, g, beta, segments, slot, layouts, stashes)
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
+
+    def _sequences(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment], slot: int,
+                   layouts: list[TreeLayout], stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
+        """A batch of `ar` steps in one pass (`_steps`), else each sequence from its own committed state (`_core`)."""
+        one_pool = len({id(seg.cache.gdn_pool) for seg in segments}) == 1
+        if len(segments) > 1 and mixed.shape[0] == len(segments) and all(s is None for s in stashes) and one_pool:
+            return self._steps(mixed, g, beta, segments, slot)
+        outputs, row = [], 0
+        for seg, layout, stash in zip(segments, layouts, stashes):
+            rows = slice(row, row + seg.length)
+            outputs.append(self._core(mixed[rows], g[rows], beta[rows], seg.cache, slot, layout, stash))
+            row += seg.length
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _core(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, cache: HybridCache, slot: int,
               layout: TreeLayout, stash: TreeStash | ReplayStash | None) -> torch.Tensor:
@@ -381,7 +388,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         here) or a long prompt (run in chunks; committed by compact)."""
         n = mixed.shape[0]
         window, state = cache.gdn_state(slot)                               # committed conv window and state
-        q, k, v = self._heads(conv_tree(mixed, None, window, self.conv_weight(self.conv1d.weight), window=layout.window))
+        conv = conv_tree(mixed, None, window, self.conv_weight(self.conv1d.weight), window=layout.window)
+        q, k, v = self._heads(conv)
         if stash is None and n == 1:
             o, new_state = self._step(q, k, v, g, beta, state)
             cache.commit_step(slot, fused.shifted_window(window, mixed), new_state)
@@ -391,7 +399,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             cache.pending[slot] = CommittedState(state=new_state, conv=conv_state, last=n - 1)
         elif layout.paths is not None:   # the paths form through fla (ours runs in _trees); the commit replays the path
             o = gdn_paths(step_gdn_kernel(q.device), q, k, v, g, beta, layout.paths, state)
-            stash.put(slot, k, v, g, beta, mixed)
+            stash.put(slot, conv, g, beta, mixed)
         else:
             o, _ = gdn_tree(*value_heads(q, k, v.shape[1]), v, g, beta, None, state, ancestors=layout.ancestors,
                             out=stash.layer(slot))
@@ -401,15 +409,16 @@ class GatedDeltaNet(FusedProjections, nn.Module):
     def _trees(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: "RecurrentPool", slot: int,
                trees: TreeBatch) -> torch.Tensor:
         """Every tree of the forward at GDN layer `slot` (TreeBatch): one conv over all rows (each window into its own
-        request's committed one), one call of our paths kernel (each path from its slot's state, read in place), one
-        copy of each stash buffer. The same values as `_core` computes for each tree alone."""
+        request's committed one) that writes its output and its inputs into the batch's commit stash (g and beta are
+        there already: forward), one call of our paths kernel (each path from its slot's state, read in place). The
+        same values as `_core` computes for each tree alone."""
         conv_states = pool.conv[:, slot].index_select(0, trees.slots)                  # [R, C, K]
         channels = conv_states.shape[1]
         committed = conv_states.permute(1, 0, 2).reshape(channels, -1)                 # [C, R * K]: column r * K + i
-        q, k, v = self._heads(fused.conv_windows(mixed, committed, self.conv_weight(self.conv1d.weight), trees.window))
-        o = trees.kernel(q, k, v, g, beta, trees.tokens, trees.first, trees.last, pool.state[:, slot], trees.path_state)
-        trees.stash.put(slot, k, v, g, beta, mixed)
-        return o
+        qkv = trees.stash.qkv[slot]
+        fused.conv_windows_into(mixed, committed, self.conv_weight(self.conv1d.weight), trees.window, qkv, trees.stash.x[slot])
+        q, k, v = self._heads(qkv)
+        return trees.kernel(q, k, v, g, beta, trees.tokens, trees.first, trees.last, pool.state[:, slot], trees.path_state)
 
     def _steps(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment],
                slot: int) -> torch.Tensor:
