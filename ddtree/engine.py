@@ -49,6 +49,8 @@ class StageTimes:
     verify: float = 0.0          # packed target verify passes
     verify_gpu: float = 0.0      # CUDA: GPU timeline from the verify's start to its last kernel (verify - this: the
     #                              host's wake-up after the GPU finished, e.g. waiting for the GIL)
+    draft_gpu: float = 0.0       # CUDA: GPU timeline of the draft stage's device work (drafter pass to the top-k read)
+    commit_gpu: float = 0.0      # CUDA: GPU timeline from the verify's end to the commit's last kernel
     commit: float = 0.0          # acceptance walks and commits
     decode: float = 0.0          # whole decoding rounds: draft, tree_build, verify, commit and the glue between
     batch_rounds: int = 0        # decoding rounds of the whole batch
@@ -132,8 +134,11 @@ class Engine:
         self.auto_calibration = 1.0
         self.auto_backoff = 1
         self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
-        self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                        if self.device.type == "cuda" else None)   # around each verify (StageTimes.verify_gpu)
+        # CUDA: events at the stage bounds of a round (StageTimes.draft_gpu, verify_gpu, commit_gpu): where the
+        # device work of a stage, not its host time, is the cost
+        self._events = ({name: torch.cuda.Event(enable_timing=True) for name in ("draft", "drafted", "verify", "verified",
+                                                                                "committed")}
+                        if self.device.type == "cuda" else None)
 
     @property
     def cache(self):
@@ -285,14 +290,14 @@ class Engine:
         """One target pass over the requests' trees, then each one's acceptance walk and commit."""
         times, t_verify = self.stage_times, time.perf_counter()
         if self._events is not None:
-            self._events[0].record()
+            self._events["verify"].record()
         logits, taps = self._verify(seqs, trees, batches)
         if self._events is not None:
-            self._events[1].record()
+            self._events["verified"].record()
         self._sync()
         t_commit = time.perf_counter()
         if self._events is not None:
-            times.verify_gpu += self._events[0].elapsed_time(self._events[1]) / 1e3
+            times.verify_gpu += self._events["verify"].elapsed_time(self._events["verified"]) / 1e3
         # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
         # suppress tokens are recomputed per request)
         choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None
@@ -305,7 +310,11 @@ class Engine:
         self._commit_caches(seqs, [a.accepted for a in accepted])
         self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
         outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
+        if self._events is not None:
+            self._events["committed"].record()
         self._sync()
+        if self._events is not None:
+            times.commit_gpu += self._events["verified"].elapsed_time(self._events["committed"]) / 1e3
         times.verify += t_commit - t_verify
         times.commit += time.perf_counter() - t_commit
         return outputs
@@ -383,6 +392,8 @@ class Engine:
         if not drafting:
             return trees
         t0 = time.perf_counter()
+        if self._events is not None:
+            self._events["draft"].record()
         self.stage_times.draft_passes += 1
         drafter, block = self.drafter, self.drafter.block_size
         caches = [self.draft_caches[seqs[i].slot] for i in drafting]
@@ -406,6 +417,10 @@ class Engine:
         k = max(1 if chain else budget for chain, budget in plans.values())
         log_probs, token_ids = top_log_probs(draft_logits, k)                  # [R, depth, k] on the host (a sync)
         t1 = time.perf_counter()
+        if self._events is not None:   # recorded after the read: the GPU is idle, the event completes at once
+            self._events["drafted"].record()
+            self._events["drafted"].synchronize()
+            self.stage_times.draft_gpu += self._events["draft"].elapsed_time(self._events["drafted"]) / 1e3
         for j, i in enumerate(drafting):
             (chain, budget), d = plans[i], min(seqs[i].depth_limit, depth)
             if chain:

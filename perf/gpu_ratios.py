@@ -146,6 +146,12 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
             "verify": verify, "rounds": rounds, "batched": batched, "ratios": ratios, "errors": errors}
 
 
+def stage(entry: dict, name: str) -> str:
+    """A stage's host ms, with its GPU timeline in parentheses where measured (CUDA)."""
+    gpu = entry.get(f"{name}_gpu_ms", 0.0)
+    return f"{entry[f'{name}_ms']:.1f}" + (f" ({gpu:.1f})" if gpu else "")
+
+
 def table(result: dict) -> str:
     lines = [f"copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s (bytes read + written, measured in this run)", "",
              "Static forward (CUDA graphs on CUDA; what the engine serves batch 1 with) unless marked dynamic; "
@@ -172,9 +178,10 @@ def table(result: dict) -> str:
                   "GPU idle |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for forward, rounds in r["rounds"].items():
             for name, e in rounds.items():
-                lines.append(f"| {forward} | {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {e['draft_ms']:.1f} | "
-                             f"{e['tree_build_ms']:.1f} | {e['verify_ms']:.1f} | {e['commit_ms']:.1f} | {e['host_share']:.0%} | "
+                lines.append(f"| {forward} | {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {stage(e, 'draft')} | "
+                             f"{e['tree_build_ms']:.1f} | {stage(e, 'verify')} | {stage(e, 'commit')} | {e['host_share']:.0%} | "
                              f"{e.get('device_ms', float('nan')):.1f} | {e.get('gpu_idle_share', float('nan')):.0%} |")
+        lines += ["", "(draft, verify, commit: host time (the stage's GPU timeline, CUDA events at its bounds))"]
         if r.get("batched"):
             sizes = list(next(iter(r["batched"].values())))
             lines += ["", f"{shape}: R concurrent requests, whole rounds (static forwards): ms per round / tokens per s",

@@ -222,7 +222,8 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
 def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
                    prompt_len: int, rounds: int, static_forward: str = "auto") -> dict:
     """Whole engine rounds at batch 1: ar, dflash and ddtree at each budget (random drafter: ~1 token a round,
-    so every round drafts and verifies a full tree). Stage times come from the engine's own counters.
+    so every round drafts and verifies a full tree). Stage times come from the engine's own counters (host times,
+    and on CUDA the GPU timelines of the draft, verify and commit stages: *_gpu_ms).
     static_forward: the engine's setting (auto: static forwards captured as CUDA graphs on CUDA)."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
                           max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets),
@@ -233,12 +234,12 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
     for mode, budget in [("ar", 1), ("dflash", 1)] + [("ddtree", b) for b in budgets]:
         params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds + 1, ignore_eos=True)   # +1: the prefill token
         engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
-        before = {k: getattr(engine.stage_times, k) for k in ("draft", "tree_build", "verify", "commit", "decode",
-                                                             "batch_rounds")}
+        stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
+        before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds",)}
         engine.generate_ids(prompt, params)
         t = engine.stage_times
         n = t.batch_rounds - before["batch_rounds"]
-        entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in ("draft", "tree_build", "verify", "commit", "decode")}
+        entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
         entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
         entry["rounds"] = n
         if device.startswith("cuda") and static_forward != "off":

@@ -66,6 +66,11 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
         expected = plain.generate_ids(prompt, params).output_ids
         assert graphed.generate_ids(prompt, params).output_ids == expected, f"{family} {mode}-{budget}"
     assert captured(graphed.static_target) >= 3       # target and drafter programs, captured and replayed
+    # the stages' GPU timelines (CUDA events at their bounds) were measured, each within the stage's host time
+    t = graphed.stage_times
+    for stage in ("draft", "verify", "commit"):
+        gpu, host = getattr(t, f"{stage}_gpu"), getattr(t, stage)
+        assert 0 < gpu <= host * 1.05 + 1e-3, (stage, gpu, host)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
