@@ -153,8 +153,12 @@ class StaticTarget:
         if self.conv_kernel is not None:
             return self._hybrid(*shape, caches, starts, input_ids, positions, parents)
         reqs, rows, keys = shape
-        key = ("batch", reqs, rows, keys)   # one program for every slot (the slots are inputs)
-        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys))
+        # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
+        # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
+        # each at Qwen3-8B dims and 512 keys), as a hybrid target's (a lone request mostly holds slot 0)
+        fixed_slot = caches[0].slot if reqs == 1 else None
+        key = ("batch", reqs, rows, keys) + ((fixed_slot,) if reqs == 1 else ())
+        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot))
         total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         logits, taps = self.graphs.run(key, program)
         return logits[:total], None if taps is None else taps[:total]
@@ -189,14 +193,14 @@ class StaticTarget:
             row += size
         return row, rest
 
-    def _make_batch(self, cache, reqs: int, rows: int, keys: int) -> Program:
+    def _make_batch(self, cache, reqs: int, rows: int, keys: int, fixed_slot: int | None = None) -> Program:
         n = reqs * rows
         host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs)
 
         def body():
             ids, positions, parents, starts, slots, out = inputs.split([n, n, n, reqs, reqs, n])
             ancestors = ancestors_from_parents(parents.view(reqs, rows))          # [R, Q, Q]
-            plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys))
+            plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys, fixed_slot=fixed_slot))
             segment = Segment(cache=cache, start=-1, length=n, mask=ancestors)   # the pool is all a dense forward reads
             logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None,
                                                       logit_rows=out, plan=plan)

@@ -217,3 +217,26 @@ def test_a_lone_request_in_another_slot_reads_its_own_cache(hybrid):
         assert second.output_ids == alone, f"{mode}-{budget}"
     lone_slots = {key[-1] for key in engine.graphs.programs if key[0] == "target" and key[1] == 1}
     assert 1 in lone_slots, engine.graphs.programs.keys()   # the second request ran alone in slot 1
+
+
+def test_a_dense_lone_request_in_another_slot_reads_its_own_cache(tiny_models):
+    """The same for a dense target: a lone request's program is made for its slot (its K/V read as views of the
+    pool): a request left alone in slot 1 decodes what it decodes alone in slot 0 (reading slot 0's K/V fails it)."""
+    from ddtree.engine import Engine
+    from ddtree.request import Request
+
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                                 max_model_len=160, max_tree_budget=16, static_forward="on", max_num_seqs=2))
+    prompt, other = list(range(3, 30)), [5, 9, 17, 33, 2, 71]
+    for mode, budget in [("ar", 1), ("ddtree", 8)]:
+        params = SamplingParams(max_tokens=24, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
+        alone = engine.generate_ids(prompt, params).output_ids
+        first = Request(request_id="first", prompt_ids=other, params=SamplingParams(max_tokens=2, ignore_eos=True))
+        second = Request(request_id="second", prompt_ids=prompt, params=params)
+        engine.add(first)
+        engine.add(second)
+        while engine.has_work:
+            engine.step()
+        assert second.output_ids == alone, f"{mode}-{budget}"
+    lone_slots = {key[-1] for key in engine.graphs.programs if key[0] == "batch" and key[1] == 1}
+    assert lone_slots == {0, 1}, engine.graphs.programs.keys()   # the second request ran alone in slot 1
