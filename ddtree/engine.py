@@ -58,6 +58,7 @@ class StageTimes:
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
     draft_passes: int = 0        # packed drafter passes
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
+    auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran
 
     @property
     def host(self) -> float:
@@ -270,6 +271,7 @@ class Engine:
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
             self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start)
+            times.auto_arm_rounds[self.arm.name] = times.auto_arm_rounds.get(self.arm.name, 0) + 1
         self._round_end = now
         times.decode += now - t_round
         times.batch_rounds += 1

@@ -66,6 +66,7 @@ class ServiceStats:
     host_seconds: float = 0.0        # decoding round time outside the drafter and target passes
     serve_seconds: float = 0.0       # engine-thread time outside engine steps: streaming, cancellation checks, metrics
     acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a round -> rounds
+    auto_arm_rounds: dict[str, int] = field(default_factory=dict)        # mode auto: batch rounds per arm it ran
     engine_healthy: int = 1          # 0 after a fatal engine error: the instance answers UNAVAILABLE from then on
 
 
@@ -240,6 +241,7 @@ class GenerationService:
         self.stats.verify_gpu_seconds = times.verify_gpu
         self.stats.host_seconds = times.host
         self.stats.acceptance_histogram = dict(times.acceptance_histogram)
+        self.stats.auto_arm_rounds = dict(times.auto_arm_rounds)
         # publishing costs one IPC call per changed metric in Triton (several per round): at most every
         # METRICS_INTERVAL_S while the engine works, and always once it is idle (scrapes then see final values)
         now = time.monotonic()
@@ -247,8 +249,9 @@ class GenerationService:
                                           or self.fatal_error is not None):
             self._last_published = now
             # a snapshot: the engine thread goes on changing the stats while the outbox publishes them
-            self._outbox.put(self.on_stats, dataclasses.replace(self.stats, acceptance_histogram=dict(
-                self.stats.acceptance_histogram)))
+            self._outbox.put(self.on_stats, dataclasses.replace(
+                self.stats, acceptance_histogram=dict(self.stats.acceptance_histogram),
+                auto_arm_rounds=dict(self.stats.auto_arm_rounds)))
 
     def _loop(self) -> None:
         try:

@@ -130,9 +130,14 @@ class TritonMetrics:
                 ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"))
     HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),)
     BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]}}
+    # counters with one series per key of a {key: count} field, the key as the label `label`
+    KEYED_COUNTERS = (("ddtree_auto_arm_rounds_total", "auto_arm_rounds", "arm",
+                       "Batch rounds of mode auto per arm it ran (ar, dflash, ddtree-<budget>, policy)"),)
 
-    def __init__(self, pb_utils, lock, labels: dict[str, str]) -> None:
+    def __init__(self, pb_utils, lock, labels: dict[str, str], keys: dict[str, list[str]] | None = None) -> None:
+        """keys: the label values of each keyed counter's field (e.g. {"auto_arm_rounds": the configured arms})."""
         self.pb_utils, self.lock, self.last, self.metrics = pb_utils, lock, {}, []
+        self.keyed: list[tuple[object, str, dict]] = []   # (family, field, {key: metric})
         kinds = pb_utils.MetricFamily
         try:
             # update order = this order: a scrape that sees a request finished (a counter) and the engine idle
@@ -141,8 +146,12 @@ class TritonMetrics:
                 for name, field, text in table:
                     family = pb_utils.MetricFamily(name, text, kind)
                     self.metrics.append((family, family.Metric(labels=labels, **self.BUCKETS.get(field, {})), field, kind))
+            for name, field, label, text in self.KEYED_COUNTERS:
+                family = pb_utils.MetricFamily(name, text, kinds.COUNTER)
+                self.keyed.append((family, field, {key: family.Metric(labels={**labels, label: key})
+                                                   for key in (keys or {}).get(field, [])}))
         except Exception:  # metrics disabled on the server
-            self.metrics = []
+            self.metrics, self.keyed = [], []
 
     def update(self, stats) -> None:
         pb_utils = self.pb_utils
@@ -159,4 +168,10 @@ class TritonMetrics:
                     for length, count in value.items():
                         for _ in range(count - (last or {}).get(length, 0)):
                             metric.observe(length)
+                self.last[field] = value
+            for _, field, metrics in self.keyed:
+                value, last = getattr(stats, field), self.last.get(field) or {}
+                for key, count in value.items():
+                    if key in metrics and count != last.get(key, 0):
+                        metrics[key].increment(count - last.get(key, 0))
                 self.last[field] = value

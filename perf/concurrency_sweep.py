@@ -23,6 +23,7 @@ from ddtree.config import EngineConfig  # noqa: E402
 from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
 from perf.triton_bench import (  # noqa: E402
     TritonServer,
+    auto_arm_rounds,
     input_data,
     make_repository,
     model_stats,
@@ -102,11 +103,16 @@ def main() -> None:
                     if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size
                         run_perf_analyzer(server, input_data(prompts, sampling), workdir, count, level)
                     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
+                    arms = auto_arm_rounds(server.metrics_url)
                     requests = run_perf_analyzer(server, input_data(prompts, sampling), workdir, count, level)
                     entry = result["methods"][name][str(level)] = summarize(requests, args.max_tokens)
                     # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing
                     # step (one execution per streamed response) queues
                     entry["stages"] = per_round_ms(stages, wait_stages(server.metrics_url, stages))
+                    if mode == "auto":   # which arms auto ran (shares of its measured rounds)
+                        ran = {arm: n - arms.get(arm, 0.0) for arm, n in auto_arm_rounds(server.metrics_url).items()}
+                        total = sum(ran.values())
+                        entry["auto_arms"] = {arm: n / total for arm, n in ran.items() if n > 0} if total else {}
                     after = model_stats(server.http_url, "postprocessing")
                     executions = max(after["count"] - post["count"], 1)
                     entry["postprocessing"] = {"executions": after["count"] - post["count"],
@@ -135,6 +141,16 @@ def write(result: dict, levels: list[int], args) -> None:
                          f"{st.get('serve_ms', float('nan')):.1f}; {pp['queue_ms']:.2f} / {pp['compute_ms']:.2f}"
                          if st and pp else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    autos = {name: by_level for name, by_level in result["methods"].items()
+             if any("auto_arms" in by_level.get(str(c), {}) for c in levels)}
+    if autos:
+        rows += ["", "Arms `auto` ran (share of its batch rounds; ddtree_auto_arm_rounds_total):", "",
+                 "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+        for name, by_level in autos.items():
+            rows.append(f"| {name} | " + " | ".join(
+                ", ".join(f"{arm} {share:.0%}" if share >= 0.005 else f"{arm} <1%" for arm, share in sorted(by_level[str(c)].get("auto_arms", {}).items(),
+                                                                       key=lambda item: -item[1])) or "-"
+                for c in levels) + " |")
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
 

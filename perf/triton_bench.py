@@ -77,6 +77,17 @@ def scrape_metrics(metrics_url: str, names) -> dict[str, float]:
     return values
 
 
+def auto_arm_rounds(metrics_url: str) -> dict[str, float]:
+    """Mode auto's batch rounds per arm (ddtree_auto_arm_rounds_total{arm=...}), summed over instances."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    rounds: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("ddtree_auto_arm_rounds_total{") and 'arm="' in line:
+            arm = line.split('arm="', 1)[1].split('"', 1)[0]
+            rounds[arm] = rounds.get(arm, 0.0) + float(line.rsplit(" ", 1)[1])
+    return rounds
+
+
 def triton_stages(metrics_url: str) -> dict:
     """The engine's stage counters from Triton's metrics, summed over instances (keys as per_round_ms reads them)."""
     values = scrape_metrics(metrics_url, set(STAGE_METRICS.values()))

@@ -93,3 +93,20 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     passes = delta(after, before, "ddtree_draft_seconds_total") + delta(after, before, "ddtree_verify_seconds_total")
     serve = delta(after, before, "ddtree_serve_seconds_total")    # streaming, cancellation checks, metrics
     assert 0 < host and 0 < passes and 0 < serve and host + passes + serve < elapsed
+
+
+def test_auto_rounds_are_counted_per_arm(server):
+    """mode auto: every batch round it runs is counted under the arm it chose (ddtree_auto_arm_rounds_total{arm}),
+    one series per configured arm; requests of other modes add none."""
+    before = wait_idle(server)
+    arms = sorted(name for name in before if name.startswith("ddtree_auto_arm_rounds_total{"))
+    assert 'ddtree_auto_arm_rounds_total{arm="ar"}' in arms and 'ddtree_auto_arm_rounds_total{arm="policy"}' in arms, arms
+    run(server, {"max_tokens": 12, "ignore_eos": True, "mode": "ddtree", "tree_budget": 4, "temperature": 0})
+    middle = wait_idle(server, before["ddtree_requests_finished_total"] + 1)
+    assert sum(delta(middle, before, name) for name in arms) == 0
+    for _ in range(3):
+        run(server, {"max_tokens": 12, "ignore_eos": True, "mode": "auto", "temperature": 0})
+    after = wait_idle(server, middle["ddtree_requests_finished_total"] + 3)
+    counted = {name: delta(after, middle, name) for name in arms}
+    assert sum(counted.values()) == delta(after, middle, "ddtree_batch_rounds_total") > 0, counted
+    assert all(value >= 0 for value in counted.values())
