@@ -147,10 +147,11 @@ def write(result: dict, levels: list[int], args) -> None:
         rows += ["", "Arms `auto` ran (share of its batch rounds; ddtree_auto_arm_rounds_total):", "",
                  "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
         for name, by_level in autos.items():
-            rows.append(f"| {name} | " + " | ".join(
-                ", ".join(f"{arm} {share:.0%}" if share >= 0.005 else f"{arm} <1%" for arm, share in sorted(by_level[str(c)].get("auto_arms", {}).items(),
-                                                                       key=lambda item: -item[1])) or "-"
-                for c in levels) + " |")
+            cells = []
+            for c in levels:
+                shares = sorted(by_level[str(c)].get("auto_arms", {}).items(), key=lambda item: -item[1])
+                cells.append(", ".join(f"{arm} {share:.0%}" if share >= 0.005 else f"{arm} <1%" for arm, share in shares) or "-")
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
 
