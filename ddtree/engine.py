@@ -21,7 +21,7 @@ from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
 from ddtree.models.dense import KVCache, Segment
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticDrafter, StaticTarget
+from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticDrafter, StaticTarget, key_bucket, row_bucket
 from ddtree.models.loader import dtype_of
 from ddtree.models.qwen3_5 import compact_all
 from ddtree.models.target import load_target
@@ -540,8 +540,39 @@ class Engine:
             for mode, budget in dict.fromkeys(modes):
                 self.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=4, ignore_eos=True),
                                   request_id="warm-up")
+            self._warm_shapes(n + 4, max(budgets) + 1 if self.drafter is not None else 1)
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
         logger.info("warm-up: %d static programs ready in %.1f s", len(self.graphs.programs), time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def _warm_shapes(self, start: int, max_rows: int) -> None:
+        """The batch-1 programs at this key bucket that the short warm-up requests do not reach (they would capture on
+        a user's request, and in a benchmark's measured rounds): the target's verify at every row bucket up to
+        max_rows (a dflash block's chain, the smaller trees of a request's last rounds), on trees of the drafter's
+        depth, and the drafter's pass after every context-row bucket up to block + 1 (a round's accepted tokens) and
+        for a first draft after a prompt of this key bucket (the prompt's features, all at once). They run on slot 0,
+        whose contents the next request's prefill replaces (nothing is committed)."""
+        block = self.drafter.block_size if self.drafter is not None else 1
+        for rows in sorted({row_bucket(n) for n in range(1, max_rows + 1)}):
+            depth = min(rows, block)   # a chain of `depth` rows, the other rows leaves under its first node
+            parents = list(range(-1, depth - 1)) + [0] * (rows - depth)
+            positions = [start + i for i in range(depth)] + [start + 1] * (rows - depth)
+            if self.static_target.batch([self.caches[0]], [start], [[1] * rows], [positions], [parents]) is None:
+                break   # no static shape fits (the dynamic forward would run): larger trees fit none either
+        if self.static_drafter is None:
+            return
+        cache, ids = self.draft_caches[0], [1] + [self.drafter.config.mask_token_id] * (block - 1)
+        keys = key_bucket(start, cache.pool.k.shape[2]) or MIN_KEYS
+        rounds = [(max(start - rows, 0), rows) for rows in sorted({row_bucket(m) for m in range(1, block + 2)})]
+        prompts = [(0, rows) for rows in sorted({row_bucket(n) for n in range(1 if keys == MIN_KEYS else keys // 2 + 1,
+                                                                             keys + 1)}) if rows <= StaticDrafter.MAX_ROWS]
+        features = torch.zeros(max(rows for _, rows in rounds + prompts), len(self.tap_layers) * self.target.config.hidden_size,
+                               dtype=dtype_of(self.config.dtype), device=self.device)
+        for length, rows in rounds + prompts:
+            cache.length = length
+            self.static_drafter.batch([cache], [features[:rows]], [ids])
+        cache.length = 0
+        self._sync()
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "local") -> Request:
         """Run a request to completion in process."""

@@ -240,3 +240,20 @@ def test_a_dense_lone_request_in_another_slot_reads_its_own_cache(tiny_models):
         assert second.output_ids == alone, f"{mode}-{budget}"
     lone_slots = {key[-1] for key in engine.graphs.programs if key[0] == "batch" and key[1] == 1}
     assert lone_slots == {0, 1}, engine.graphs.programs.keys()   # the second request ran alone in slot 1
+
+
+def test_warm_up_prepares_the_shapes_a_lone_request_meets(tiny_models):
+    """After warm_up, requests served alone in every mode run on programs it made (none is made, i.e. captured on
+    a GPU, while serving them): full dflash chains, the smaller trees of a request's last rounds, every context-row
+    bucket of the drafter, at the key buckets of short and longer prompts."""
+    from ddtree.engine import Engine
+
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                                 max_model_len=600, max_tree_budget=64, static_forward="on"))
+    engine.warm_up()
+    prepared = set(engine.graphs.programs)
+    assert any(key[0] == "batch" and key[2] == 16 for key in prepared)     # a whole dflash block's chain
+    for prompt in (list(range(3, 40)), [7 + i % 80 for i in range(300)]):
+        for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
+            engine.generate_ids(prompt, greedy(mode, budget))
+    assert set(engine.graphs.programs) == prepared, set(engine.graphs.programs) - prepared
