@@ -215,9 +215,12 @@ class StaticTarget:
         request's commit stash goes to its cache (compact() commits from it)."""
         paths, num_paths = [], 0
         if self.uses_paths(rows, self.graphs.device):
-            # the paths form: each tree's root-to-leaf paths (padding rows take none), their count to a bucket (a
-            # program per bucket); padding requests have none
-            num_paths = row_bucket(max(len(leaves(p)) for p in parents))
+            # the paths form: each tree's root-to-leaf paths (padding rows take none), padded to a count (a program per
+            # count; padding requests have none): with our kernel as many as rows (padding paths cost nothing), so one
+            # program per row bucket serves every tree and warm-up prepares them all; with fla's kernel, which copies
+            # a state per path, the leaves' bucket
+            free = self.target.free_padding_paths(self.graphs.device)
+            num_paths = rows if free else row_bucket(max(len(leaves(p)) for p in parents))
             paths = [tree_paths(p, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows) for p in parents]
             if any(p is None for p in paths):
                 return None

@@ -523,6 +523,11 @@ class HybridTarget(TargetModel):
             return False
         return 1 < rows <= (PATHS_MAX_ROWS if tree_gdn_kernel(device) is not None else min(PATHS_MAX_ROWS, FLA_PATHS_MAX_ROWS))
 
+    def free_padding_paths(self, device: torch.device) -> bool:
+        """Whether padding paths cost (next to) nothing in the paths form on `device`: our kernel runs it (a padding
+        path's programs read their bounds and end); fla's kernel copies a state per path, padding ones too."""
+        return tree_gdn_kernel(device) is not None
+
     @staticmethod
     def _committed_whole(seg: Segment, device: torch.device) -> bool:
         """Rows committed whole, which need no stash: one token (committed in place) or a prompt (a chain from an

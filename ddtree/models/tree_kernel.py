@@ -43,7 +43,9 @@ def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_fi
     cols_v = i_v * BV + tl.arange(0, BV)
     in_k, in_v = cols_k < K, cols_v < V
     h0 = states + tl.load(path_state + i_path).to(tl.int64) * state_stride + i_hv * K * V
-    state = tl.load(h0 + cols_k[:, None] * V + cols_v[None, :], mask=in_k[:, None] & in_v[None, :], other=0.0).to(tl.float32)
+    # a padding path (first == last) reads no state: a program that loads its index bounds and ends
+    live = (in_k[:, None] & in_v[None, :]) & (last > first)
+    state = tl.load(h0 + cols_k[:, None] * V + cols_v[None, :], mask=live, other=0.0).to(tl.float32)
     for i in tl.range(first, last, num_stages=STAGES):   # the path's own length: empty (padding) paths do nothing
         node = tl.load(tokens + i).to(tl.int64)
         b_q = tl.load(q + (node * H + i_h) * K + cols_k, mask=in_k, other=0.0).to(tl.float32)

@@ -170,3 +170,6 @@ def test_trees_of_a_batch_through_our_paths_kernel_equal_alone(engines, monkeypa
     assert batches and max(batches) >= 3, batches
     for i, (prompt, params) in enumerate(jobs):
         assert together[f"r{i}"] == expected[i], f"{kind} request {i} mode {params.mode} budget {params.tree_budget}"
+    # static programs pad the paths to the rows (our kernel's padding paths read nothing): one program per row bucket
+    shapes = {key[2:5] for key in batched.graphs.programs if key[0] == "target"}   # (rows, keys, paths)
+    assert all(paths in (0, rows) for rows, _, paths in shapes) and (not kind.endswith("static") or shapes), shapes
