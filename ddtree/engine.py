@@ -563,9 +563,12 @@ class Engine:
             return
         cache, ids = self.draft_caches[0], [1] + [self.drafter.config.mask_token_id] * (block - 1)
         keys = key_bucket(start, cache.pool.k.shape[2]) or MIN_KEYS
+        below = MIN_KEYS // 2                     # the largest key bucket under `keys` (0: none)
+        while below * 2 < keys:
+            below *= 2
+        lengths = range(1 if keys <= MIN_KEYS else below + 1, keys + 1)   # the prompts whose first draft has these keys
         rounds = [(max(start - rows, 0), rows) for rows in sorted({row_bucket(m) for m in range(1, block + 2)})]
-        prompts = [(0, rows) for rows in sorted({row_bucket(n) for n in range(1 if keys == MIN_KEYS else keys // 2 + 1,
-                                                                             keys + 1)}) if rows <= StaticDrafter.MAX_ROWS]
+        prompts = [(0, rows) for rows in sorted({row_bucket(n) for n in lengths}) if rows <= StaticDrafter.MAX_ROWS]
         features = torch.zeros(max(rows for _, rows in rounds + prompts), len(self.tap_layers) * self.target.config.hidden_size,
                                dtype=dtype_of(self.config.dtype), device=self.device)
         for length, rows in rounds + prompts:

@@ -257,3 +257,26 @@ def test_warm_up_prepares_the_shapes_a_lone_request_meets(tiny_models):
         for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
             engine.generate_ids(prompt, greedy(mode, budget))
     assert set(engine.graphs.programs) == prepared, set(engine.graphs.programs) - prepared
+
+
+def test_warm_up_prepares_a_hybrids_trees_too(hybrid, monkeypatch):
+    """A hybrid target on our paths kernel (here Triton's interpreter): its static programs pad the paths to the
+    rows, so the trees that warm-up builds stand for every tree of their row bucket, whatever its leaves."""
+    from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+
+    if not AVAILABLE:
+        pytest.skip("triton is not installed")
+    from ddtree.models import qwen3_5
+    from ddtree.models.gdn import reference_recurrent
+
+    root, reference = hybrid
+    kernel = tree_kernel_module().batched_tree_paths
+    monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+    monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: kernel)
+    engine = OracleDraftEngine(EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"),
+                                            max_model_len=200, max_tree_budget=16, static_forward="on"), reference=reference)
+    engine.warm_up()
+    prepared = set(engine.graphs.programs)
+    for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16)]:
+        engine.generate_ids(list(range(3, 40)), greedy(mode, budget))
+    assert set(engine.graphs.programs) == prepared, set(engine.graphs.programs) - prepared
