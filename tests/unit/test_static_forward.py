@@ -194,39 +194,22 @@ def test_paths_form_decodes_the_targets_greedy_tokens(hybrid, monkeypatch):
     assert len({(rows, paths) for rows, _, paths in shapes}) > len({rows for rows, _, _ in shapes}), shapes
 
 
-def test_a_lone_request_in_another_slot_reads_its_own_cache(hybrid):
-    """A hybrid target's lone request runs a program made for its slot, which reads that slot's K/V as views of the
-    pool (and its recurrent state through its cache's views): a request left alone in slot 1, after its neighbour
-    in slot 0 finished, decodes what it decodes alone in slot 0."""
-    from ddtree.request import Request
-
-    root, reference = hybrid
-    base = dict(target_path=str(root / "target"), drafter_path=str(root / "dflash"), max_model_len=160,
-                max_tree_budget=16, static_forward="on")
-    engine = OracleDraftEngine(EngineConfig(**base, max_num_seqs=2), reference=reference)
-    prompt, other = list(range(3, 30)), [5, 9, 17, 33, 2, 71]
-    for mode, budget in [("ar", 1), ("ddtree", 8)]:
-        params = SamplingParams(max_tokens=24, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
-        alone = engine.generate_ids(prompt, params).output_ids
-        first = Request(request_id="first", prompt_ids=other, params=SamplingParams(max_tokens=2, ignore_eos=True))
-        second = Request(request_id="second", prompt_ids=prompt, params=params)
-        engine.add(first)
-        engine.add(second)
-        while engine.has_work:
-            engine.step()
-        assert second.output_ids == alone, f"{mode}-{budget}"
-    lone_slots = {key[-1] for key in engine.graphs.programs if key[0] == "target" and key[1] == 1}
-    assert 1 in lone_slots, engine.graphs.programs.keys()   # the second request ran alone in slot 1
-
-
-def test_a_dense_lone_request_in_another_slot_reads_its_own_cache(tiny_models):
-    """The same for a dense target: a lone request's program is made for its slot (its K/V read as views of the
-    pool): a request left alone in slot 1 decodes what it decodes alone in slot 0 (reading slot 0's K/V fails it)."""
+@pytest.mark.parametrize("family", ["hybrid", "qwen3"])
+def test_a_lone_request_in_another_slot_reads_its_own_cache(family, tiny_models, hybrid):
+    """A lone request runs a program made for its slot, which reads that slot's K/V as views of the pool (a hybrid's
+    recurrent state through its cache's views): a request left alone in slot 1, after its neighbour in slot 0
+    finished, decodes what it decodes alone in slot 0 (reading slot 0's K/V fails it)."""
     from ddtree.engine import Engine
     from ddtree.request import Request
 
-    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
-                                 max_model_len=160, max_tree_budget=16, static_forward="on", max_num_seqs=2))
+    base = dict(max_model_len=160, max_tree_budget=16, static_forward="on", max_num_seqs=2)
+    if family == "hybrid":
+        root, reference = hybrid
+        engine = OracleDraftEngine(EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"), **base),
+                                   reference=reference)
+    else:
+        engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                     drafter_path=str(tiny_models / "qwen3-dflash"), **base))
     prompt, other = list(range(3, 30)), [5, 9, 17, 33, 2, 71]
     for mode, budget in [("ar", 1), ("ddtree", 8)]:
         params = SamplingParams(max_tokens=24, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
@@ -237,8 +220,8 @@ def test_a_dense_lone_request_in_another_slot_reads_its_own_cache(tiny_models):
         engine.add(second)
         while engine.has_work:
             engine.step()
-        assert second.output_ids == alone, f"{mode}-{budget}"
-    lone_slots = {key[-1] for key in engine.graphs.programs if key[0] == "batch" and key[1] == 1}
+        assert second.output_ids == alone, f"{family} {mode}-{budget}"
+    lone_slots = {key[-1] for key in engine.graphs.programs if key[0] in ("target", "batch") and key[1] == 1}
     assert lone_slots == {0, 1}, engine.graphs.programs.keys()   # the second request ran alone in slot 1
 
 
