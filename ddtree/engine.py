@@ -50,7 +50,7 @@ class StageTimes:
     verify_gpu: float = 0.0      # CUDA: GPU timeline from the verify's start to its last kernel (verify - this: the
     #                              host's wake-up after the GPU finished, e.g. waiting for the GIL)
     draft_gpu: float = 0.0       # CUDA: GPU timeline of the draft stage's device work (drafter pass to the top-k read)
-    commit_gpu: float = 0.0      # CUDA: GPU timeline from the verify's end to the commit's last kernel
+    commit_gpu: float = 0.0      # CUDA: GPU timeline from the commit's start (after the verify's read) to its last kernel
     commit: float = 0.0          # acceptance walks and commits
     decode: float = 0.0          # whole decoding rounds: draft, tree_build, verify, commit and the glue between
     batch_rounds: int = 0        # decoding rounds of the whole batch
@@ -138,7 +138,7 @@ class Engine:
         # CUDA: events at the stage bounds of a round (StageTimes.draft_gpu, verify_gpu, commit_gpu): where the
         # device work of a stage, not its host time, is the cost
         self._events = ({name: torch.cuda.Event(enable_timing=True) for name in ("draft", "drafted", "verify", "verified",
-                                                                                "committed")}
+                                                                                "commit", "committed")}
                         if self.device.type == "cuda" else None)
 
     @property
@@ -300,6 +300,7 @@ class Engine:
         t_commit = time.perf_counter()
         if self._events is not None:
             times.verify_gpu += self._events["verify"].elapsed_time(self._events["verified"]) / 1e3
+            self._events["commit"].record()
         # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
         # suppress tokens are recomputed per request)
         choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None
@@ -316,7 +317,7 @@ class Engine:
             self._events["committed"].record()
         self._sync()
         if self._events is not None:
-            times.commit_gpu += self._events["verified"].elapsed_time(self._events["committed"]) / 1e3
+            times.commit_gpu += self._events["commit"].elapsed_time(self._events["committed"]) / 1e3
         times.verify += t_commit - t_verify
         times.commit += time.perf_counter() - t_commit
         return outputs
