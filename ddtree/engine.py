@@ -88,6 +88,28 @@ class Sequence:
         return self.max_tokens - self.request.num_output_tokens - 1
 
 
+class StageEvents:
+    """CUDA events at the stage bounds of a round (StageTimes.draft_gpu, verify_gpu, commit_gpu): the GPU timeline
+    of a stage, where its device work, not its host time, is the cost. Off CUDA: nothing recorded, 0 seconds."""
+
+    NAMES = ("draft", "drafted", "verify", "verified", "commit", "committed")
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = ({name: torch.cuda.Event(enable_timing=True) for name in self.NAMES}
+                       if device.type == "cuda" else None)
+
+    def record(self, name: str) -> None:
+        if self.events is not None:
+            self.events[name].record()
+
+    def seconds(self, start: str, end: str) -> float:
+        """GPU time between two recorded events (waits for `end`: callers ask after a synchronization)."""
+        if self.events is None:
+            return 0.0
+        self.events[end].synchronize()
+        return self.events[start].elapsed_time(self.events[end]) / 1e3
+
+
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor | None:
     return None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
@@ -135,11 +157,7 @@ class Engine:
         self.auto_calibration = 1.0
         self.auto_backoff = 1
         self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
-        # CUDA: events at the stage bounds of a round (StageTimes.draft_gpu, verify_gpu, commit_gpu): where the
-        # device work of a stage, not its host time, is the cost
-        self._events = ({name: torch.cuda.Event(enable_timing=True) for name in ("draft", "drafted", "verify", "verified",
-                                                                                "commit", "committed")}
-                        if self.device.type == "cuda" else None)
+        self._events = StageEvents(self.device)
 
     @property
     def cache(self):
@@ -291,16 +309,13 @@ class Engine:
     def _verify_and_commit(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> list[RequestOutput]:
         """One target pass over the requests' trees, then each one's acceptance walk and commit."""
         times, t_verify = self.stage_times, time.perf_counter()
-        if self._events is not None:
-            self._events["verify"].record()
+        self._events.record("verify")
         logits, taps = self._verify(seqs, trees, batches)
-        if self._events is not None:
-            self._events["verified"].record()
+        self._events.record("verified")
         self._sync()
         t_commit = time.perf_counter()
-        if self._events is not None:
-            times.verify_gpu += self._events["verify"].elapsed_time(self._events["verified"]) / 1e3
-            self._events["commit"].record()
+        times.verify_gpu += self._events.seconds("verify", "verified")
+        self._events.record("commit")
         # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
         # suppress tokens are recomputed per request)
         choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None
@@ -313,11 +328,9 @@ class Engine:
         self._commit_caches(seqs, [a.accepted for a in accepted])
         self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
         outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
-        if self._events is not None:
-            self._events["committed"].record()
+        self._events.record("committed")
         self._sync()
-        if self._events is not None:
-            times.commit_gpu += self._events["commit"].elapsed_time(self._events["committed"]) / 1e3
+        times.commit_gpu += self._events.seconds("commit", "committed")
         times.verify += t_commit - t_verify
         times.commit += time.perf_counter() - t_commit
         return outputs
@@ -395,8 +408,7 @@ class Engine:
         if not drafting:
             return trees
         t0 = time.perf_counter()
-        if self._events is not None:
-            self._events["draft"].record()
+        self._events.record("draft")
         self.stage_times.draft_passes += 1
         drafter, block = self.drafter, self.drafter.block_size
         caches = [self.draft_caches[seqs[i].slot] for i in drafting]
@@ -420,10 +432,8 @@ class Engine:
         k = max(1 if chain else budget for chain, budget in plans.values())
         log_probs, token_ids = top_log_probs(draft_logits, k)                  # [R, depth, k] on the host (a sync)
         t1 = time.perf_counter()
-        if self._events is not None:   # recorded after the read: the GPU is idle, the event completes at once
-            self._events["drafted"].record()
-            self._events["drafted"].synchronize()
-            self.stage_times.draft_gpu += self._events["draft"].elapsed_time(self._events["drafted"]) / 1e3
+        self._events.record("drafted")   # after the read: the GPU is idle, the event completes at once
+        self.stage_times.draft_gpu += self._events.seconds("draft", "drafted")
         for j, i in enumerate(drafting):
             (chain, budget), d = plans[i], min(seqs[i].depth_limit, depth)
             if chain:
