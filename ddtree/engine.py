@@ -573,11 +573,10 @@ class Engine:
         if self.static_drafter is None:
             return
         cache, ids = self.draft_caches[0], [1] + [self.drafter.config.mask_token_id] * (block - 1)
-        keys = key_bucket(start, cache.pool.k.shape[2]) or MIN_KEYS
-        below = MIN_KEYS // 2                     # the largest key bucket under `keys` (0: none)
-        while below * 2 < keys:
-            below *= 2
-        lengths = range(1 if keys <= MIN_KEYS else below + 1, keys + 1)   # the prompts whose first draft has these keys
+        max_len = cache.pool.k.shape[2]
+        keys = key_bucket(start, max_len)
+        # the prompts whose first draft (all their features at once) has these keys
+        lengths = [n for n in range(1, keys + 1) if key_bucket(n, max_len) == keys] if keys else []
         rounds = [(max(start - rows, 0), rows) for rows in sorted({row_bucket(m) for m in range(1, block + 2)})]
         prompts = [(0, rows) for rows in sorted({row_bucket(n) for n in lengths}) if rows <= StaticDrafter.MAX_ROWS]
         features = torch.zeros(max(rows for _, rows in rounds + prompts), len(self.tap_layers) * self.target.config.hidden_size,
