@@ -553,6 +553,7 @@ class Engine:
                                   request_id="warm-up")
             self._warm_shapes(n + 4, max(budgets) + 1 if self.drafter is not None else 1)
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
+        self.graphs.warmed = True
         logger.info("warm-up: %d static programs ready in %.1f s", len(self.graphs.programs), time.perf_counter() - t0)
 
     @torch.inference_mode()

@@ -71,11 +71,17 @@ class GraphPool:
         self.capture = capture and device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.programs: dict[tuple, Program] = {}
+        self.warmed = False                  # set after the engine's warm-up: programs made later are logged
+        self.late_keys: list[tuple] = []     # the keys made after warm-up (each compiled, captured on a request)
 
     def program(self, key: tuple, make: Callable[[], Program]) -> Program:
         program = self.programs.get(key)
         if program is None:
             program = self.programs[key] = make()
+            if self.warmed:
+                self.late_keys.append(key)
+                logger.warning("static program %s made while serving (not prepared by warm-up; %d so far)",
+                               key, len(self.late_keys))
         return program
 
     def new_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:

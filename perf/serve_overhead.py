@@ -1,0 +1,203 @@
+"""Where the serving path's overhead comes from, one suspect at a time, in one run.
+
+Triton's Python backend runs model.py in a stub process that embeds the shared libpython, on an engine thread beside an
+outbox thread (responses, metrics). Through Triton the engine's stages run slower than in process (perf/humaneval.py's
+stage table; on the H200 even the verify's GPU timeline, a sign of host-bound rounds). This separates the suspects
+without Triton, with the same engine and requests:
+
+- `alone`: the engine's own loop (Engine.generate_ids), as the in-process benchmarks run it;
+- `service`: the same requests through GenerationService (engine thread + outbox thread, a sink that keeps the
+  responses), the threads and per-round response building the Triton model has, with no IPC;
+- each under the interpreter running this script and, with --shared-python, again under a launcher linked against the
+  shared libpython (the stub's interpreter: scripts/build_shared_python.sh builds one).
+
+    python perf/serve_overhead.py --device cuda --dtype bfloat16 --shared-python .deps/pyshared --name serve_overhead_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree import api  # noqa: E402
+from ddtree.config import EngineConfig  # noqa: E402
+from ddtree.engine import Engine, StageTimes  # noqa: E402
+from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.serving import GenerationService  # noqa: E402
+from ddtree.tokenizer import Tokenizer  # noqa: E402
+from perf.bench import Method, chat_prompts  # noqa: E402
+from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
+
+SIDES = ("alone", "service")
+
+
+class KeepingSink:
+    """A response sink that keeps what it is sent: the service's per-round work, no IPC."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.num_responses, self.error = 0, None
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def send(self, outputs: dict, final: bool) -> None:
+        self.num_responses += 1
+        if final:
+            self.done.set()
+
+    def send_error(self, message: str, kind: str, final: bool = True) -> None:
+        self.error = message
+        self.done.set()
+
+
+def stage_reading(times: StageTimes) -> dict:
+    return {"batch_rounds": times.batch_rounds, "rounds": times.rounds, "draft": times.draft, "verify": times.verify,
+            "verify_gpu": times.verify_gpu, "host": times.host}
+
+
+def params_for(method: Method, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, mode=method.mode, tree_budget=method.budget, seed=0)
+
+
+def run_alone(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> int:
+    return sum(engine.generate_ids(ids, params).num_output_tokens for ids in prompts)
+
+
+def run_service(service: GenerationService, prompts: list[list[int]], params: SamplingParams, timeout_s: float) -> int:
+    tokens = 0
+    for i, ids in enumerate(prompts):
+        sink = KeepingSink()
+        request = api.GenerateRequest(prompt_ids=list(ids), params=params, stream=True, echo_text=None,
+                                      return_flags={name: False for name in api.RETURN_FLAGS})
+        service.submit(f"overhead-{i}", request, sink)
+        if not sink.done.wait(timeout_s) or sink.error:
+            raise RuntimeError(f"request {i} did not finish: {sink.error or 'timeout'}")
+        tokens += params.max_tokens
+    return tokens
+
+
+def measure(args: argparse.Namespace, prompts: list[list[int]], methods: list[Method]) -> dict:
+    """{side: {method: tokens/s and per-round stage ms}} under this interpreter."""
+    config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
+                          max_tree_budget=max(m.budget for m in methods), max_num_seqs=args.max_num_seqs,
+                          max_model_len=max(map(len, prompts)) + args.max_tokens + 1)
+    engine = Engine(config)
+    engine.warm_up()
+    service = None
+    result: dict = {side: {} for side in args.sides}
+    try:
+        for side in args.sides:
+            if side == "service" and service is None:
+                service = GenerationService(engine, Tokenizer(args.target))
+            for method in methods:
+                params = params_for(method, args.max_tokens)
+                run = (lambda ps: run_alone(engine, ps, params)) if side == "alone" else \
+                    (lambda ps: run_service(service, ps, params, args.timeout_s))
+                run(prompts[:1])   # unmeasured: first use of this method's shapes on this side
+                before = stage_reading(engine.stage_times)
+                start = time.perf_counter()
+                tokens = run(tqdm(prompts, desc=f"{side} {method.name}", leave=False))
+                seconds = time.perf_counter() - start
+                result[side][method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
+                                             "stages": per_round_ms(before, stage_reading(engine.stage_times))}
+    finally:
+        if service is not None:
+            service.shutdown()
+    result["late_programs"] = [list(map(str, key)) for key in engine.graphs.late_keys]
+    return result
+
+
+def interpreter() -> dict:
+    return {"executable": sys.executable, "version": sys.version.split()[0],
+            "shared": bool(sysconfig.get_config_var("Py_ENABLE_SHARED")),
+            "linked_shared": os.environ.get("DDTREE_SHARED_PYTHON", "") != ""}
+
+
+def table(result: dict) -> str:
+    lines = ["| interpreter | side | method | tok/s | vs alone (same interpreter) | draft ms | verify ms | verify GPU ms | host ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, runs in result["runs"].items():
+        alone = runs.get("alone", {})
+        for side in SIDES:
+            for name, r in runs.get(side, {}).items():
+                base = alone.get(name, {}).get("tokens_per_s")
+                s = r["stages"]
+                ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
+                lines.append(f"| {label} | {side} | {name} | {r['tokens_per_s']:.1f} | {ratio} | {s['draft_ms']:.2f} | "
+                             f"{s['verify_ms']:.2f} | {s.get('verify_gpu_ms', 0.0):.2f} | {s['host_ms']:.2f} |")
+    runs = result["runs"]
+    if "this interpreter" in runs and "shared libpython" in runs:
+        lines += ["", "Shared libpython / this interpreter (tok/s, same side and method):", "",
+                  "| side | method | ratio |", "|---|---|---|"]
+        for side in SIDES:
+            for name, r in runs["this interpreter"].get(side, {}).items():
+                other = runs["shared libpython"].get(side, {}).get(name)
+                if other:
+                    lines.append(f"| {side} | {name} | {other['tokens_per_s'] / r['tokens_per_s']:.2f} |")
+    late = {label: len(r.get("late_programs", [])) for label, r in runs.items()}
+    lines += ["", f"Static programs made after warm-up (captured inside measured requests): {late}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--methods", default="ar,ddtree-16", help="comma-separated: ar, dflash, ddtree-<budget>")
+    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--shared-python", default="", help="a python launcher linked against the shared libpython: "
+                        "the same measurement again under it (the Triton stub's interpreter)")
+    parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="serve_overhead_cpu")
+    args = parser.parse_args()
+    args.sides = [s for s in args.sides.split(",") if s]
+    if unknown := set(args.sides) - set(SIDES):
+        parser.error(f"unknown sides {sorted(unknown)}; choose from {SIDES}")
+    methods = []
+    for name in args.methods.split(","):
+        mode, _, budget = name.partition("-")
+        methods.append(Method(mode, int(budget or 1)))
+    prompt_texts = json.loads((ROOT / "perf/prompts.json").read_text())[: args.num_prompts]
+    from transformers import AutoTokenizer
+
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(args.target), prompt_texts)
+    if args.child_out:   # the run under the shared-libpython launcher: its results to the parent
+        Path(args.child_out).write_text(json.dumps(measure(args, prompts, methods) | {"interpreter": interpreter()}))
+        return
+    result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
+              "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
+              "methods": [m.name for m in methods], "runs": {}}
+    result["runs"]["this interpreter"] = measure(args, prompts, methods) | {"interpreter": interpreter()}
+    if args.shared_python:
+        with tempfile.TemporaryDirectory() as tmp:
+            child = Path(tmp) / "child.json"
+            argv = [a for a in sys.argv[1:]]
+            env = os.environ | {"DDTREE_SHARED_PYTHON": "1",
+                                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("site-packages"))
+                                + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            subprocess.run([args.shared_python, str(Path(__file__).resolve()), *argv, "--child-out", str(child)],
+                           check=True, env=env)
+            result["runs"]["shared libpython"] = json.loads(child.read_text())
+    write_results(Path(args.out), args.name, result, table(result))
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
