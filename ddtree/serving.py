@@ -20,6 +20,7 @@ from ddtree import api
 from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.engine import Engine
 from ddtree.errors import EngineUnavailable, InvalidRequest
+from ddtree.profiling import StepProfiler
 from ddtree.request import Request, RequestOutput
 from ddtree.stop_registry import StopRegistry
 
@@ -165,6 +166,7 @@ class GenerationService:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[str, Job] = {}   # engine request id (= job key) -> job
         self._stopping = False
+        self._profiler = StepProfiler()   # DDTREE_PROFILE (a diagnostic): off by default
         self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"))
         if on_stats is not None:
             on_stats(self.stats)            # gauges start at their values (engine_healthy 1) before any request
@@ -260,7 +262,9 @@ class GenerationService:
                 if self.engine.has_work:
                     start = time.perf_counter()
                     self._claim_relayed_stops()
+                    self._profiler.before_step()
                     self._step()
+                    self._profiler.after_step()
                     self._report()
                     self.stats.serve_seconds += time.perf_counter() - start - self._step_seconds
                 else:

@@ -8,8 +8,13 @@ without Triton, with the same engine and requests:
 - `alone`: the engine's own loop (Engine.generate_ids), as the in-process benchmarks run it;
 - `service`: the same requests through GenerationService (engine thread + outbox thread, a sink that keeps the
   responses), the threads and per-round response building the Triton model has, with no IPC;
+- `triton`: the same prompts (as chat messages) through a real tritonserver's ensemble, the engine's stage times from
+  the model's metrics;
 - each under the interpreter running this script and, with --shared-python, again under a launcher linked against the
-  shared libpython (the stub's interpreter: scripts/build_shared_python.sh builds one).
+  shared libpython (the stub's interpreter: scripts/build_shared_python.sh builds one); the triton side runs once.
+
+DDTREE_PROFILE=<dir>:<skip>:<steps> (ddtree/profiling.py) profiles a window of the service's steps, in process and
+inside the stub alike.
 
     python perf/serve_overhead.py --device cuda --dtype bfloat16 --shared-python .deps/pyshared --name serve_overhead_h200
 """
@@ -40,7 +45,7 @@ from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method, chat_prompts  # noqa: E402
 from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
 
-SIDES = ("alone", "service")
+SIDES = ("alone", "service", "triton")
 
 
 class KeepingSink:
@@ -89,17 +94,45 @@ def run_service(service: GenerationService, prompts: list[list[int]], params: Sa
     return tokens
 
 
-def measure(args: argparse.Namespace, prompts: list[list[int]], methods: list[Method]) -> dict:
-    """{side: {method: tokens/s and per-round stage ms}} under this interpreter."""
-    config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
-                          max_tree_budget=max(m.budget for m in methods), max_num_seqs=args.max_num_seqs,
-                          max_model_len=max(map(len, prompts)) + args.max_tokens + 1)
+def engine_config(args: argparse.Namespace, prompts: list[list[int]], methods: list[Method]) -> EngineConfig:
+    return EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
+                        max_tree_budget=max([m.budget for m in methods] + [16]), max_num_seqs=args.max_num_seqs,
+                        max_model_len=max(map(len, prompts)) + args.max_tokens + 64)
+
+
+def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method], max_tokens: int) -> dict:
+    """The same requests (as chat messages) streamed through a real tritonserver's ensemble, one at a time; the
+    engine's stage times from the model's metrics."""
+    from perf.humaneval import stream_one
+    from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
+
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
+                                                         "max_num_seqs": str(config.max_num_seqs)})
+        with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server:
+            for method in methods:
+                sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode,
+                            "tree_budget": method.budget, "seed": 0}
+                stream_one(server.grpc_url, texts[0], sampling)   # unmeasured, as on the other sides
+                before = triton_stages(server.metrics_url)
+                start = time.perf_counter()
+                tokens = sum(stream_one(server.grpc_url, t, sampling)["tokens"]
+                             for t in tqdm(texts, desc=f"triton {method.name}", leave=False))
+                seconds = time.perf_counter() - start
+                result[method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
+                                       "stages": per_round_ms(before, wait_stages(server.metrics_url, before))}
+    return result
+
+
+def measure(args: argparse.Namespace, config: EngineConfig, prompts: list[list[int]], methods: list[Method]) -> dict:
+    """{side: {method: tokens/s and per-round stage ms}} under this interpreter, for the in-process sides."""
     engine = Engine(config)
     engine.warm_up()
     service = None
-    result: dict = {side: {} for side in args.sides}
+    result: dict = {side: {} for side in args.sides if side != "triton"}
     try:
-        for side in args.sides:
+        for side in result:
             if side == "service" and service is None:
                 service = GenerationService(engine, Tokenizer(args.target))
             for method in methods:
@@ -167,6 +200,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
     args = parser.parse_args()
+    args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
     args.sides = [s for s in args.sides.split(",") if s]
     if unknown := set(args.sides) - set(SIDES):
         parser.error(f"unknown sides {sorted(unknown)}; choose from {SIDES}")
@@ -178,17 +212,20 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.target), prompt_texts)
+    config = engine_config(args, prompts, methods)
     if args.child_out:   # the run under the shared-libpython launcher: its results to the parent
-        Path(args.child_out).write_text(json.dumps(measure(args, prompts, methods) | {"interpreter": interpreter()}))
+        Path(args.child_out).write_text(json.dumps(measure(args, config, prompts, methods) | {"interpreter": interpreter()}))
         return
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
               "methods": [m.name for m in methods], "runs": {}}
-    result["runs"]["this interpreter"] = measure(args, prompts, methods) | {"interpreter": interpreter()}
+    result["runs"]["this interpreter"] = measure(args, config, prompts, methods) | {"interpreter": interpreter()}
+    if "triton" in args.sides:
+        result["runs"]["this interpreter"]["triton"] = measure_triton(config, prompt_texts, methods, args.max_tokens)
     if args.shared_python:
         with tempfile.TemporaryDirectory() as tmp:
             child = Path(tmp) / "child.json"
-            argv = [a for a in sys.argv[1:]]
+            argv = sys.argv[1:] + ["--sides", ",".join(s for s in args.sides if s != "triton")]
             env = os.environ | {"DDTREE_SHARED_PYTHON": "1",
                                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("site-packages"))
                                 + os.pathsep + os.environ.get("PYTHONPATH", "")}

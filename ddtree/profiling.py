@@ -1,0 +1,58 @@
+"""Profile a window of the serving loop's steps (a diagnostic, off unless DDTREE_PROFILE is set).
+
+DDTREE_PROFILE=<dir>[:<skip>[:<steps>]]: after `skip` engine steps (default 200), record `steps` (default 50) with the
+PyTorch profiler (host ops and, on CUDA, kernels) and write their summary tables to <dir>/profile_<pid>.txt. Inside
+Triton the model's process inherits the server's environment, so the same setting profiles the stub and an in-process
+run (perf/serve_overhead.py) side by side."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class StepProfiler:
+    def __init__(self, spec: str | None = None) -> None:
+        spec = os.environ.get("DDTREE_PROFILE", "") if spec is None else spec
+        parts = spec.split(":") if spec else []
+        self.directory = Path(parts[0]) if parts else None
+        self.skip = int(parts[1]) if len(parts) > 1 else 200
+        self.steps = int(parts[2]) if len(parts) > 2 else 50
+        self.count = 0
+        self._profile = None
+        self._start = 0.0
+
+    def before_step(self) -> None:
+        if self.directory is None or self.count != self.skip:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.__enter__()
+        self._start = time.perf_counter()
+
+    def after_step(self) -> None:
+        if self.directory is None:
+            return
+        self.count += 1
+        if self._profile is None or self.count != self.skip + self.steps:
+            return
+        seconds = time.perf_counter() - self._start
+        self._profile.__exit__(None, None, None)
+        events = self._profile.key_averages()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"profile_{os.getpid()}.txt"
+        text = [f"{self.steps} steps after {self.skip}: {1e3 * seconds / self.steps:.3f} ms per step (wall)",
+                events.table(sort_by="self_cpu_time_total", row_limit=40)]
+        if torch.cuda.is_available():
+            text.append(events.table(sort_by="self_device_time_total", row_limit=25))
+        path.write_text("\n\n".join(text))
+        logger.warning("profile of %d steps written to %s", self.steps, path)
+        self._profile = None
