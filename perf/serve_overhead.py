@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from tqdm import tqdm
@@ -100,7 +102,8 @@ def engine_config(args: argparse.Namespace, prompts: list[list[int]], methods: l
                         max_model_len=max(map(len, prompts)) + args.max_tokens + 64)
 
 
-def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method], max_tokens: int) -> dict:
+def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method], max_tokens: int,
+                   server_args: list[str]) -> dict:
     """The same requests (as chat messages) streamed through a real tritonserver's ensemble, one at a time; the
     engine's stage times from the model's metrics."""
     from perf.humaneval import stream_one
@@ -110,7 +113,7 @@ def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method]
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
                                                          "max_num_seqs": str(config.max_num_seqs)})
-        with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server:
+        with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log"), extra_args=server_args) as server:
             for method in methods:
                 sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode,
                             "tree_budget": method.budget, "seed": 0}
@@ -125,8 +128,30 @@ def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method]
     return result
 
 
+@contextmanager
+def foreign_context(device: str):
+    """Another process holding a CUDA context on the device (as tritonserver does beside its model's stub), idle."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    index = device.partition(":")[2] or "0"
+    code = f"import sys, torch; torch.zeros(1, device='cuda:{index}'); print('ready', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()
+        yield
+    finally:
+        child.stdin.close()
+        child.wait(30)
+
+
 def measure(args: argparse.Namespace, config: EngineConfig, prompts: list[list[int]], methods: list[Method]) -> dict:
     """{side: {method: tokens/s and per-round stage ms}} under this interpreter, for the in-process sides."""
+    with foreign_context(args.device) if args.foreign_context else nullcontext():
+        return _measure(args, config, prompts, methods)
+
+
+def _measure(args: argparse.Namespace, config: EngineConfig, prompts: list[list[int]], methods: list[Method]) -> dict:
     engine = Engine(config)
     engine.warm_up()
     service = None
@@ -196,6 +221,10 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--shared-python", default="", help="a python launcher linked against the shared libpython: "
                         "the same measurement again under it (the Triton stub's interpreter)")
+    parser.add_argument("--foreign-context", action="store_true", help="the in-process sides with another process "
+                        "holding an idle CUDA context on the device (what a tritonserver beside the stub does)")
+    parser.add_argument("--triton-args", default="", help="extra tritonserver arguments for the triton side "
+                        "(e.g. '--pinned-memory-pool-byte-size=0 --cuda-memory-pool-byte-size=0:0')")
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
@@ -218,10 +247,12 @@ def main() -> None:
         return
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
-              "methods": [m.name for m in methods], "runs": {}}
+              "methods": [m.name for m in methods], "foreign_context": args.foreign_context,
+              "triton_args": args.triton_args, "runs": {}}
     result["runs"]["this interpreter"] = measure(args, config, prompts, methods) | {"interpreter": interpreter()}
     if "triton" in args.sides:
-        result["runs"]["this interpreter"]["triton"] = measure_triton(config, prompt_texts, methods, args.max_tokens)
+        result["runs"]["this interpreter"]["triton"] = measure_triton(config, prompt_texts, methods, args.max_tokens,
+                                                                        shlex.split(args.triton_args))
     if args.shared_python:
         with tempfile.TemporaryDirectory() as tmp:
             child = Path(tmp) / "child.json"
