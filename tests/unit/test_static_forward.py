@@ -240,6 +240,26 @@ def test_warm_up_prepares_the_shapes_a_lone_request_meets(tiny_models):
         for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
             engine.generate_ids(prompt, greedy(mode, budget))
     assert set(engine.graphs.programs) == prepared, set(engine.graphs.programs) - prepared
+    assert engine.graphs.warmed and engine.graphs.late_keys == []
+
+
+def test_graph_pool_records_the_programs_made_after_warm_up():
+    """What a served request had to compile and capture itself is logged and kept (perf/serve_overhead.py reports it)."""
+    from ddtree.models.graphs import Program
+
+    pool = GraphPool(torch.device("cpu"), capture=False)
+    made = []
+
+    def make():
+        made.append(1)
+        return Program(body=lambda: None, host=torch.zeros(1, dtype=torch.long), inputs=torch.zeros(1, dtype=torch.long))
+
+    pool.program(("a",), make)
+    assert pool.late_keys == []            # before warm-up ends: preparing, not late
+    pool.warmed = True
+    pool.program(("a",), make)
+    pool.program(("b",), make)
+    assert pool.late_keys == [("b",)] and len(made) == 2
 
 
 def test_warm_up_prepares_a_hybrids_trees_too(hybrid, monkeypatch):

@@ -1,0 +1,32 @@
+"""DDTREE_PROFILE's step profiler: off unless set, then one table file for the chosen window of steps."""
+
+import torch
+
+from ddtree.profiling import StepProfiler
+
+
+def run_steps(profiler: StepProfiler, n: int) -> None:
+    for _ in range(n):
+        profiler.before_step()
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        profiler.after_step()
+
+
+def test_off_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("DDTREE_PROFILE", raising=False)
+    profiler = StepProfiler()
+    run_steps(profiler, 5)
+    assert profiler.directory is None and profiler.count == 0
+
+
+def test_profiles_the_window_of_steps_it_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_PROFILE", f"{tmp_path}:2:3")
+    profiler = StepProfiler()
+    run_steps(profiler, 4)
+    assert list(tmp_path.iterdir()) == []          # the window (steps 3..5) is not over yet
+    run_steps(profiler, 3)
+    (path,) = tmp_path.iterdir()
+    text = path.read_text()
+    assert text.startswith("3 steps after 2:")
+    (mm,) = [line for line in text.splitlines() if line.strip().startswith("aten::mm ")]
+    assert mm.split()[-1] == "3"                   # the matmuls of those 3 steps, not of the others
