@@ -102,18 +102,29 @@ def engine_config(args: argparse.Namespace, prompts: list[list[int]], methods: l
                         max_model_len=max(map(len, prompts)) + args.max_tokens + 64)
 
 
+def gpu_processes() -> list[str]:
+    """nvidia-smi's compute processes (pid, name, memory), [] where there is no nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
 def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method], max_tokens: int,
-                   server_args: list[str]) -> dict:
+                   server_args: list[str]) -> tuple[dict, list[str]]:
     """The same requests (as chat messages) streamed through a real tritonserver's ensemble, one at a time; the
     engine's stage times from the model's metrics."""
     from perf.humaneval import stream_one
     from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
 
-    result = {}
+    result, processes = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
                                                          "max_num_seqs": str(config.max_num_seqs)})
         with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log"), extra_args=server_args) as server:
+            processes = gpu_processes()   # the CUDA contexts on the GPU while the server serves
             for method in methods:
                 sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode,
                             "tree_budget": method.budget, "seed": 0}
@@ -125,7 +136,7 @@ def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method]
                 seconds = time.perf_counter() - start
                 result[method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
                                        "stages": per_round_ms(before, wait_stages(server.metrics_url, before))}
-    return result
+    return result, processes
 
 
 @contextmanager
@@ -205,8 +216,10 @@ def table(result: dict) -> str:
                 other = runs["shared libpython"].get(side, {}).get(name)
                 if other:
                     lines.append(f"| {side} | {name} | {other['tokens_per_s'] / r['tokens_per_s']:.2f} |")
-    late = {label: len(r.get("late_programs", [])) for label, r in runs.items()}
+    late = {label: len(r["late_programs"]) for label, r in runs.items() if "late_programs" in r}
     lines += ["", f"Static programs made after warm-up (captured inside measured requests): {late}"]
+    if result.get("gpu_processes"):
+        lines += ["", "Processes on the GPU while tritonserver served (nvidia-smi): " + "; ".join(result["gpu_processes"])]
     return "\n".join(lines)
 
 
@@ -249,11 +262,14 @@ def main() -> None:
               "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
               "methods": [m.name for m in methods], "foreign_context": args.foreign_context,
               "triton_args": args.triton_args, "runs": {}}
-    result["runs"]["this interpreter"] = measure(args, config, prompts, methods) | {"interpreter": interpreter()}
+    in_process = [side for side in args.sides if side != "triton"]
+    # a triton-only run builds no engine here: this process then holds no CUDA context beside the server's
+    result["runs"]["this interpreter"] = (measure(args, config, prompts, methods) if in_process else {}) | {
+        "interpreter": interpreter()}
     if "triton" in args.sides:
-        result["runs"]["this interpreter"]["triton"] = measure_triton(config, prompt_texts, methods, args.max_tokens,
-                                                                        shlex.split(args.triton_args))
-    if args.shared_python:
+        result["runs"]["this interpreter"]["triton"], result["gpu_processes"] = measure_triton(
+            config, prompt_texts, methods, args.max_tokens, shlex.split(args.triton_args))
+    if args.shared_python and in_process:
         with tempfile.TemporaryDirectory() as tmp:
             child = Path(tmp) / "child.json"
             argv = sys.argv[1:] + ["--sides", ",".join(s for s in args.sides if s != "triton")]
