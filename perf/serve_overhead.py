@@ -55,13 +55,14 @@ class KeepingSink:
 
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.num_responses, self.error = 0, None
+        self.num_responses, self.num_tokens, self.error = 0, 0, None
 
     def is_cancelled(self) -> bool:
         return False
 
     def send(self, outputs: dict, final: bool) -> None:
         self.num_responses += 1
+        self.num_tokens += outputs.get(api.NUM_OUTPUT_TOKENS, 0)
         if final:
             self.done.set()
 
@@ -88,11 +89,11 @@ def run_service(service: GenerationService, prompts: list[list[int]], params: Sa
     for i, ids in enumerate(prompts):
         sink = KeepingSink()
         request = api.GenerateRequest(prompt_ids=list(ids), params=params, stream=True, echo_text=None,
-                                      return_flags={name: False for name in api.RETURN_FLAGS})
+                                      return_flags={name: name == "return_num_output_tokens" for name in api.RETURN_FLAGS})
         service.submit(f"overhead-{i}", request, sink)
         if not sink.done.wait(timeout_s) or sink.error:
             raise RuntimeError(f"request {i} did not finish: {sink.error or 'timeout'}")
-        tokens += params.max_tokens
+        tokens += sink.num_tokens   # what the responses carried (as a client counts them)
     return tokens
 
 
@@ -223,7 +224,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(parser)
     parser.add_argument("--methods", default="ar,ddtree-16", help="comma-separated: ar, dflash, ddtree-<budget>")
@@ -241,7 +242,7 @@ def main() -> None:
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
     args.sides = [s for s in args.sides.split(",") if s]
     if unknown := set(args.sides) - set(SIDES):
@@ -256,8 +257,9 @@ def main() -> None:
     prompts = chat_prompts(AutoTokenizer.from_pretrained(args.target), prompt_texts)
     config = engine_config(args, prompts, methods)
     if args.child_out:   # the run under the shared-libpython launcher: its results to the parent
-        Path(args.child_out).write_text(json.dumps(measure(args, config, prompts, methods) | {"interpreter": interpreter()}))
-        return
+        result = measure(args, config, prompts, methods) | {"interpreter": interpreter()}
+        Path(args.child_out).write_text(json.dumps(result))
+        return result
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
               "methods": [m.name for m in methods], "foreign_context": args.foreign_context,
@@ -281,6 +283,7 @@ def main() -> None:
             result["runs"]["shared libpython"] = json.loads(child.read_text())
     write_results(Path(args.out), args.name, result, table(result))
     print(table(result))
+    return result
 
 
 if __name__ == "__main__":
