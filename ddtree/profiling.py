@@ -22,8 +22,12 @@ class StepProfiler:
         spec = os.environ.get("DDTREE_PROFILE", "") if spec is None else spec
         parts = spec.split(":") if spec else []
         self.directory = Path(parts[0]) if parts else None
-        self.skip = int(parts[1]) if len(parts) > 1 else 200
-        self.steps = int(parts[2]) if len(parts) > 2 else 50
+        try:
+            self.skip = int(parts[1]) if len(parts) > 1 else 200
+            self.steps = max(int(parts[2]), 1) if len(parts) > 2 else 50
+        except ValueError:   # a diagnostic's typo must not stop the model from loading
+            logger.error("DDTREE_PROFILE=%r: expected <dir>[:<skip>[:<steps>]] with whole numbers; not profiling", spec)
+            self.directory = None
         self.count = 0
         self._profile = None
         self._start = 0.0
@@ -45,14 +49,17 @@ class StepProfiler:
         if self._profile is None or self.count != self.skip + self.steps:
             return
         seconds = time.perf_counter() - self._start
-        self._profile.__exit__(None, None, None)
-        events = self._profile.key_averages()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"profile_{os.getpid()}.txt"
-        text = [f"{self.steps} steps after {self.skip}: {1e3 * seconds / self.steps:.3f} ms per step (wall)",
-                events.table(sort_by="self_cpu_time_total", row_limit=40)]
-        if torch.cuda.is_available():
-            text.append(events.table(sort_by="self_device_time_total", row_limit=25))
-        path.write_text("\n\n".join(text))
-        logger.warning("profile of %d steps written to %s", self.steps, path)
-        self._profile = None
+        profile, self._profile = self._profile, None
+        try:   # never a reason for the serving loop to fail
+            profile.__exit__(None, None, None)
+            events = profile.key_averages()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = self.directory / f"profile_{os.getpid()}.txt"
+            text = [f"{self.steps} steps after {self.skip}: {1e3 * seconds / self.steps:.3f} ms per step (wall)",
+                    events.table(sort_by="self_cpu_time_total", row_limit=40)]
+            if torch.cuda.is_available():
+                text.append(events.table(sort_by="self_device_time_total", row_limit=25))
+            path.write_text("\n\n".join(text))
+            logger.warning("profile of %d steps written to %s", self.steps, path)
+        except Exception:
+            logger.exception("DDTREE_PROFILE: could not write the profile to %s", self.directory)

@@ -30,3 +30,15 @@ def test_profiles_the_window_of_steps_it_names(tmp_path, monkeypatch):
     assert text.startswith("3 steps after 2:")
     (mm,) = [line for line in text.splitlines() if line.strip().startswith("aten::mm ")]
     assert mm.split()[-1] == "3"                   # the matmuls of those 3 steps, not of the others
+
+
+def test_a_bad_setting_or_an_unwritable_directory_never_stops_serving(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDTREE_PROFILE", f"{tmp_path}:two:3")
+    profiler = StepProfiler()
+    run_steps(profiler, 5)
+    assert profiler.directory is None                  # logged, not profiling
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    profiler = StepProfiler(f"{blocker}/sub:0:2")      # a directory under a file: cannot be made
+    run_steps(profiler, 3)                             # the write fails inside after_step: logged, no exception
+    assert profiler.count == 3 and not (blocker / "sub").exists()
