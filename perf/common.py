@@ -69,6 +69,13 @@ def add_model_args(parser) -> None:
     parser.add_argument("--dtype", default="float32")
 
 
+def engine_stages(engine) -> dict:
+    """The in-process reading of the counters per_round_ms takes (Engine.stage_times)."""
+    t = engine.stage_times
+    return {"batch_rounds": t.batch_rounds, "rounds": t.rounds, "draft": t.draft, "verify": t.verify, "host": t.host,
+            "verify_gpu": t.verify_gpu}
+
+
 def per_round_ms(before: dict, after: dict) -> dict:
     """Engine stage times per batch round (ms) between two readings of {batch_rounds, rounds, draft, verify, host}:
     the same counters in process (Engine.stage_times) and through Triton (its metrics), so the two sides compare

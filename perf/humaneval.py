@@ -46,7 +46,7 @@ from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method  # noqa: E402
-from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
+from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
 
 PROMPT_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
@@ -153,12 +153,6 @@ def acceptance_phase(engine: Engine, prompt_ids: list[list[int]], methods: list[
 
 
 # -- phase 2: speed at batch 1 ---------------------------------------------------------
-def engine_stages(engine: Engine) -> dict:
-    t = engine.stage_times
-    return {"batch_rounds": t.batch_rounds, "rounds": t.rounds, "draft": t.draft, "verify": t.verify, "host": t.host,
-            "verify_gpu": t.verify_gpu}
-
-
 def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[Method], temperatures: list[float],
                      max_new_tokens: int, seed: int) -> tuple[dict, dict]:
     """(results[T][method], outputs[T][method] = output ids per prompt), one request at a time."""

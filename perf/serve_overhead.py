@@ -40,12 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree import api  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
-from ddtree.engine import Engine, StageTimes  # noqa: E402
+from ddtree.engine import Engine  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.serving import GenerationService  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method, chat_prompts  # noqa: E402
-from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
+from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
 
 SIDES = ("alone", "service", "triton")
 
@@ -69,11 +69,6 @@ class KeepingSink:
     def send_error(self, message: str, kind: str, final: bool = True) -> None:
         self.error = message
         self.done.set()
-
-
-def stage_reading(times: StageTimes) -> dict:
-    return {"batch_rounds": times.batch_rounds, "rounds": times.rounds, "draft": times.draft, "verify": times.verify,
-            "verify_gpu": times.verify_gpu, "host": times.host}
 
 
 def params_for(method: Method, max_tokens: int) -> SamplingParams:
@@ -177,12 +172,12 @@ def _measure(args: argparse.Namespace, config: EngineConfig, prompts: list[list[
                 run = (lambda ps: run_alone(engine, ps, params)) if side == "alone" else \
                     (lambda ps: run_service(service, ps, params, args.timeout_s))
                 run(prompts[:1])   # unmeasured: first use of this method's shapes on this side
-                before = stage_reading(engine.stage_times)
+                before = engine_stages(engine)
                 start = time.perf_counter()
                 tokens = run(tqdm(prompts, desc=f"{side} {method.name}", leave=False))
                 seconds = time.perf_counter() - start
                 result[side][method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
-                                             "stages": per_round_ms(before, stage_reading(engine.stage_times))}
+                                             "stages": per_round_ms(before, engine_stages(engine))}
     finally:
         if service is not None:
             service.shutdown()
@@ -242,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
     args.sides = [s for s in args.sides.split(",") if s]
@@ -274,11 +270,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.shared_python and in_process:
         with tempfile.TemporaryDirectory() as tmp:
             child = Path(tmp) / "child.json"
-            argv = sys.argv[1:] + ["--sides", ",".join(s for s in args.sides if s != "triton")]
+            child_argv = argv + ["--sides", ",".join(in_process)]
             env = os.environ | {"DDTREE_SHARED_PYTHON": "1",
                                 "PYTHONPATH": os.pathsep.join(p for p in sys.path if p.endswith("site-packages"))
                                 + os.pathsep + os.environ.get("PYTHONPATH", "")}
-            subprocess.run([args.shared_python, str(Path(__file__).resolve()), *argv, "--child-out", str(child)],
+            subprocess.run([args.shared_python, str(Path(__file__).resolve()), *child_argv, "--child-out", str(child)],
                            check=True, env=env)
             result["runs"]["shared libpython"] = json.loads(child.read_text())
     write_results(Path(args.out), args.name, result, table(result))
