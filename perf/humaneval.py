@@ -178,11 +178,12 @@ def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[
     return results, outputs
 
 
-def stream_one(url: str, prompt: str, sampling: dict) -> dict:
-    """One streamed ensemble request: seconds from send to the final response, tokens, tau, text."""
+def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True) -> dict:
+    """One ensemble request over a gRPC stream: seconds from send to the final response, tokens, tau, text. With
+    stream=False the model answers with one final response instead of one per round."""
     from client.chat import build_inputs, stream_chat
 
-    inputs = build_inputs(messages_for(prompt), sampling, chat_template_kwargs=CHAT_TEMPLATE_KWARGS)
+    inputs = build_inputs(messages_for(prompt), sampling, stream=stream, chat_template_kwargs=CHAT_TEMPLATE_KWARGS)
     start = time.perf_counter()
     end, tokens, text, stats = start, 0, [], {}
     for delta, outputs in stream_chat(url, "ensemble", inputs):

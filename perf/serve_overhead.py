@@ -9,7 +9,10 @@ without Triton, with the same engine and requests:
 - `service`: the same requests through GenerationService (engine thread + outbox thread, a sink that keeps the
   responses), the threads and per-round response building the Triton model has, with no IPC;
 - `triton`: the same prompts (as chat messages) through a real tritonserver's ensemble, the engine's stage times from
-  the model's metrics;
+  the model's metrics; `triton final` the same with stream=false (one response per request instead of one per round:
+  the per-round IPC, ensemble and client work gone, the stub and the server the same); each --triton-args variant
+  starts its own server (e.g. without GPU metrics or memory pools), and the CPU seconds of the server's processes
+  (server, each model's stub) and of this client over each measured window are recorded;
 - each under the interpreter running this script and, with --shared-python, again under a launcher linked against the
   shared libpython (the stub's interpreter: scripts/build_shared_python.sh builds one); the triton side runs once.
 
@@ -48,6 +51,7 @@ from perf.bench import Method, chat_prompts  # noqa: E402
 from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
 
 SIDES = ("alone", "service", "triton")
+TRITON_SIDES = {"stream": "triton", "final": "triton final"}   # --triton-streams value -> side name
 
 
 class KeepingSink:
@@ -108,30 +112,71 @@ def gpu_processes() -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
+def server_processes(session: int) -> dict[int, str]:
+    """{pid: label} of the processes in a server's session (tritonserver started with start_new_session): the server
+    and each Python model's stub, labelled by the model directory its command line names. {} without /proc."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) != session:   # fields after the name: state ppid pgrp session ...
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        name = Path(argv[0].decode(errors="replace")).name
+        model = next((Path(a.decode(errors="replace")).parent.parent.name for a in argv if a.endswith(b"model.py")), "")
+        found[int(entry.name)] = f"stub {model}" if model else name
+    return found
+
+
+def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far, by label; this process as `client`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for pid, label in pids.items():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            used[label] = used.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue
+    times = os.times()
+    used["client"] = times.user + times.system
+    return used
+
+
 def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method], max_tokens: int,
-                   server_args: list[str]) -> tuple[dict, list[str]]:
-    """The same requests (as chat messages) streamed through a real tritonserver's ensemble, one at a time; the
-    engine's stage times from the model's metrics."""
+                   server_args: list[str], streams: list[str]) -> tuple[dict, list[str]]:
+    """The same requests (as chat messages) through a real tritonserver's ensemble over gRPC streams, one at a time,
+    streamed (one response per round) and/or final-only; the engine's stage times from the model's metrics and the
+    CPU seconds of the server's processes and this client per measured request."""
     from perf.humaneval import stream_one
     from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
 
-    result, processes = {}, []
+    result, processes = {TRITON_SIDES[s]: {} for s in streams}, []
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
                                                          "max_num_seqs": str(config.max_num_seqs)})
         with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log"), extra_args=server_args) as server:
             processes = gpu_processes()   # the CUDA contexts on the GPU while the server serves
-            for method in methods:
-                sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode,
-                            "tree_budget": method.budget, "seed": 0}
-                stream_one(server.grpc_url, texts[0], sampling)   # unmeasured, as on the other sides
-                before = triton_stages(server.metrics_url)
-                start = time.perf_counter()
-                tokens = sum(stream_one(server.grpc_url, t, sampling)["tokens"]
-                             for t in tqdm(texts, desc=f"triton {method.name}", leave=False))
-                seconds = time.perf_counter() - start
-                result[method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
-                                       "stages": per_round_ms(before, wait_stages(server.metrics_url, before))}
+            pids = server_processes(server.process.pid)
+            for stream in streams:
+                side = TRITON_SIDES[stream]
+                for method in methods:
+                    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode,
+                                "tree_budget": method.budget, "seed": 0}
+                    stream_one(server.grpc_url, texts[0], sampling, stream == "stream")   # unmeasured, as elsewhere
+                    before, cpu_before = triton_stages(server.metrics_url), cpu_seconds(pids)
+                    start = time.perf_counter()
+                    tokens = sum(stream_one(server.grpc_url, t, sampling, stream == "stream")["tokens"]
+                                 for t in tqdm(texts, desc=f"{side} {method.name}", leave=False))
+                    seconds = time.perf_counter() - start
+                    cpu = {k: (v - cpu_before.get(k, 0.0)) / len(texts) for k, v in cpu_seconds(pids).items()}
+                    result[side][method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens,
+                                                 "seconds": seconds, "cpu_s_per_request": cpu,
+                                                 "stages": per_round_ms(before, wait_stages(server.metrics_url, before))}
     return result, processes
 
 
@@ -192,11 +237,11 @@ def interpreter() -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| interpreter | side | method | tok/s | vs alone (same interpreter) | draft ms | verify ms | verify GPU ms | host ms |",
+    lines = ["| run | side | method | tok/s | vs alone (this interpreter's if none) | draft ms | verify ms | verify GPU ms | host ms |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, runs in result["runs"].items():
-        alone = runs.get("alone", {})
-        for side in SIDES:
+        alone = runs.get("alone") or result["runs"].get("this interpreter", {}).get("alone", {})
+        for side in dict.fromkeys((*SIDES, *TRITON_SIDES.values())):
             for name, r in runs.get(side, {}).items():
                 base = alone.get(name, {}).get("tokens_per_s")
                 s = r["stages"]
@@ -212,10 +257,19 @@ def table(result: dict) -> str:
                 other = runs["shared libpython"].get(side, {}).get(name)
                 if other:
                     lines.append(f"| {side} | {name} | {other['tokens_per_s'] / r['tokens_per_s']:.2f} |")
+    cpu_rows = [(label, side, name, r["cpu_s_per_request"]) for label, run in runs.items()
+                for side in TRITON_SIDES.values() for name, r in run.get(side, {}).items() if "cpu_s_per_request" in r]
+    if cpu_rows:
+        labels = sorted({k for *_, cpu in cpu_rows for k in cpu})
+        lines += ["", "CPU seconds per request of each process while it was served (server, stubs, this client):", "",
+                  "| run | side | method | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+        lines += [f"| {label} | {side} | {name} | " + " | ".join(f"{cpu.get(k, 0.0):.3f}" for k in labels) + " |"
+                  for label, side, name, cpu in cpu_rows]
     late = {label: len(r["late_programs"]) for label, r in runs.items() if "late_programs" in r}
     lines += ["", f"Static programs made after warm-up (captured inside measured requests): {late}"]
-    if result.get("gpu_processes"):
-        lines += ["", "Processes on the GPU while tritonserver served (nvidia-smi): " + "; ".join(result["gpu_processes"])]
+    for label, processes in result.get("gpu_processes", {}).items():
+        if processes:
+            lines += ["", f"Processes on the GPU while tritonserver ({label}) served (nvidia-smi): " + "; ".join(processes)]
     return "\n".join(lines)
 
 
@@ -232,8 +286,11 @@ def main(argv: list[str] | None = None) -> dict:
                         "the same measurement again under it (the Triton stub's interpreter)")
     parser.add_argument("--foreign-context", action="store_true", help="the in-process sides with another process "
                         "holding an idle CUDA context on the device (what a tritonserver beside the stub does)")
-    parser.add_argument("--triton-args", default="", help="extra tritonserver arguments for the triton side "
-                        "(e.g. '--pinned-memory-pool-byte-size=0 --cuda-memory-pool-byte-size=0:0')")
+    parser.add_argument("--triton-args", action="append", default=None, help="extra tritonserver arguments for the "
+                        "triton side (e.g. '--allow-gpu-metrics=false'); repeat for several servers, one after another "
+                        "(an empty value: the default server)")
+    parser.add_argument("--triton-streams", default="stream", help="comma-separated: stream (a response per round), "
+                        "final (stream=false: one response per request)")
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
@@ -243,6 +300,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.sides = [s for s in args.sides.split(",") if s]
     if unknown := set(args.sides) - set(SIDES):
         parser.error(f"unknown sides {sorted(unknown)}; choose from {SIDES}")
+    args.triton_streams = [s for s in args.triton_streams.split(",") if s]
+    if not args.triton_streams or set(args.triton_streams) - set(TRITON_SIDES):
+        parser.error(f"--triton-streams: choose from {sorted(TRITON_SIDES)}")
+    args.triton_args = args.triton_args or [""]
     methods = []
     for name in args.methods.split(","):
         mode, _, budget = name.partition("-")
@@ -265,8 +326,12 @@ def main(argv: list[str] | None = None) -> dict:
     result["runs"]["this interpreter"] = (measure(args, config, prompts, methods) if in_process else {}) | {
         "interpreter": interpreter()}
     if "triton" in args.sides:
-        result["runs"]["this interpreter"]["triton"], result["gpu_processes"] = measure_triton(
-            config, prompt_texts, methods, args.max_tokens, shlex.split(args.triton_args))
+        result["gpu_processes"] = {}
+        for extra in args.triton_args:   # the default server's sides sit beside the in-process ones
+            label = f"triton {extra}" if extra else "this interpreter"
+            sides, result["gpu_processes"][extra or "default"] = measure_triton(
+                config, prompt_texts, methods, args.max_tokens, shlex.split(extra), args.triton_streams)
+            result["runs"].setdefault(label, {}).update(sides)
     if args.shared_python and in_process:
         with tempfile.TemporaryDirectory() as tmp:
             child = Path(tmp) / "child.json"

@@ -1,0 +1,111 @@
+"""Small timed workloads and the process's facts, run the same way in any process (perf/stub_probe.py runs it here
+and inside a Triton Python-backend stub). Imports torch and numpy only: the stub's environment has both."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+TIMINGS = {
+    "python_loop_ms": "ms for 200k iterations of a pure-Python loop",
+    "torch_cpu_ops_us": "us per small CPU torch op (dispatch)",
+    "cuda_eager_launch_us": "us of host time per eager CUDA kernel launch",
+    "graph_launch_ms": "ms of host time per replay of an 800-kernel CUDA graph",
+    "graph_gpu_ms": "ms of GPU time per replay of that graph (events)",
+    "graph_wall_ms": "ms per replay + synchronize",
+}
+
+_SKIP_ENV = ("LS_COLORS", "PS1", "OLDPWD", "PWD", "SHLVL", "_", "TERM")
+
+
+def facts() -> dict:
+    import numpy
+    import torch
+
+    libraries = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if ".so" in path:
+                    libraries.add(os.path.basename(path))
+    except OSError:
+        pass
+    return {"pid": os.getpid(), "python": sys.version.split()[0], "numpy": numpy.__version__,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(),
+            "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "nice": os.nice(0), "threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
+            "libraries": sorted(libraries),
+            "environment": {k: v for k, v in os.environ.items() if k not in _SKIP_ENV}}
+
+
+def _median(fn, repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def probe(device: str = "cpu", repeats: int = 5) -> dict:
+    import torch
+
+    def python_loop() -> float:
+        start = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i & 7
+        return (time.perf_counter() - start) * 1e3
+
+    x = torch.ones(64)
+
+    def cpu_ops() -> float:
+        start = time.perf_counter()
+        y = x
+        for _ in range(2000):
+            y = y.add(1.0)
+        return (time.perf_counter() - start) / 2000 * 1e6
+
+    timings = {"python_loop_ms": _median(python_loop, repeats), "torch_cpu_ops_us": _median(cpu_ops, repeats)}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.device(device)
+        a = torch.ones(4096, device=dev)
+        torch.cuda.synchronize(dev)
+
+        def eager() -> float:
+            start = time.perf_counter()
+            y = a
+            for _ in range(1000):
+                y = y.add(1.0)
+            launched = time.perf_counter() - start
+            torch.cuda.synchronize(dev)
+            return launched / 1000 * 1e6
+
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):   # warm the kernels outside the capture
+            eager()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        static = a.clone()
+        with torch.cuda.graph(graph):
+            y = static
+            for _ in range(400):
+                y = y.mul(1.0001).add(1.0)   # 800 tiny kernels: a host-bound replay, like a decode step
+        torch.cuda.synchronize(dev)
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        launch, gpu, wall = [], [], []
+        for _ in range(max(repeats, 5) * 4):
+            torch.cuda.synchronize(dev)
+            start = time.perf_counter()
+            start_event.record()
+            graph.replay()
+            end_event.record()
+            launched = time.perf_counter()
+            end_event.synchronize()
+            done = time.perf_counter()
+            launch.append((launched - start) * 1e3)
+            wall.append((done - start) * 1e3)
+            gpu.append(start_event.elapsed_time(end_event))
+        timings |= {"cuda_eager_launch_us": _median(eager, repeats), "graph_launch_ms": statistics.median(launch),
+                    "graph_gpu_ms": statistics.median(gpu), "graph_wall_ms": statistics.median(wall)}
+    return {"timings": timings, "facts": facts()}
