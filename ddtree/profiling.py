@@ -63,3 +63,16 @@ class StepProfiler:
             logger.warning("profile of %d steps written to %s", self.steps, path)
         except Exception:
             logger.exception("DDTREE_PROFILE: could not write the profile to %s", self.directory)
+
+
+def name_native_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (Linux: /proc/<pid>/task/<tid>/comm, at most 15 bytes), so that top,
+    py-spy and perf/serve_overhead.py's per-thread CPU table can tell the engine's threads from the stub's. Best
+    effort: a no-op where prctl is unavailable."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)   # PR_SET_NAME
+    except (OSError, AttributeError, TypeError):
+        pass

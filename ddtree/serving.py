@@ -20,7 +20,7 @@ from ddtree import api
 from ddtree.detokenize import IncrementalDetokenizer
 from ddtree.engine import Engine
 from ddtree.errors import EngineUnavailable, InvalidRequest
-from ddtree.profiling import StepProfiler
+from ddtree.profiling import StepProfiler, name_native_thread
 from ddtree.request import Request, RequestOutput
 from ddtree.stop_registry import StopRegistry
 
@@ -132,6 +132,7 @@ class Outbox:
             logger.exception("outbox call %s failed", getattr(call, "__name__", call))
 
     def _run(self) -> None:
+        name_native_thread("ddtree-outbox")
         while (item := self._queue.get()) is not None:
             self._call(*item)
 
@@ -256,6 +257,7 @@ class GenerationService:
                 auto_arm_rounds=dict(self.stats.auto_arm_rounds)))
 
     def _loop(self) -> None:
+        name_native_thread("ddtree-engine")
         try:
             while not self._stopping and self.fatal_error is None:
                 self._take_jobs(block=not self.engine.has_work)

@@ -3,9 +3,12 @@ and inside a Triton Python-backend stub). Imports torch and numpy only: the stub
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
+import sysconfig
+import threading
 import time
 
 TIMINGS = {
@@ -33,7 +36,14 @@ def facts() -> dict:
                     libraries.add(os.path.basename(path))
     except OSError:
         pass
-    return {"pid": os.getpid(), "python": sys.version.split()[0], "numpy": numpy.__version__,
+    monitoring = getattr(sys, "monitoring", None)
+    interpreter = {"executable": sys.executable, "trace": repr(sys.gettrace()), "profile": repr(sys.getprofile()),
+                   "monitoring_tools": [monitoring.get_tool(i) for i in range(6)] if monitoring else None,
+                   "switch_interval": sys.getswitchinterval(), "flags": repr(sys.flags),
+                   "gc": {"enabled": gc.isenabled(), "threshold": gc.get_threshold(), "objects": len(gc.get_objects())},
+                   "threads": [t.name for t in threading.enumerate()],
+                   "cflags": sysconfig.get_config_var("PY_CFLAGS"), "ldlibrary": sysconfig.get_config_var("LDLIBRARY")}
+    return {"pid": os.getpid(), "python": sys.version.split()[0], "numpy": numpy.__version__, "interpreter": interpreter,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "interop_threads": torch.get_num_interop_threads(),
             "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -42,11 +52,50 @@ def facts() -> dict:
             "environment": {k: v for k, v in os.environ.items() if k not in _SKIP_ENV}}
 
 
+def thread_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of a process so far: {"<tid> <name>": seconds}, {} without /proc."""
+    tick, used = os.sysconf("SC_CLK_TCK"), {}
+    task = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(task)
+    except OSError:
+        return used
+    for tid in tids:
+        try:
+            with open(f"{task}/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        used[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+def busy_threads(before: dict[str, float], after: dict[str, float], seconds: float, me: int, main: int,
+                 top: int = 6) -> list[str]:
+    """The threads that used the most CPU between two thread_cpu() readings, as "<label>: <share of the wall>"."""
+    delta = sorted(((after[k] - before.get(k, 0.0), k) for k in after), reverse=True)[:top]
+    rows = []
+    for used, key in delta:
+        tid = int(key.split()[0])
+        role = " (this thread)" if tid == me else " (main)" if tid == main else ""
+        rows.append(f"{key}{role}: {used / max(seconds, 1e-9):.0%}")
+    return rows
+
+
 def _median(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
 def probe(device: str = "cpu", repeats: int = 5) -> dict:
+    threads_before, wall_start = thread_cpu(), time.perf_counter()
+    result = _probe(device, repeats)
+    result["busy_threads"] = busy_threads(threads_before, thread_cpu(), time.perf_counter() - wall_start,
+                                          threading.get_native_id(), os.getpid())
+    return result
+
+
+def _probe(device: str, repeats: int) -> dict:
     import torch
 
     def python_loop() -> float:

@@ -49,6 +49,7 @@ from ddtree.serving import GenerationService  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method, chat_prompts  # noqa: E402
 from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
+from perf.probe_workload import busy_threads, thread_cpu  # noqa: E402
 
 SIDES = ("alone", "service", "triton")
 TRITON_SIDES = {"stream": "triton", "final": "triton final"}   # --triton-streams value -> side name
@@ -162,6 +163,7 @@ def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method]
         with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log"), extra_args=server_args) as server:
             processes = gpu_processes()   # the CUDA contexts on the GPU while the server serves
             pids = server_processes(server.process.pid)
+            engine_pid = next((pid for pid, label in pids.items() if label == "stub ddtree"), None)
             for stream in streams:
                 side = TRITON_SIDES[stream]
                 for method in methods:
@@ -169,13 +171,17 @@ def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method]
                                 "tree_budget": method.budget, "seed": 0}
                     stream_one(server.grpc_url, texts[0], sampling, stream == "stream")   # unmeasured, as elsewhere
                     before, cpu_before = triton_stages(server.metrics_url), cpu_seconds(pids)
+                    threads_before = thread_cpu(engine_pid) if engine_pid else {}
                     start = time.perf_counter()
                     tokens = sum(stream_one(server.grpc_url, t, sampling, stream == "stream")["tokens"]
                                  for t in tqdm(texts, desc=f"{side} {method.name}", leave=False))
                     seconds = time.perf_counter() - start
                     cpu = {k: (v - cpu_before.get(k, 0.0)) / len(texts) for k, v in cpu_seconds(pids).items()}
+                    threads = busy_threads(threads_before, thread_cpu(engine_pid), seconds, 0, engine_pid) \
+                        if engine_pid else []
                     result[side][method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens,
                                                  "seconds": seconds, "cpu_s_per_request": cpu,
+                                                 "engine_stub_threads": threads,
                                                  "stages": per_round_ms(before, wait_stages(server.metrics_url, before))}
     return result, processes
 
@@ -265,6 +271,10 @@ def table(result: dict) -> str:
                   "| run | side | method | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
         lines += [f"| {label} | {side} | {name} | " + " | ".join(f"{cpu.get(k, 0.0):.3f}" for k in labels) + " |"
                   for label, side, name, cpu in cpu_rows]
+        lines += ["", "The generation model's stub: its busiest threads while served (share of the wall time):", ""]
+        lines += [f"- {label}, {side}, {name}: " + "; ".join(r["engine_stub_threads"])
+                  for label, run in runs.items() for side in TRITON_SIDES.values()
+                  for name, r in run.get(side, {}).items() if r.get("engine_stub_threads")]
     late = {label: len(r["late_programs"]) for label, r in runs.items() if "late_programs" in r}
     lines += ["", f"Static programs made after warm-up (captured inside measured requests): {late}"]
     for label, processes in result.get("gpu_processes", {}).items():

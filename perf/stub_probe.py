@@ -23,6 +23,7 @@ import shlex
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -126,7 +127,7 @@ def probe_in_stub(settings: dict, sends_per_s: float, server_args: list[str], wo
 def differences(here: dict, there: dict) -> dict:
     """The facts in which the stub's process differs from this one."""
     diff = {}
-    for key in ("torch_threads", "interop_threads", "affinity", "nice", "python", "numpy"):
+    for key in ("torch_threads", "interop_threads", "affinity", "nice", "python", "numpy", "interpreter"):
         if here["facts"].get(key) != there["facts"].get(key):
             diff[key] = {"here": here["facts"].get(key), "stub": there["facts"].get(key)}
     libs_here, libs_there = set(here["facts"]["libraries"]), set(there["facts"]["libraries"])
@@ -148,6 +149,9 @@ def table(result: dict) -> str:
                  f"{run['timings'][k]:.3f}" for k in keys]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Units: " + "; ".join(f"{k}: {TIMINGS[k]}" for k in keys), ""]
+    lines += ["Threads that used the most CPU while each probe ran (share of its wall time):", ""]
+    lines += [f"- {label}: " + "; ".join(run.get("busy_threads", [])) for label, run in runs.items()]
+    lines.append("")
     for label, diff in result["differences"].items():
         lines += [f"Facts of the stub ({label}) that differ from this process:", "", "```",
                   json.dumps(diff, indent=1)[:6000], "```", ""]
@@ -167,6 +171,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     settings = {"device": args.device, "repeats": args.repeats}
     result = {"header": header(), "settings": settings, "runs": {"in process": probe(**settings)}, "differences": {}}
+    own: dict = {}   # the same on a thread of this process (the engine thread's situation, without the stub)
+    thread = threading.Thread(target=lambda: own.update(probe(**settings)))
+    thread.start()
+    thread.join()
+    result["runs"]["in process, own thread"] = own
     for extra in args.triton_args or [""]:
         with tempfile.TemporaryDirectory() as tmp:
             for way, run in probe_in_stub(settings, args.sends_per_s, shlex.split(extra), Path(tmp)).items():

@@ -42,3 +42,24 @@ def test_a_bad_setting_or_an_unwritable_directory_never_stops_serving(tmp_path, 
     profiler = StepProfiler(f"{blocker}/sub:0:2")      # a directory under a file: cannot be made
     run_steps(profiler, 3)                             # the write fails inside after_step: logged, no exception
     assert profiler.count == 3 and not (blocker / "sub").exists()
+
+
+def test_named_native_thread():
+    """The engine's threads carry OS-level names (what per-thread CPU tables and top show)."""
+    import os
+    import threading
+
+    from ddtree.profiling import name_native_thread
+
+    seen = {}
+
+    def run():
+        name_native_thread("ddtree-engine-long-name")
+        tid = threading.get_native_id()
+        with open(f"/proc/{os.getpid()}/task/{tid}/comm") as f:
+            seen["comm"] = f.read().strip()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen["comm"] == "ddtree-engine-l"   # truncated to the kernel's 15 bytes
