@@ -83,6 +83,24 @@ def busy_threads(before: dict[str, float], after: dict[str, float], seconds: flo
     return rows
 
 
+def python_loop_ms() -> float:
+    """ms for 200k iterations of a pure-Python loop: the interpreter's speed on this CPU now."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(200_000):
+        total += i & 7
+    return (time.perf_counter() - start) * 1e3
+
+
+def cpu_ops_us(x) -> float:
+    """us per small CPU torch op on tensor x (dispatch cost)."""
+    start = time.perf_counter()
+    y = x
+    for _ in range(2000):
+        y = y.add(1.0)
+    return (time.perf_counter() - start) / 2000 * 1e6
+
+
 def _median(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
@@ -98,23 +116,9 @@ def probe(device: str = "cpu", repeats: int = 5) -> dict:
 def _probe(device: str, repeats: int) -> dict:
     import torch
 
-    def python_loop() -> float:
-        start = time.perf_counter()
-        total = 0
-        for i in range(200_000):
-            total += i & 7
-        return (time.perf_counter() - start) * 1e3
-
     x = torch.ones(64)
-
-    def cpu_ops() -> float:
-        start = time.perf_counter()
-        y = x
-        for _ in range(2000):
-            y = y.add(1.0)
-        return (time.perf_counter() - start) / 2000 * 1e6
-
-    timings = {"python_loop_ms": _median(python_loop, repeats), "torch_cpu_ops_us": _median(cpu_ops, repeats)}
+    timings = {"python_loop_ms": _median(python_loop_ms, repeats),
+               "torch_cpu_ops_us": _median(lambda: cpu_ops_us(x), repeats)}
     if device.startswith("cuda") and torch.cuda.is_available():
         dev = torch.device(device)
         a = torch.ones(4096, device=dev)

@@ -47,8 +47,9 @@ from ddtree.engine import Engine  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.serving import GenerationService  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
-from perf.bench import Method, chat_prompts  # noqa: E402
+from perf.bench import Method  # noqa: E402
 from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
+from perf.humaneval import encode_prompts  # noqa: E402
 from perf.probe_workload import busy_threads, thread_cpu  # noqa: E402
 
 SIDES = ("alone", "service", "triton")
@@ -148,42 +149,96 @@ def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
     return used
 
 
-def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method], max_tokens: int,
-                   server_args: list[str], streams: list[str]) -> tuple[dict, list[str]]:
-    """The same requests (as chat messages) through a real tritonserver's ensemble over gRPC streams, one at a time,
-    streamed (one response per round) and/or final-only; the engine's stage times from the model's metrics and the
-    CPU seconds of the server's processes and this client per measured request."""
-    from perf.humaneval import stream_one
-    from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
+@contextmanager
+def serving(config: EngineConfig, server_args: list[str]):
+    """A real tritonserver serving `config` (the in-process engine's own cache sizes, so the same static shapes)."""
+    from perf.triton_bench import TritonServer, make_repository
 
-    result, processes = {TRITON_SIDES[s]: {} for s in streams}, []
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
                                                          "max_num_seqs": str(config.max_num_seqs)})
         with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log"), extra_args=server_args) as server:
-            processes = gpu_processes()   # the CUDA contexts on the GPU while the server serves
-            pids = server_processes(server.process.pid)
-            engine_pid = next((pid for pid, label in pids.items() if label == "stub ddtree"), None)
-            for stream in streams:
-                side = TRITON_SIDES[stream]
-                for method in methods:
-                    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode,
-                                "tree_budget": method.budget, "seed": 0}
-                    stream_one(server.grpc_url, texts[0], sampling, stream == "stream")   # unmeasured, as elsewhere
-                    before, cpu_before = triton_stages(server.metrics_url), cpu_seconds(pids)
-                    threads_before = thread_cpu(engine_pid) if engine_pid else {}
-                    start = time.perf_counter()
-                    tokens = sum(stream_one(server.grpc_url, t, sampling, stream == "stream")["tokens"]
-                                 for t in tqdm(texts, desc=f"{side} {method.name}", leave=False))
-                    seconds = time.perf_counter() - start
-                    cpu = {k: (v - cpu_before.get(k, 0.0)) / len(texts) for k, v in cpu_seconds(pids).items()}
-                    threads = busy_threads(threads_before, thread_cpu(engine_pid), seconds, 0, engine_pid) \
-                        if engine_pid else []
-                    result[side][method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens,
-                                                 "seconds": seconds, "cpu_s_per_request": cpu,
-                                                 "engine_stub_threads": threads,
-                                                 "stages": per_round_ms(before, wait_stages(server.metrics_url, before))}
+            yield server
+
+
+def triton_pass(server, texts: list[str], method: Method, max_tokens: int, stream: bool, warm: bool = True) -> dict:
+    """The requests (as chat messages) through the server's ensemble over gRPC streams, one at a time: tokens/s, the
+    engine's stage times from the model's metrics, the CPU seconds of the server's processes and this client per
+    request, and the generation stub's busiest threads."""
+    from perf.humaneval import stream_one
+    from perf.triton_bench import triton_stages, wait_stages
+
+    pids = server_processes(server.process.pid)
+    engine_pid = next((pid for pid, label in pids.items() if label == "stub ddtree"), None)
+    sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode, "tree_budget": method.budget,
+                "seed": 0}
+    if warm:
+        stream_one(server.grpc_url, texts[0], sampling, stream)   # unmeasured, as on the other sides
+    before, cpu_before = triton_stages(server.metrics_url), cpu_seconds(pids)
+    threads_before = thread_cpu(engine_pid) if engine_pid else {}
+    start = time.perf_counter()
+    runs = [stream_one(server.grpc_url, t, sampling, stream) for t in tqdm(texts, desc=f"triton {method.name}", leave=False)]
+    seconds = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in runs)
+    cpu = {k: (v - cpu_before.get(k, 0.0)) / len(texts) for k, v in cpu_seconds(pids).items()}
+    threads = busy_threads(threads_before, thread_cpu(engine_pid), seconds, 0, engine_pid) if engine_pid else []
+    return {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds, "cpu_s_per_request": cpu,
+            "num_input_tokens": [r["num_input_tokens"] for r in runs], "engine_stub_threads": threads,
+            "stages": per_round_ms(before, wait_stages(server.metrics_url, before))}
+
+
+def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method], max_tokens: int,
+                   server_args: list[str], streams: list[str]) -> tuple[dict, list[str]]:
+    """{side: {method: triton_pass()}} for each of `streams` (a response per round, or final-only), and the processes
+    on the GPU while the server served."""
+    result = {TRITON_SIDES[s]: {} for s in streams}
+    with serving(config, server_args) as server:
+        processes = gpu_processes()   # the CUDA contexts on the GPU while the server serves
+        for stream in streams:
+            for method in methods:
+                result[TRITON_SIDES[stream]][method.name] = triton_pass(server, texts, method, max_tokens,
+                                                                        stream == "stream")
     return result, processes
+
+
+def timed_alone(engine: Engine, prompts: list[list[int]], method: Method, max_tokens: int) -> dict:
+    params = params_for(method, max_tokens)
+    before = engine_stages(engine)
+    start = time.perf_counter()
+    tokens = run_alone(engine, prompts, params)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
+            "num_input_tokens": [len(ids) for ids in prompts], "stages": per_round_ms(before, engine_stages(engine))}
+
+
+def interleaved(args: argparse.Namespace, config: EngineConfig, prompts: list[list[int]], texts: list[str],
+                methods: list[Method]) -> dict:
+    """The engine alone and through Triton in turns, `--repeats` times, with both alive at once: pairs measured
+    under the same machine conditions (host-bound rounds follow the CPU's speed, which drifts: perf/host_speed.py).
+    Before each pair, this process's interpreter speed (a pure-Python loop) is recorded as a reading of the host."""
+    from perf.probe_workload import python_loop_ms
+
+    engine = Engine(config)
+    engine.warm_up()
+    turns = []
+    with serving(config, shlex.split(args.triton_args[0])) as server:
+        stream = args.triton_streams[0] == "stream"
+        for method in methods:   # first use of each method's shapes on both sides, unmeasured
+            run_alone(engine, prompts[:1], params_for(method, args.max_tokens))
+            triton_pass(server, texts[:1], method, args.max_tokens, stream, warm=False)
+        for repeat in tqdm(range(args.repeats), desc="pairs"):
+            for method in methods:
+                host = sorted(python_loop_ms() for _ in range(5))[2]
+                alone = timed_alone(engine, prompts, method, args.max_tokens)
+                triton = triton_pass(server, texts, method, args.max_tokens, stream, warm=False)
+                turns.append({"repeat": repeat, "method": method.name, "host_loop_ms": host, "alone": alone,
+                              "triton": triton, "ratio": triton["tokens_per_s"] / alone["tokens_per_s"]})
+    summary = {}
+    for method in methods:
+        ratios = sorted(t["ratio"] for t in turns if t["method"] == method.name)
+        summary[method.name] = {"median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0], "max_ratio": ratios[-1]}
+    return {"side": TRITON_SIDES[args.triton_streams[0]], "server_args": args.triton_args[0], "turns": turns,
+            "summary": summary}
 
 
 @contextmanager
@@ -242,7 +297,25 @@ def interpreter() -> dict:
             "linked_shared": os.environ.get("DDTREE_SHARED_PYTHON", "") != ""}
 
 
+def interleaved_table(result: dict) -> str:
+    data = result["interleaved"]
+    lines = [f"Alone and through Triton ({data['side']}, server args '{data['server_args']}') in turns, both alive:", "",
+             "| pair | method | host loop ms | alone tok/s | triton tok/s | triton / alone | alone verify GPU ms | "
+             "triton verify GPU ms |", "|---|---|---|---|---|---|---|---|"]
+    for t in data["turns"]:
+        lines.append(f"| {t['repeat']} | {t['method']} | {t['host_loop_ms']:.1f} | {t['alone']['tokens_per_s']:.1f} | "
+                     f"{t['triton']['tokens_per_s']:.1f} | {t['ratio']:.2f} | "
+                     f"{t['alone']['stages'].get('verify_gpu_ms', 0.0):.2f} | "
+                     f"{t['triton']['stages'].get('verify_gpu_ms', 0.0):.2f} |")
+    lines += ["", "| method | median triton / alone | min | max |", "|---|---|---|---|"]
+    lines += [f"| {name} | {s['median_ratio']:.2f} | {s['min_ratio']:.2f} | {s['max_ratio']:.2f} |"
+              for name, s in data["summary"].items()]
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
+    if "interleaved" in result:
+        return interleaved_table(result)
     lines = ["| run | side | method | tok/s | vs alone (this interpreter's if none) | draft ms | verify ms | verify GPU ms | host ms |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, runs in result["runs"].items():
@@ -301,6 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "(an empty value: the default server)")
     parser.add_argument("--triton-streams", default="stream", help="comma-separated: stream (a response per round), "
                         "final (stream=false: one response per request)")
+    parser.add_argument("--repeats", type=int, default=0, help="instead of the sides: the engine alone and through "
+                        "Triton (the first --triton-args and --triton-streams) in turns this many times, both alive")
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
@@ -319,9 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
         mode, _, budget = name.partition("-")
         methods.append(Method(mode, int(budget or 1)))
     prompt_texts = json.loads((ROOT / "perf/prompts.json").read_text())[: args.num_prompts]
-    from transformers import AutoTokenizer
-
-    prompts = chat_prompts(AutoTokenizer.from_pretrained(args.target), prompt_texts)
+    # the ids the Triton side's preprocessing makes from the same chat messages: the same requests on every side
+    prompts = encode_prompts(Tokenizer(args.target), prompt_texts)
     config = engine_config(args, prompts, methods)
     if args.child_out:   # the run under the shared-libpython launcher: its results to the parent
         result = measure(args, config, prompts, methods) | {"interpreter": interpreter()}
@@ -331,6 +405,10 @@ def main(argv: list[str] | None = None) -> dict:
               "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
               "methods": [m.name for m in methods], "foreign_context": args.foreign_context,
               "triton_args": args.triton_args, "runs": {}}
+    if args.repeats > 0:
+        result["interleaved"] = interleaved(args, config, prompts, prompt_texts, methods)
+        write_results(Path(args.out), args.name, result, table(result))
+        return result
     in_process = [side for side in args.sides if side != "triton"]
     # a triton-only run builds no engine here: this process then holds no CUDA context beside the server's
     result["runs"]["this interpreter"] = (measure(args, config, prompts, methods) if in_process else {}) | {

@@ -23,3 +23,15 @@ def test_alone_and_service_sides(tiny_models, tmp_path):
     assert run["late_programs"] == []            # dynamic forwards on the CPU: no static program at all
     md = (tmp_path / "o.md").read_text()
     assert "| this interpreter | service | ddtree-4 |" in md and "| this interpreter | alone | ar |" in md
+
+
+def test_host_speed_pins_each_cpu(tmp_path):
+    import os
+
+    from perf import host_speed
+
+    result = host_speed.main(["--rounds", "2", "--repeats", "1", "--out", str(tmp_path), "--name", "h"])
+    assert len(result["rounds"]) == 2
+    assert all(set(row) == {str(c) for c in os.sched_getaffinity(0)} for row in result["rounds"])
+    assert result["summary"]["python_loop_ms"]["max_over_min"] >= 1.0
+    assert os.sched_getaffinity(0) == set(map(int, result["rounds"][0]))   # the caller's affinity is restored

@@ -1,0 +1,41 @@
+"""The serving-overhead probes against a real tritonserver (CPU, tiny models): perf/stub_probe.py runs its workload in
+process and inside a decoupled stub three ways, and perf/serve_overhead.py --repeats measures the engine alone and
+through Triton in turns with both alive."""
+
+from __future__ import annotations
+
+import json
+
+from perf import serve_overhead, stub_probe
+
+
+def test_stub_probe_runs_in_process_and_in_the_stub(tmp_path):
+    result = stub_probe.main(["--repeats", "1", "--sends-per-s", "200", "--out", str(tmp_path), "--name", "p"])
+    runs = json.loads((tmp_path / "p.json").read_text())["runs"]
+    assert set(runs) == {"in process", "in process, own thread", "stub, main thread", "stub, own thread",
+                         "stub, own thread + 200 sends/s"}
+    for label, run in runs.items():
+        assert run["timings"]["python_loop_ms"] > 0 and run["timings"]["torch_cpu_ops_us"] > 0
+        assert any("(this thread)" in row for row in run["busy_threads"]), label
+    # the stub's process is another one, in the environment tritonserver gives it
+    assert runs["stub, main thread"]["facts"]["pid"] != runs["in process"]["facts"]["pid"]
+    assert "PYTHONPATH" in result["differences"]["default"]["environment"]
+    assert "| stub, own thread + 200 sends/s |" in (tmp_path / "p.md").read_text()
+
+
+def test_serve_overhead_pairs_alone_and_triton(tiny_models, tmp_path):
+    result = serve_overhead.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
+                                  str(tiny_models / "qwen3-dflash"), "--dtype", "float32", "--methods", "ar,ddtree-4",
+                                  "--repeats", "2", "--num-prompts", "1", "--max-tokens", "4", "--out", str(tmp_path),
+                                  "--name", "o"])
+    data = result["interleaved"]
+    assert [(t["repeat"], t["method"]) for t in data["turns"]] == [(0, "ar"), (0, "ddtree-4"), (1, "ar"), (1, "ddtree-4")]
+    for turn in data["turns"]:
+        # the same requests on both sides: the same number of tokens, counted by the engine and by the client
+        assert turn["alone"]["num_tokens"] == turn["triton"]["num_tokens"] == 4
+        assert turn["alone"]["num_input_tokens"] == turn["triton"]["num_input_tokens"]   # the same prompt ids
+        assert turn["ratio"] == turn["triton"]["tokens_per_s"] / turn["alone"]["tokens_per_s"]
+        assert turn["triton"]["stages"]["batch_rounds"] >= 1 and turn["host_loop_ms"] > 0
+        assert any(row.split()[1].rstrip(":") == "ddtree-engine" for row in turn["triton"]["engine_stub_threads"])
+    assert set(data["summary"]) == {"ar", "ddtree-4"}
+    assert "| method | median triton / alone |" in (tmp_path / "o.md").read_text()
