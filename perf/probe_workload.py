@@ -105,9 +105,44 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def probe(device: str = "cpu", repeats: int = 5) -> dict:
+_ENGINES: dict = {}   # one engine per configuration and process, reused by later probes (its warm-up is minutes)
+
+
+def engine_probe(target: str, drafter: str, device: str, dtype: str, prompts: list[list[int]], max_tokens: int,
+                 methods: list[str]) -> dict:
+    """The real engine's own loop (Engine.generate_ids, as the in-process benchmarks run it) on this thread:
+    {method: tokens/s and per-round stage ms}. The engine is built and warmed once per process."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.sampling_params import SamplingParams
+    from perf.common import engine_stages, per_round_ms
+
+    key = (target, drafter, device, dtype, max(map(len, prompts)) + max_tokens)
+    if key not in _ENGINES:
+        budgets = [int(m.partition("-")[2] or 1) for m in methods]
+        config = EngineConfig(target_path=target, drafter_path=drafter, device=device, dtype=dtype,
+                              max_tree_budget=max(budgets + [16]), max_model_len=key[-1] + 64)
+        _ENGINES[key] = Engine(config)
+        _ENGINES[key].warm_up()
+    engine, result = _ENGINES[key], {}
+    for name in methods:
+        mode, _, budget = name.partition("-")
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, mode=mode, tree_budget=int(budget or 1), seed=0)
+        engine.generate_ids(prompts[0], params)   # unmeasured: this thread's first use of the method
+        before, start = engine_stages(engine), time.perf_counter()
+        tokens = sum(engine.generate_ids(ids, params).num_output_tokens for ids in prompts)
+        seconds = time.perf_counter() - start
+        result[name] = {"tokens_per_s": tokens / seconds, "stages": per_round_ms(before, engine_stages(engine))}
+    return result
+
+
+def probe(device: str = "cpu", repeats: int = 5, engine: dict | None = None) -> dict:
+    """The timings (TIMINGS), the process's facts and its busiest threads; with `engine` (engine_probe's arguments
+    but the device), the real engine's loop too."""
     threads_before, wall_start = thread_cpu(), time.perf_counter()
     result = _probe(device, repeats)
+    if engine:
+        result["engine"] = engine_probe(device=device, **engine)
     result["busy_threads"] = busy_threads(threads_before, thread_cpu(), time.perf_counter() - wall_start,
                                           threading.get_native_id(), os.getpid())
     return result

@@ -149,6 +149,17 @@ def table(result: dict) -> str:
                  f"{run['timings'][k]:.3f}" for k in keys]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Units: " + "; ".join(f"{k}: {TIMINGS[k]}" for k in keys), ""]
+    if "engine" in runs["in process"]:
+        lines += ["The real engine's loop (Engine.generate_ids; each process builds and warms its engine once):", "",
+                  "| where | method | tok/s | vs in process | draft ms | verify ms | verify GPU ms | host ms |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for label, run in runs.items():
+            for name, r in run.get("engine", {}).items():
+                st, base = r["stages"], runs["in process"]["engine"][name]["tokens_per_s"]
+                lines.append(f"| {label} | {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f} | "
+                             f"{st['draft_ms']:.2f} | {st['verify_ms']:.2f} | {st.get('verify_gpu_ms', 0.0):.2f} | "
+                             f"{st['host_ms']:.2f} |")
+        lines.append("")
     lines += ["Threads that used the most CPU while each probe ran (share of its wall time):", ""]
     lines += [f"- {label}: " + "; ".join(run.get("busy_threads", [])) for label, run in runs.items()]
     lines.append("")
@@ -166,10 +177,26 @@ def main(argv: list[str] | None = None) -> dict:
                         "(the outbox sends one per round)")
     parser.add_argument("--triton-args", action="append", default=None,
                         help="extra tritonserver arguments; repeat for several servers (an empty value: the default)")
+    parser.add_argument("--engine-target", default="", help="also run the real engine's loop (built once per process) "
+                        "with this target")
+    parser.add_argument("--engine-drafter", default="")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--methods", default="ar,ddtree-16")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="stub_probe_cpu")
     args = parser.parse_args(argv)
     settings = {"device": args.device, "repeats": args.repeats}
+    if args.engine_target:
+        from ddtree.tokenizer import Tokenizer
+        from perf.humaneval import encode_prompts
+
+        texts = json.loads((ROOT / "perf/prompts.json").read_text())[: args.num_prompts]
+        settings["engine"] = {"target": str(Path(args.engine_target).resolve()),
+                              "drafter": str(Path(args.engine_drafter).resolve()), "dtype": args.dtype,
+                              "prompts": encode_prompts(Tokenizer(args.engine_target), texts),
+                              "max_tokens": args.max_tokens, "methods": args.methods.split(",")}
     result = {"header": header(), "settings": settings, "runs": {"in process": probe(**settings)}, "differences": {}}
     own: dict = {}   # the same on a thread of this process (the engine thread's situation, without the stub)
     thread = threading.Thread(target=lambda: own.update(probe(**settings)))
