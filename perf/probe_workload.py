@@ -196,4 +196,23 @@ def _probe(device: str, repeats: int) -> dict:
             gpu.append(start_event.elapsed_time(end_event))
         timings |= {"cuda_eager_launch_us": _median(eager, repeats), "graph_launch_ms": statistics.median(launch),
                     "graph_gpu_ms": statistics.median(gpu), "graph_wall_ms": statistics.median(wall)}
+        return {"timings": timings, "facts": facts() | {"attention_kernels": attention_kernels(dev)}}
     return {"timings": timings, "facts": facts()}
+
+
+def attention_kernels(device) -> list[str]:
+    """The kernels one masked decode-shaped attention (as the engine calls F.scaled_dot_product_attention) runs: which
+    SDPA backend this process gets (cuDNN, memory-efficient, or the math fallback's several kernels)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    q = torch.randn(1, 9, 1, 64, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 9, 256, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, 1, 256, device=device, dtype=torch.bool)
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.cuda.synchronize(device)
+    return [e.name[:80] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

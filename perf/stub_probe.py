@@ -127,7 +127,8 @@ def probe_in_stub(settings: dict, sends_per_s: float, server_args: list[str], wo
 def differences(here: dict, there: dict) -> dict:
     """The facts in which the stub's process differs from this one."""
     diff = {}
-    for key in ("torch_threads", "interop_threads", "affinity", "nice", "python", "numpy", "interpreter"):
+    for key in ("torch_threads", "interop_threads", "affinity", "nice", "python", "numpy", "interpreter",
+                "attention_kernels"):
         if here["facts"].get(key) != there["facts"].get(key):
             diff[key] = {"here": here["facts"].get(key), "stub": there["facts"].get(key)}
     libs_here, libs_there = set(here["facts"]["libraries"]), set(there["facts"]["libraries"])

@@ -111,6 +111,15 @@ def python_info(python: str = sys.executable) -> dict:
     return info
 
 
+DEFAULT_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
+                        "/lib/aarch64-linux-gnu", "/usr/lib/aarch64-linux-gnu")
+
+
+def default_library_dir(directory: str) -> bool:
+    """Whether the dynamic linker searches ``directory`` without LD_LIBRARY_PATH (its default directories)."""
+    return os.path.realpath(directory) in {os.path.realpath(d) for d in DEFAULT_LIBRARY_DIRS}
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -210,9 +219,14 @@ def server_command(
             dict.fromkeys(first + [p for p in env.get(var, "").split(":") if p])
         )
 
-    env["LD_LIBRARY_PATH"] = join(
-        [str(LIBS_DIR), info["libpython_dir"]], "LD_LIBRARY_PATH"
-    )
+    # The libpython directory only where the dynamic linker would not find it by itself, and after what the
+    # environment already names: a system directory (Debian/Ubuntu's /usr/lib/x86_64-linux-gnu) placed first in
+    # LD_LIBRARY_PATH outranks the RUNPATHs of torch's CUDA libraries, so a system copy of a library they load by
+    # name (cuDNN's engines, NVRTC) replaces theirs; on the H200 image the stub's cuDNN attention was then not
+    # used (SDPA fell back to its math kernels: twice the kernels per step, Triton / in-process 0.56).
+    extra = [] if default_library_dir(info["libpython_dir"]) else [info["libpython_dir"]]
+    env["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(
+        [str(LIBS_DIR)] + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p] + extra))
     env["PYTHONPATH"] = join(
         numpy_overlay(info) + [str(REPO_ROOT)] + info["site_packages"], "PYTHONPATH"
     )

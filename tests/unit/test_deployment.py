@@ -359,3 +359,20 @@ def test_benchmark_repository_with_one_replica_per_gpu(tmp_path):
     assert 'key: "max_num_seqs", value: { string_value: "32" }' in text
     original = (Path(__file__).resolve().parents[2] / "model_repository/ddtree/config.pbtxt").read_text()
     assert original.replace(" ", "").count("\n") == text.replace(" ", "").count("\n")
+
+
+def test_server_environment_keeps_library_precedence(monkeypatch):
+    """The server's LD_LIBRARY_PATH: the wheel's libraries, then what the environment names, then the libpython
+    directory only where the dynamic linker would not search it anyway. A system directory placed first outranked
+    torch's RUNPATHs in the stub (cuDNN attention unused on the H200 image: SDPA ran its math kernels)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import triton_env
+
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/a:/opt/b")
+    for libdir, expect_extra in (("/usr/lib/x86_64-linux-gnu", False), ("/opt/python/lib", True)):
+        info = dict(triton_env.python_info()) | {"libpython_dir": libdir}
+        monkeypatch.setattr(triton_env, "python_info", lambda python=None, info=info: info)
+        _, env = triton_env.server_command("model_repository", 1, 2, 3)
+        paths = env["LD_LIBRARY_PATH"].split(":")
+        assert paths[:3] == [str(triton_env.LIBS_DIR), "/opt/a", "/opt/b"]
+        assert paths[3:] == ([libdir] if expect_extra else [])
