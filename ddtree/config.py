@@ -24,6 +24,9 @@ def _as_bool(value: Any) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+MAX_STREAM_INTERVAL = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     target_path: str
@@ -36,6 +39,9 @@ class EngineConfig:
     max_model_len: int = 2048          # prompt + generated tokens per request
     max_tokens_limit: int = 2048       # upper bound a request may ask for
     default_max_tokens: int = 256
+    # a streamed request gets a response every this many rounds (its first text and its end at once): fewer
+    # responses, less per-round serving work (vLLM's and TensorRT-LLM's stream_interval); 1 = every round
+    default_stream_interval: int = 1
     max_num_seqs: int = 1              # requests decoded together (one cache slot each)
     max_queue_size: int = 256          # requests waiting for a slot; beyond it: an overload error
     cost_model_path: str | None = None   # verify-cost data for mode "auto" (default: ddtree/data/cost_model_{cpu,h200}.json by device)
@@ -68,6 +74,9 @@ class EngineConfig:
             raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size}")
         if not 1 <= self.max_num_seqs <= 1024:
             raise ValueError(f"max_num_seqs must be in [1, 1024], got {self.max_num_seqs}")
+        if not 1 <= self.default_stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"default_stream_interval must be in [1, {MAX_STREAM_INTERVAL}], "
+                             f"got {self.default_stream_interval}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         parse_arms(self.auto_arms)   # raises ValueError on an unknown arm

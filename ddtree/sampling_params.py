@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddtree.config import MODES, EngineConfig
+from ddtree.config import MAX_STREAM_INTERVAL, MODES, EngineConfig
 from ddtree.errors import InvalidRequest
 
 # Keys that vLLM clients commonly send and that have a no-op meaning here at their defaults.
@@ -29,6 +29,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)     # the output ends right before the first one (text level)
     mode: str = "ddtree"
     tree_budget: int = 16
+    stream_interval: int = 1            # a streamed response every this many rounds (serving only; 1 = every round)
 
     @property
     def is_greedy(self) -> bool:
@@ -81,7 +82,8 @@ def sampling_params_from_dict(values: dict[str, Any], config: EngineConfig) -> S
     if not isinstance(values, dict):
         raise InvalidRequest(f"sampling_parameters must be a JSON object, got {type(values).__name__}")
     params = SamplingParams(max_tokens=config.default_max_tokens, mode=config.default_mode,
-                            tree_budget=config.default_tree_budget, seed=None)
+                            tree_budget=config.default_tree_budget, seed=None,
+                            stream_interval=config.default_stream_interval)
     for key, value in values.items():
         if key == "max_tokens":
             params.max_tokens = _number(key, value, int)
@@ -120,6 +122,9 @@ def sampling_params_from_dict(values: dict[str, Any], config: EngineConfig) -> S
         elif key in ("tree_budget", "budget"):
             params.tree_budget = _number(key, value, int)
             _check_range(key, params.tree_budget, 1, config.max_tree_budget)
+        elif key == "stream_interval":
+            params.stream_interval = _number(key, value, int)
+            _check_range(key, params.stream_interval, 1, MAX_STREAM_INTERVAL)
         elif key in _ACCEPTED_NOOP:
             if value is not None and value != _ACCEPTED_NOOP[key] and str(value) != str(_ACCEPTED_NOOP[key]):
                 raise InvalidRequest(

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ddtree import api
-from ddtree.detokenize import IncrementalDetokenizer
+from ddtree.detokenize import IncrementalDetokenizer, StreamChunk
 from ddtree.engine import Engine
 from ddtree.errors import EngineUnavailable, InvalidRequest
 from ddtree.profiling import StepProfiler, name_native_thread
@@ -466,7 +466,10 @@ class _Stream:
     """Builds response outputs from rounds: streamed deltas, or one response at the end.
 
     Text is followed round by round either way, so that a stop string ends the request at the
-    round that completes it (finish_reason "stop"; the service then frees its slot).
+    round that completes it (finish_reason "stop"; the service then frees its slot). A streamed
+    request with stream_interval k gets its first text at once, then a response every k rounds
+    (and its end): the text of the rounds in between travels as one chunk, a window from the
+    first held chunk's context to the newest id, which decode_range turns into the same text.
     """
 
     def __init__(self, tokenizer, req: api.GenerateRequest) -> None:
@@ -475,15 +478,23 @@ class _Stream:
         self.unsent_tokens = 0
         self.echo = req.echo_text
         self.finish_reason: str | None = None
+        self.interval = req.params.stream_interval
+        self.held: tuple[int, int, int, str] | None = None   # (window start id, prefix length, text start, text)
+        self.rounds_unsent = 0
+        self.sent_text = False
 
     def add(self, output: RequestOutput) -> dict[str, Any] | None:
         self.unsent_tokens += len(output.new_token_ids)
         chunk = self.detokenizer.push(output.new_token_ids, is_final=output.is_finished)
         self.finish_reason = "stop" if chunk.stopped else output.finish_reason
-        if self.finish_reason is None and not (self.req.stream and chunk.text):
-            return None
         if not self.req.stream:
+            if self.finish_reason is None:
+                return None
             chunk = self.detokenizer.whole_chunk()
+        else:
+            chunk = self._held_chunk(chunk)
+            if chunk is None:
+                return None
         outputs: dict[str, Any] = {
             api.OUTPUT_IDS: chunk.window, api.PREFIX_LENGTH: chunk.prefix_length,
             api.TEXT_START: chunk.text_start, api.TEXT_END: chunk.text_end, api.PROMPT_TEXT: self.echo or "",
@@ -501,3 +512,21 @@ class _Stream:
             outputs[api.NUM_ROUNDS] = output.num_rounds
         self.unsent_tokens = 0
         return outputs
+
+    def _held_chunk(self, chunk: StreamChunk) -> StreamChunk | None:
+        """The streamed chunk to send after this round, or None to hold its text until the interval is due."""
+        self.rounds_unsent += 1
+        if chunk.text:
+            start = len(self.detokenizer.ids) - len(chunk.window)
+            self.held = ((start, chunk.prefix_length, chunk.text_start, chunk.text) if self.held is None else
+                         self.held[:3] + (self.held[3] + chunk.text,))
+        due = self.finish_reason is not None or (self.held is not None and (
+            not self.sent_text or self.rounds_unsent >= self.interval))
+        if not due:
+            return None
+        self.rounds_unsent = 0
+        if self.held is None:   # the end, with no text left to send
+            return chunk
+        start, prefix_length, text_start, text = self.held
+        self.held, self.sent_text = None, True
+        return StreamChunk(self.detokenizer.ids[start:], prefix_length, text, text_start, text_start + len(text))

@@ -1,0 +1,101 @@
+"""stream_interval: a streamed request's text in fewer responses (the first text at once, then one every k rounds,
+and the end), each decoded statelessly from its own window, concatenating to exactly what every-round streaming
+gives (stop strings and split UTF-8 characters included); through the service, the same text and token counts."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from ddtree import api
+from ddtree.config import EngineConfig
+from ddtree.detokenize import decode, decode_range
+from ddtree.engine import Engine
+from ddtree.errors import InvalidRequest
+from ddtree.request import RequestOutput
+from ddtree.sampling_params import SamplingParams, sampling_params_from_dict
+from ddtree.serving import GenerationService, _Stream
+from ddtree.tokenizer import Tokenizer
+from tests.unit.test_detokenize import TEXTS
+from tests.unit.test_stop_strings import PROMPT, serve, stops_inside
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return Tokenizer(tiny_models / "qwen3-target")
+
+
+def run_stream(tokenizer, ids: list[int], rounds: list[int], interval: int, stop: list[str]) -> tuple[list[str], list]:
+    """Feed ids to a _Stream in rounds of the given sizes; (texts the postprocessing decodes, responses)."""
+    params = SamplingParams(max_tokens=len(ids), stop=stop, stream_interval=interval)
+    req = api.GenerateRequest(prompt_ids=[1], params=params, stream=True, echo_text=None,
+                              return_flags={name: True for name in api.RETURN_FLAGS})
+    stream, texts, responses, i = _Stream(tokenizer, req), [], [], 0
+    for n, size in enumerate(rounds):
+        new, i = ids[i : i + size], i + size
+        out = RequestOutput("r", new, "length" if i >= len(ids) else None, 1, i, n + 1, 1.0)
+        outputs = stream.add(out)
+        if outputs is not None:
+            texts.append(decode_range(tokenizer, outputs[api.OUTPUT_IDS], outputs[api.PREFIX_LENGTH],
+                                      outputs[api.TEXT_START], outputs[api.TEXT_END]))
+            responses.append(outputs)
+        if stream.finish_reason is not None:
+            break
+    return texts, responses
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("interval", [2, 3, 8])
+def test_held_rounds_decode_to_the_same_text(tokenizer, seed, interval):
+    rng = random.Random(seed)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [rng.randrange(len(tokenizer)) for _ in range(8)]
+        rounds = [rng.randint(1, 4) for _ in range(len(ids))]
+        for stop in ([], stops_inside(text, rng)):
+            every, every_responses = run_stream(tokenizer, ids, rounds, 1, stop)
+            held, held_responses = run_stream(tokenizer, ids, rounds, interval, stop)
+            assert "".join(held) == "".join(every), (text, stop, interval)
+            assert held_responses[-1][api.FINISH_REASON] == every_responses[-1][api.FINISH_REASON] != ""
+            # every token is counted once, in the response that carries it
+            assert sum(r[api.NUM_OUTPUT_TOKENS] for r in held_responses) == \
+                sum(r[api.NUM_OUTPUT_TOKENS] for r in every_responses)
+            num_rounds = every_responses[-1][api.NUM_ROUNDS]
+            assert len(held_responses) <= 2 + num_rounds // interval
+            # the first text goes out in the round that makes it, as without an interval
+            first = next(r for r in every_responses if r[api.TEXT_END] > r[api.TEXT_START])
+            assert held_responses[0][api.NUM_ROUNDS] == first[api.NUM_ROUNDS]
+
+
+def test_stream_interval_parameter(tmp_path):
+    config = EngineConfig(target_path="t", drafter_path="d", default_stream_interval=4)
+    assert sampling_params_from_dict({}, config).stream_interval == 4
+    assert sampling_params_from_dict({"stream_interval": 1}, config).stream_interval == 1
+    for bad in (0, 2000, "x", 1.5):
+        with pytest.raises(InvalidRequest, match="stream_interval"):
+            sampling_params_from_dict({"stream_interval": bad}, config)
+    with pytest.raises(ValueError, match="default_stream_interval"):
+        EngineConfig(target_path="t", default_mode="ar", default_stream_interval=0)
+    assert EngineConfig.from_dict({"target_path": "t", "default_mode": "ar",
+                                   "default_stream_interval": "8"}).default_stream_interval == 8
+
+
+def test_service_sends_fewer_responses_with_the_same_text(tiny_models, tokenizer):
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=128, max_num_seqs=2))
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    sampling = {"max_tokens": 40, "ignore_eos": True, "mode": "ar"}
+    try:
+        every = serve(service, tokenizer, sampling, stream=True)
+        held = serve(service, tokenizer, {**sampling, "stream_interval": 5}, stream=True)
+        deadline = time.time() + 30
+        while engine.has_work and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        service.shutdown()
+    expected = decode(tokenizer, engine.generate_ids(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                            mode="ar")).output_ids)
+    assert "".join(every.texts) == "".join(held.texts) == expected
+    assert sum(o[api.NUM_OUTPUT_TOKENS] for o in held.outputs) == 40
+    assert len(held.outputs) <= 2 + 40 // 5 < len(every.outputs)
