@@ -161,7 +161,8 @@ def serving(config: EngineConfig, server_args: list[str]):
             yield server
 
 
-def triton_pass(server, texts: list[str], method: Method, max_tokens: int, stream: bool, warm: bool = True) -> dict:
+def triton_pass(server, texts: list[str], method: Method, max_tokens: int, stream: bool, warm: bool = True,
+                stream_interval: int = 1) -> dict:
     """The requests (as chat messages) through the server's ensemble over gRPC streams, one at a time: tokens/s, the
     engine's stage times from the model's metrics, the CPU seconds of the server's processes and this client per
     request, and the generation stub's busiest threads."""
@@ -171,7 +172,7 @@ def triton_pass(server, texts: list[str], method: Method, max_tokens: int, strea
     pids = server_processes(server.process.pid)
     engine_pid = next((pid for pid, label in pids.items() if label == "stub ddtree"), None)
     sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode, "tree_budget": method.budget,
-                "seed": 0}
+                "seed": 0, "stream_interval": stream_interval}
     if warm:
         stream_one(server.grpc_url, texts[0], sampling, stream)   # unmeasured, as on the other sides
     before, cpu_before = triton_stages(server.metrics_url), cpu_seconds(pids)
@@ -228,15 +229,20 @@ def interleaved(args: argparse.Namespace, config: EngineConfig, prompts: list[li
             triton_pass(server, texts[:1], method, args.max_tokens, stream, warm=False)
         for repeat in tqdm(range(args.repeats), desc="pairs"):
             for method in methods:
-                host = sorted(python_loop_ms() for _ in range(5))[2]
-                alone = timed_alone(engine, prompts, method, args.max_tokens)
-                triton = triton_pass(server, texts, method, args.max_tokens, stream, warm=False)
-                turns.append({"repeat": repeat, "method": method.name, "host_loop_ms": host, "alone": alone,
-                              "triton": triton, "ratio": triton["tokens_per_s"] / alone["tokens_per_s"]})
+                for interval in args.stream_intervals:
+                    host = sorted(python_loop_ms() for _ in range(5))[2]
+                    alone = timed_alone(engine, prompts, method, args.max_tokens)
+                    triton = triton_pass(server, texts, method, args.max_tokens, stream, warm=False,
+                                         stream_interval=interval)
+                    turns.append({"repeat": repeat, "method": method.name, "stream_interval": interval,
+                                  "host_loop_ms": host, "alone": alone, "triton": triton,
+                                  "ratio": triton["tokens_per_s"] / alone["tokens_per_s"]})
     summary = {}
     for method in methods:
-        ratios = sorted(t["ratio"] for t in turns if t["method"] == method.name)
-        summary[method.name] = {"median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0], "max_ratio": ratios[-1]}
+        for interval in args.stream_intervals:
+            ratios = sorted(t["ratio"] for t in turns if t["method"] == method.name and t["stream_interval"] == interval)
+            summary[f"{method.name}, stream_interval {interval}"] = {
+                "median_ratio": ratios[len(ratios) // 2], "min_ratio": ratios[0], "max_ratio": ratios[-1]}
     return {"side": TRITON_SIDES[args.triton_streams[0]], "server_args": args.triton_args[0], "turns": turns,
             "summary": summary}
 
@@ -300,13 +306,15 @@ def interpreter() -> dict:
 def interleaved_table(result: dict) -> str:
     data = result["interleaved"]
     lines = [f"Alone and through Triton ({data['side']}, server args '{data['server_args']}') in turns, both alive:", "",
-             "| pair | method | host loop ms | alone tok/s | triton tok/s | triton / alone | alone verify GPU ms | "
-             "triton verify GPU ms |", "|---|---|---|---|---|---|---|---|"]
+             "| pair | method | stream interval | host loop ms | alone tok/s | triton tok/s | triton / alone | "
+             "alone verify GPU ms | triton verify GPU ms | triton serve ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t in data["turns"]:
-        lines.append(f"| {t['repeat']} | {t['method']} | {t['host_loop_ms']:.1f} | {t['alone']['tokens_per_s']:.1f} | "
+        lines.append(f"| {t['repeat']} | {t['method']} | {t.get('stream_interval', 1)} | {t['host_loop_ms']:.1f} | "
+                     f"{t['alone']['tokens_per_s']:.1f} | "
                      f"{t['triton']['tokens_per_s']:.1f} | {t['ratio']:.2f} | "
                      f"{t['alone']['stages'].get('verify_gpu_ms', 0.0):.2f} | "
-                     f"{t['triton']['stages'].get('verify_gpu_ms', 0.0):.2f} |")
+                     f"{t['triton']['stages'].get('verify_gpu_ms', 0.0):.2f} | "
+                     f"{t['triton']['stages'].get('serve_ms', 0.0):.2f} |")
     lines += ["", "| method | median triton / alone | min | max |", "|---|---|---|---|"]
     lines += [f"| {name} | {s['median_ratio']:.2f} | {s['min_ratio']:.2f} | {s['max_ratio']:.2f} |"
               for name, s in data["summary"].items()]
@@ -376,6 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "final (stream=false: one response per request)")
     parser.add_argument("--repeats", type=int, default=0, help="instead of the sides: the engine alone and through "
                         "Triton (the first --triton-args and --triton-streams) in turns this many times, both alive")
+    parser.add_argument("--stream-intervals", default="1", help="with --repeats: comma-separated stream_interval "
+                        "values, the Triton side measured with each (the alone side again before each)")
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
@@ -389,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.triton_streams or set(args.triton_streams) - set(TRITON_SIDES):
         parser.error(f"--triton-streams: choose from {sorted(TRITON_SIDES)}")
     args.triton_args = args.triton_args or [""]
+    args.stream_intervals = [int(k) for k in args.stream_intervals.split(",") if k]
     methods = []
     for name in args.methods.split(","):
         mode, _, budget = name.partition("-")

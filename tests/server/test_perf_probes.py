@@ -26,10 +26,11 @@ def test_stub_probe_runs_in_process_and_in_the_stub(tmp_path):
 def test_serve_overhead_pairs_alone_and_triton(tiny_models, tmp_path):
     result = serve_overhead.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
                                   str(tiny_models / "qwen3-dflash"), "--dtype", "float32", "--methods", "ar,ddtree-4",
-                                  "--repeats", "2", "--num-prompts", "1", "--max-tokens", "4", "--out", str(tmp_path),
-                                  "--name", "o"])
+                                  "--repeats", "2", "--stream-intervals", "1,3", "--num-prompts", "1", "--max-tokens", "4",
+                                  "--out", str(tmp_path), "--name", "o"])
     data = result["interleaved"]
-    assert [(t["repeat"], t["method"]) for t in data["turns"]] == [(0, "ar"), (0, "ddtree-4"), (1, "ar"), (1, "ddtree-4")]
+    assert [(t["repeat"], t["method"], t["stream_interval"]) for t in data["turns"]] == [
+        (r, m, k) for r in (0, 1) for m in ("ar", "ddtree-4") for k in (1, 3)]
     for turn in data["turns"]:
         # the same requests on both sides: the same number of tokens, counted by the engine and by the client
         assert turn["alone"]["num_tokens"] == turn["triton"]["num_tokens"] == 4
@@ -37,5 +38,5 @@ def test_serve_overhead_pairs_alone_and_triton(tiny_models, tmp_path):
         assert turn["ratio"] == turn["triton"]["tokens_per_s"] / turn["alone"]["tokens_per_s"]
         assert turn["triton"]["stages"]["batch_rounds"] >= 1 and turn["host_loop_ms"] > 0
         assert any(row.split()[1].rstrip(":") == "ddtree-engine" for row in turn["triton"]["engine_stub_threads"])
-    assert set(data["summary"]) == {"ar", "ddtree-4"}
+    assert set(data["summary"]) == {f"{m}, stream_interval {k}" for m in ("ar", "ddtree-4") for k in (1, 3)}
     assert "| method | median triton / alone |" in (tmp_path / "o.md").read_text()
