@@ -232,6 +232,21 @@ def check_gpu(device: str, problems: list[str]) -> None:
                                                       for a in arches):
         problems.append(f"torch {torch.__version__} has no kernels for {torch.cuda.get_device_name(index)} "
                         f"(sm_{major}{minor}; built for {arches}): install a build for CUDA >= 12.8")
+    check_cudnn(torch, problems)
+
+
+def check_cudnn(torch, problems: list[str]) -> None:
+    """torch's own cuDNN loads: an older system cuDNN earlier in LD_LIBRARY_PATH replaces it, and then attention
+    silently runs SDPA's math fallback (twice the kernels per decode step; seen on an H200 image whose
+    /usr/lib/x86_64-linux-gnu held cuDNN 9.14 under torch's 9.19)."""
+    try:
+        ok = torch.backends.cudnn.is_available() and torch.backends.cudnn.version() is not None
+    except RuntimeError as e:
+        problems.append(f"torch's cuDNN does not load: {e} (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')!r})")
+        return
+    if not ok:
+        problems.append("torch sees no cuDNN: attention runs SDPA's math fallback (check LD_LIBRARY_PATH and the "
+                        "nvidia-cudnn package)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -376,3 +376,34 @@ def test_server_environment_keeps_library_precedence(monkeypatch):
         paths = env["LD_LIBRARY_PATH"].split(":")
         assert paths[:3] == [str(triton_env.LIBS_DIR), "/opt/a", "/opt/b"]
         assert paths[3:] == ([libdir] if expect_extra else [])
+
+
+def test_deployment_check_names_a_cudnn_that_does_not_load():
+    """A cuDNN version clash (a system cuDNN ahead of torch's in LD_LIBRARY_PATH) fails the start-up check with the
+    error and the path, instead of serving with attention on SDPA's math fallback."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import check_deployment
+
+    class Cudnn:
+        def __init__(self, error=None, version=91900):
+            self.error, self._version = error, version
+
+        def is_available(self):
+            return True
+
+        def version(self):
+            if self.error:
+                raise RuntimeError(self.error)
+            return self._version
+
+    class Torch:
+        class backends:
+            cudnn = None
+
+    for cudnn, expect in ((Cudnn(), None), (Cudnn("cuDNN version incompatibility: compiled against (9, 19, 0) but "
+                                                   "found runtime version (9, 14, 0)"), "version incompatibility"),
+                          (Cudnn(version=None), "no cuDNN")):
+        Torch.backends.cudnn = cudnn
+        problems = []
+        check_deployment.check_cudnn(Torch, problems)
+        assert (problems == []) if expect is None else (len(problems) == 1 and expect in problems[0]), problems
