@@ -40,6 +40,17 @@ def build_inputs(messages: list[dict], sampling: dict, stream: bool = True,
     return inputs
 
 
+def parse_response(result) -> tuple[str, dict, bool]:
+    """(text delta, outputs dict, is it the final response) of one streamed response."""
+    params = result.get_response().parameters
+    is_final = bool(params.get("triton_final_response") and params["triton_final_response"].bool_param)
+    outputs = {}
+    for output in result.get_response().outputs:
+        array = result.as_numpy(output.name)
+        outputs[output.name] = array.tolist() if array is not None else None
+    return b"".join(outputs.get("text_output") or []).decode("utf-8"), outputs, is_final
+
+
 def stream_chat(url: str, model: str, inputs: list, timeout_s: float = 600.0):
     """Yield (text_delta, outputs dict) per streamed response; raises on a server error."""
     responses: queue.Queue = queue.Queue()
@@ -52,13 +63,7 @@ def stream_chat(url: str, model: str, inputs: list, timeout_s: float = 600.0):
             result, error = responses.get(timeout=timeout_s)
             if error is not None:
                 raise RuntimeError(str(error))
-            params = result.get_response().parameters
-            is_final = params.get("triton_final_response") and params["triton_final_response"].bool_param
-            outputs = {}
-            for output in result.get_response().outputs:
-                array = result.as_numpy(output.name)
-                outputs[output.name] = array.tolist() if array is not None else None
-            text = b"".join(outputs.get("text_output") or []).decode("utf-8")
+            text, outputs, is_final = parse_response(result)
             yield text, outputs
             if is_final:
                 finished = True
@@ -67,6 +72,55 @@ def stream_chat(url: str, model: str, inputs: list, timeout_s: float = 600.0):
         # on a timeout, an error or an abandoned generator, cancel the request instead of waiting for it
         client.stop_stream(cancel_requests=not finished)
         client.close()
+
+
+class ChatStream:
+    """One connection and one gRPC stream for many requests, one after another (as each perf_analyzer worker keeps
+    its own): no connection or stream set-up per request. `request()` yields what stream_chat yields; a request
+    abandoned before its final response, or ended by an error, has the stream cancelled and opened again."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.timeout_s = timeout_s
+        self.num_requests = 0
+        self._open()
+
+    def _open(self) -> None:
+        self.responses: queue.Queue = queue.Queue()
+        responses = self.responses   # this stream's queue: a cancelled stream's late callbacks land in its own
+        self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+
+    def request(self, model: str, inputs: list):
+        self.num_requests += 1
+        request_id = f"chat-{self.num_requests}"
+        finished = False
+        try:
+            self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
+            while True:
+                result, error = self.responses.get(timeout=self.timeout_s)
+                if error is not None:
+                    raise RuntimeError(str(error))
+                if result.get_response().id != request_id:
+                    continue
+                text, outputs, is_final = parse_response(result)
+                yield text, outputs
+                if is_final:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.client.stop_stream(cancel_requests=True)
+                self._open()
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+    def __enter__(self) -> "ChatStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def main() -> None:

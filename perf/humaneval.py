@@ -178,15 +178,17 @@ def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[
     return results, outputs
 
 
-def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True) -> dict:
+def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True, chat=None) -> dict:
     """One ensemble request over a gRPC stream: seconds from send to the final response, tokens, tau, text. With
-    stream=False the model answers with one final response instead of one per round."""
+    stream=False the model answers with one final response instead of one per round. With `chat` (a
+    client.chat.ChatStream) the request goes over that open stream, as a perf_analyzer worker sends its requests;
+    without, over a connection of its own (its set-up inside the measured time)."""
     from client.chat import build_inputs, stream_chat
 
     inputs = build_inputs(messages_for(prompt), sampling, stream=stream, chat_template_kwargs=CHAT_TEMPLATE_KWARGS)
     start = time.perf_counter()
     end, tokens, text, stats = start, 0, [], {}
-    for delta, outputs in stream_chat(url, "ensemble", inputs):
+    for delta, outputs in (chat.request("ensemble", inputs) if chat is not None else stream_chat(url, "ensemble", inputs)):
         end = time.perf_counter()
         text.append(delta)
         tokens += (outputs.get("num_output_tokens") or [0])[0]
@@ -199,6 +201,7 @@ def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True) -> di
 def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
                  max_new_tokens: int, seed: int) -> tuple[dict, dict]:
     """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver."""
+    from client.chat import ChatStream
     from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
 
     results, texts = {}, {}
@@ -207,15 +210,16 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
         # buckets, slots), so the same numerics and, in bf16, the same texts and rounds on both sides
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
                                                          "max_num_seqs": str(config.max_num_seqs)})
-        with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server:
+        with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server, ChatStream(server.grpc_url) as chat:
             for method in methods:
-                stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed))
+                stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed), chat=chat)
             for temperature in temperatures:
                 key = temperature_key(temperature)
                 results[key], texts[key] = {}, {}
                 for method in methods:
                     stages = triton_stages(server.metrics_url)
-                    runs = [stream_one(server.grpc_url, p, sampling_parameters(method, temperature, max_new_tokens, seed + i))
+                    runs = [stream_one(server.grpc_url, p, sampling_parameters(method, temperature, max_new_tokens, seed + i),
+                                       chat=chat)
                             for i, p in enumerate(tqdm(prompts, desc=f"triton {method.name} T={key}", leave=False))]
                     tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
                     results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau([r["tau"] for r in runs]),

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from client.chat import ChatStream  # noqa: E402
 from ddtree import api  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
@@ -162,8 +163,9 @@ def serving(config: EngineConfig, server_args: list[str]):
 
 
 def triton_pass(server, texts: list[str], method: Method, max_tokens: int, stream: bool, warm: bool = True,
-                stream_interval: int = 1) -> dict:
-    """The requests (as chat messages) through the server's ensemble over gRPC streams, one at a time: tokens/s, the
+                stream_interval: int = 1, chat=None) -> dict:
+    """The requests (as chat messages) through the server's ensemble over one open gRPC stream (`chat`, a
+    client.chat.ChatStream, as a perf_analyzer worker keeps; None: a connection per request), one at a time: tokens/s, the
     engine's stage times from the model's metrics, the CPU seconds of the server's processes and this client per
     request, and the generation stub's busiest threads."""
     from perf.humaneval import stream_one
@@ -174,11 +176,12 @@ def triton_pass(server, texts: list[str], method: Method, max_tokens: int, strea
     sampling = {"max_tokens": max_tokens, "ignore_eos": True, "mode": method.mode, "tree_budget": method.budget,
                 "seed": 0, "stream_interval": stream_interval}
     if warm:
-        stream_one(server.grpc_url, texts[0], sampling, stream)   # unmeasured, as on the other sides
+        stream_one(server.grpc_url, texts[0], sampling, stream, chat)   # unmeasured, as on the other sides
     before, cpu_before = triton_stages(server.metrics_url), cpu_seconds(pids)
     threads_before = thread_cpu(engine_pid) if engine_pid else {}
     start = time.perf_counter()
-    runs = [stream_one(server.grpc_url, t, sampling, stream) for t in tqdm(texts, desc=f"triton {method.name}", leave=False)]
+    runs = [stream_one(server.grpc_url, t, sampling, stream, chat)
+            for t in tqdm(texts, desc=f"triton {method.name}", leave=False)]
     seconds = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in runs)
     cpu = {k: (v - cpu_before.get(k, 0.0)) / len(texts) for k, v in cpu_seconds(pids).items()}
@@ -193,12 +196,12 @@ def measure_triton(config: EngineConfig, texts: list[str], methods: list[Method]
     """{side: {method: triton_pass()}} for each of `streams` (a response per round, or final-only), and the processes
     on the GPU while the server served."""
     result = {TRITON_SIDES[s]: {} for s in streams}
-    with serving(config, server_args) as server:
+    with serving(config, server_args) as server, ChatStream(server.grpc_url) as chat:
         processes = gpu_processes()   # the CUDA contexts on the GPU while the server serves
         for stream in streams:
             for method in methods:
                 result[TRITON_SIDES[stream]][method.name] = triton_pass(server, texts, method, max_tokens,
-                                                                        stream == "stream")
+                                                                        stream == "stream", chat=chat)
     return result, processes
 
 
@@ -222,18 +225,18 @@ def interleaved(args: argparse.Namespace, config: EngineConfig, prompts: list[li
     engine = Engine(config)
     engine.warm_up()
     turns = []
-    with serving(config, shlex.split(args.triton_args[0])) as server:
+    with serving(config, shlex.split(args.triton_args[0])) as server, ChatStream(server.grpc_url) as chat:
         stream = args.triton_streams[0] == "stream"
         for method in methods:   # first use of each method's shapes on both sides, unmeasured
             run_alone(engine, prompts[:1], params_for(method, args.max_tokens))
-            triton_pass(server, texts[:1], method, args.max_tokens, stream, warm=False)
+            triton_pass(server, texts[:1], method, args.max_tokens, stream, warm=False, chat=chat)
         for repeat in tqdm(range(args.repeats), desc="pairs"):
             for method in methods:
                 for interval in args.stream_intervals:
                     host = sorted(python_loop_ms() for _ in range(5))[2]
                     alone = timed_alone(engine, prompts, method, args.max_tokens)
                     triton = triton_pass(server, texts, method, args.max_tokens, stream, warm=False,
-                                         stream_interval=interval)
+                                         stream_interval=interval, chat=chat)
                     turns.append({"repeat": repeat, "method": method.name, "stream_interval": interval,
                                   "host_loop_ms": host, "alone": alone, "triton": triton,
                                   "ratio": triton["tokens_per_s"] / alone["tokens_per_s"]})

@@ -305,3 +305,21 @@ def test_200_requests_with_cancellations_and_disconnects_leave_nothing_held(serv
     assert metric(server, "ddtree_waiting_requests") == 0
     text, final = stream_text(server, CHATS[0], {"max_tokens": 8, "temperature": 0})
     assert text and final["finish_reason"][0] in (b"stop", b"length")
+
+
+def test_one_stream_carries_many_requests(server):
+    """client.chat.ChatStream: requests one after another over one open gRPC stream (as a perf_analyzer worker
+    sends them) get what a connection of their own gets; an abandoned request cancels and reopens the stream, and
+    the next request is answered in full."""
+    from client.chat import ChatStream
+
+    sampling = {"max_tokens": 12, "temperature": 0.0}
+    alone = ["".join(run_stream(server, m, sampling)[0]) for m in CHATS]
+    with ChatStream(server.grpc_url, timeout_s=120) as chat:
+        shared = ["".join(t for t, _ in chat.request("ensemble", build_inputs(m, sampling))) for m in CHATS]
+        assert shared == alone
+        partial = chat.request("ensemble", build_inputs(CHATS[0], {"max_tokens": 200, "ignore_eos": True}))
+        next(partial)
+        partial.close()   # abandoned after its first response
+        again = [t for t, _ in chat.request("ensemble", build_inputs(CHATS[1], sampling))]
+        assert "".join(again) == alone[1]
