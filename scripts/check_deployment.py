@@ -242,7 +242,8 @@ def check_cudnn(torch, problems: list[str]) -> None:
     try:
         ok = torch.backends.cudnn.is_available() and torch.backends.cudnn.version() is not None
     except RuntimeError as e:
-        problems.append(f"torch's cuDNN does not load: {e} (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')!r})")
+        problems.append(f"torch's cuDNN does not load: {e} (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')!r}: "
+                        "drop the directory holding the other cuDNN from it, or put torch's own first)")
         return
     if not ok:
         problems.append("torch sees no cuDNN: attention runs SDPA's math fallback (check LD_LIBRARY_PATH and the "
