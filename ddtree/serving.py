@@ -150,6 +150,7 @@ class GenerationService:
                  fault_injection: str = "", stop_registry: StopRegistry | None = None) -> None:
         self.engine = engine
         self.stop_registry = stop_registry  # stops routed to another instance of the model arrive here
+        self._relays_checked_s = float("-inf")
         self.tokenizer = tokenizer
         self.stats = ServiceStats()
         self.on_stats = on_stats          # called with a stats snapshot after they change (metrics), from the outbox
@@ -217,8 +218,14 @@ class GenerationService:
         return job is not None
 
     def _claim_relayed_stops(self) -> None:
+        """Stops relayed through the registry (a directory listing, a system call: in a sandboxed kernel tens of
+        microseconds) are looked for at most every CANCEL_CHECK_S, as clients' cancellations are, not every round."""
         if self.stop_registry is None:
             return
+        now = time.monotonic()
+        if now - self._relays_checked_s < CANCEL_CHECK_S:
+            return
+        self._relays_checked_s = now
         with self._lock:
             keys = set(self._by_key)
         for key in self.stop_registry.claim(keys) if keys else ():

@@ -21,3 +21,27 @@ def test_bad_keys_are_refused_and_stale_markers_expire(tmp_path):
     registry.post("fresh")
     assert registry.claim(set()) == []
     assert sorted(os.listdir(tmp_path)) == ["fresh"]
+
+
+def test_service_looks_for_relayed_stops_at_most_every_check_interval(tiny_models, tmp_path, monkeypatch):
+    """Listing the registry is a system call: the serving loop does it once per CANCEL_CHECK_S, not every round."""
+    from ddtree import serving
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.tokenizer import Tokenizer
+    from tests.unit.test_stop_strings import serve
+
+    registry = StopRegistry(tmp_path)
+    calls = []
+    claim = registry.claim
+    monkeypatch.setattr(registry, "claim", lambda keys: calls.append(len(keys)) or claim(keys))
+    monkeypatch.setattr(serving, "CANCEL_CHECK_S", 3600.0)
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                                 max_model_len=128, max_num_seqs=2))
+    service = serving.GenerationService(engine, Tokenizer(tiny_models / "qwen3-target"), stop_registry=registry)
+    try:
+        sink = serve(service, service.tokenizer, {"max_tokens": 24, "ignore_eos": True, "mode": "ar"}, stream=True)
+    finally:
+        service.shutdown()
+    assert sum(o.get("num_output_tokens", 0) for o in sink.outputs) == 24   # 23 rounds after the prefill
+    assert calls == [1]
