@@ -37,8 +37,29 @@ class StopRegistry:
         """Leave a stop marker for `key` (False for a key that cannot be a request key)."""
         if not KEY_PATTERN.match(key):
             return False
+        self.directory.mkdir(parents=True, exist_ok=True)   # another instance may have closed it meanwhile
         (self.directory / key).touch()
         return True
+
+    def close(self, grace_s: float = 1.0) -> None:
+        """At an instance's end: drop the markers older than `grace_s` (an owner that still runs claims its markers
+        within CANCEL_CHECK_S; older ones name requests that had already ended) and the directory itself once it is
+        empty (the model's other instances share it; the last to close removes it): restarts leave nothing behind."""
+        now = time.time()
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            try:
+                if now - (self.directory / name).stat().st_mtime > grace_s:
+                    (self.directory / name).unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
+        try:
+            self.directory.rmdir()
+        except OSError:   # markers of requests still running elsewhere, or already removed
+            pass
 
     def claim(self, active_keys) -> list[str]:
         """Markers for keys among `active_keys`, removed as they are returned; stale markers expire."""

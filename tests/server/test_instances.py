@@ -72,3 +72,18 @@ def test_cancelled_streams_stop_on_whichever_instance_runs_them(two_instances):
         assert total(text, "ddtree_held_cache_slots") == 0
     log = Path(two_instances.log_path).read_text()
     print(f"stops relayed between instances: {log.count('stop relayed from another instance')} of {TRIALS}")
+
+
+def test_a_stopped_server_leaves_no_stop_directory(two_instances):
+    """Runs last in this module (it stops the server, after the cancelled streams above): no cancelled ensemble
+    request is left in flight, so the server stops gracefully (its models finalized); both instances shared one
+    stop directory while they served, and the last to finalize removed it: restarts leave nothing in /dev/shm."""
+    from ddtree.stop_registry import default_directory
+
+    directory = default_directory("ddtree").parent / f"ddtree-stops-{two_instances.process.pid}-ddtree"
+    assert directory.is_dir()
+    two_instances.stop()
+    log = Path(two_instances.log_path).read_text()
+    assert "Exit timeout expired" not in log, log[-2000:]
+    assert not re.search(r"'ensemble' \(version 1\) has \d+ in-flight", log), "cancelled ensemble requests left in flight"
+    assert not directory.exists()

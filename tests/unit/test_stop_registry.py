@@ -45,3 +45,21 @@ def test_service_looks_for_relayed_stops_at_most_every_check_interval(tiny_model
         service.shutdown()
     assert sum(o.get("num_output_tokens", 0) for o in sink.outputs) == 24   # 23 rounds after the prefill
     assert calls == [1]
+
+
+def test_close_removes_the_directory_once_empty(tmp_path):
+    """Each server leaves nothing behind: closing drops markers nobody claimed in time, the last instance to close
+    removes the shared directory; a fresh marker for another instance stays, and a post after a close recreates
+    the directory."""
+    directory = tmp_path / "stops"
+    a, b = StopRegistry(directory), StopRegistry(directory)
+    a.post("ended")       # for a request that had ended when its stop arrived: nobody claims it
+    past = time.time() - 10
+    os.utime(directory / "ended", (past, past))
+    a.post("pending")
+    a.close()
+    assert directory.is_dir() and os.listdir(directory) == ["pending"]
+    assert b.claim({"pending"}) == ["pending"]
+    b.close()
+    assert not directory.exists()
+    assert a.post("late") and os.listdir(directory) == ["late"]

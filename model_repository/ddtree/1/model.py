@@ -101,3 +101,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        if self.service.stop_registry is not None:
+            self.service.stop_registry.close()

@@ -24,8 +24,12 @@ class TritonPythonModel:
         for request in requests:
             if request.is_cancelled():
                 self.relay_cancellation(string_input(pb_utils, request, api.REQUEST_KEY))
-                error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-                responses.append(pb_utils.InferenceResponse(error=error))
+                # an empty text, not a CANCELLED error: Triton 2.51's ensemble scheduler never completes an ensemble
+                # request whose step answers a cancellation with an error (it stays in flight: a leak per cancelled
+                # stream, and a shutdown that waits out its exit timeout without finalizing the models); the client
+                # that cancelled sees neither
+                out = pb_utils.Tensor(api.TEXT_OUTPUT, np.array([b""], dtype=np.object_))
+                responses.append(pb_utils.InferenceResponse([out]))
                 continue
             window = pb_utils.get_input_tensor_by_name(request, api.OUTPUT_IDS).as_numpy().tolist()
             prefix_length, text_start, text_end = (int(pb_utils.get_input_tensor_by_name(request, name).as_numpy()[0])
