@@ -52,52 +52,42 @@ def parse_response(result) -> tuple[str, dict, bool]:
 
 
 def stream_chat(url: str, model: str, inputs: list, timeout_s: float = 600.0):
-    """Yield (text_delta, outputs dict) per streamed response; raises on a server error."""
-    responses: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    finished = False
+    """Yield (text_delta, outputs dict) per streamed response, over a connection of its own; raises on a server
+    error; an abandoned generator, a timeout or an error cancels the request instead of waiting for it."""
+    chat = ChatStream(url, timeout_s)
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = responses.get(timeout=timeout_s)
-            if error is not None:
-                raise RuntimeError(str(error))
-            text, outputs, is_final = parse_response(result)
-            yield text, outputs
-            if is_final:
-                finished = True
-                return
+        yield from chat.request(model, inputs)
     finally:
-        # on a timeout, an error or an abandoned generator, cancel the request instead of waiting for it
-        client.stop_stream(cancel_requests=not finished)
-        client.close()
+        chat.close()
 
 
 class ChatStream:
     """One connection and one gRPC stream for many requests, one after another (as each perf_analyzer worker keeps
     its own): no connection or stream set-up per request. `request()` yields what stream_chat yields; a request
-    abandoned before its final response, or ended by an error, has the stream cancelled and opened again."""
+    abandoned before its final response, timed out or ended by an error has the stream cancelled (the next request
+    opens a new one)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0) -> None:
         self.client = grpcclient.InferenceServerClient(url)
         self.timeout_s = timeout_s
         self.num_requests = 0
-        self._open()
+        self.responses: queue.Queue | None = None   # the open stream's responses (None: no stream open)
 
-    def _open(self) -> None:
-        self.responses: queue.Queue = queue.Queue()
-        responses = self.responses   # this stream's queue: a cancelled stream's late callbacks land in its own
+    def _open(self) -> queue.Queue:
+        # a queue per stream: late callbacks of a cancelled stream land in its own
+        responses = self.responses = queue.Queue()
         self.client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        return responses
 
     def request(self, model: str, inputs: list):
+        responses = self.responses or self._open()
         self.num_requests += 1
         request_id = f"chat-{self.num_requests}"
         finished = False
         try:
             self.client.async_stream_infer(model, inputs, request_id=request_id, enable_empty_final_response=True)
             while True:
-                result, error = self.responses.get(timeout=self.timeout_s)
+                result, error = responses.get(timeout=self.timeout_s)
                 if error is not None:
                     raise RuntimeError(str(error))
                 if result.get_response().id != request_id:
@@ -110,10 +100,12 @@ class ChatStream:
         finally:
             if not finished:
                 self.client.stop_stream(cancel_requests=True)
-                self._open()
+                self.responses = None
 
     def close(self) -> None:
-        self.client.stop_stream()
+        if self.responses is not None:
+            self.client.stop_stream()
+            self.responses = None
         self.client.close()
 
     def __enter__(self) -> "ChatStream":
