@@ -51,11 +51,7 @@ class StopRegistry:
         except FileNotFoundError:
             return
         for name in names:
-            try:
-                if now - (self.directory / name).stat().st_mtime > grace_s:
-                    (self.directory / name).unlink(missing_ok=True)
-            except FileNotFoundError:
-                pass
+            self._drop_if_older(name, now, grace_s)
         try:
             self.directory.rmdir()
         except OSError:   # markers of requests still running elsewhere, or already removed
@@ -75,9 +71,14 @@ class StopRegistry:
                 claimed.append(name)
                 path.unlink(missing_ok=True)
             else:
-                try:
-                    if now - path.stat().st_mtime > self.ttl_s:
-                        path.unlink(missing_ok=True)
-                except FileNotFoundError:
-                    pass
+                self._drop_if_older(name, now, self.ttl_s)
         return claimed
+
+    def _drop_if_older(self, name: str, now: float, age_s: float) -> None:
+        """Remove marker `name` if it is older than age_s seconds (gone already: nothing to do)."""
+        path = self.directory / name
+        try:
+            if now - path.stat().st_mtime > age_s:
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass

@@ -52,9 +52,22 @@ def facts() -> dict:
             "environment": {k: v for k, v in os.environ.items() if k not in _SKIP_ENV}}
 
 
+def proc_stat(path: str) -> tuple[str, list[str]]:
+    """(name, the fields after it) of a /proc/<pid>[/task/<tid>]/stat file (the name may hold spaces and parentheses);
+    OSError where it is gone."""
+    with open(path) as f:
+        stat = f.read()
+    return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+
+
+def cpu_of(fields: list[str]) -> float:
+    """CPU seconds (user + system) from proc_stat()'s fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu(pid: int | str = "self") -> dict[str, float]:
     """CPU seconds (user + system) of each thread of a process so far: {"<tid> <name>": seconds}, {} without /proc."""
-    tick, used = os.sysconf("SC_CLK_TCK"), {}
+    used = {}
     task = f"/proc/{pid}/task"
     try:
         tids = os.listdir(task)
@@ -62,12 +75,10 @@ def thread_cpu(pid: int | str = "self") -> dict[str, float]:
         return used
     for tid in tids:
         try:
-            with open(f"{task}/{tid}/stat") as f:
-                stat = f.read()
+            name, fields = proc_stat(f"{task}/{tid}/stat")
         except OSError:
             continue
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        used[f"{tid} {name}"] = (int(fields[11]) + int(fields[12])) / tick
+        used[f"{tid} {name}"] = cpu_of(fields)
     return used
 
 

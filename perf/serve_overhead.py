@@ -52,7 +52,7 @@ from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method  # noqa: E402
 from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
-from perf.probe_workload import busy_threads, thread_cpu  # noqa: E402
+from perf.probe_workload import busy_threads, cpu_of, proc_stat, thread_cpu  # noqa: E402
 
 SIDES = ("alone", "service", "triton")
 TRITON_SIDES = {"stream": "triton", "final": "triton final"}   # --triton-streams value -> side name
@@ -122,8 +122,7 @@ def server_processes(session: int) -> dict[int, str]:
     found = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = proc_stat(str(entry / "stat"))[1]
             if int(fields[3]) != session:   # fields after the name: state ppid pgrp session ...
                 continue
             argv = (entry / "cmdline").read_bytes().split(b"\0")
@@ -137,13 +136,10 @@ def server_processes(session: int) -> dict[int, str]:
 
 def cpu_seconds(pids: dict[int, str]) -> dict[str, float]:
     """CPU seconds (user + system) each process has used so far, by label; this process as `client`."""
-    tick = os.sysconf("SC_CLK_TCK")
     used = {}
     for pid, label in pids.items():
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            used[label] = used.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+            used[label] = used.get(label, 0.0) + cpu_of(proc_stat(f"/proc/{pid}/stat")[1])
         except (OSError, ValueError, IndexError):
             continue
     times = os.times()

@@ -13,6 +13,10 @@ from ddtree.detokenize import decode_range  # noqa: E402
 from ddtree.triton_common import load_tokenizer, model_parameters, resolve_path, string_input  # noqa: E402
 
 
+def text_response(text: str):
+    return pb_utils.InferenceResponse([pb_utils.Tensor(api.TEXT_OUTPUT, np.array([text.encode("utf-8")], dtype=np.object_))])
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
@@ -28,16 +32,14 @@ class TritonPythonModel:
                 # request whose step answers a cancellation with an error (it stays in flight: a leak per cancelled
                 # stream, and a shutdown that waits out its exit timeout without finalizing the models); the client
                 # that cancelled sees neither
-                out = pb_utils.Tensor(api.TEXT_OUTPUT, np.array([b""], dtype=np.object_))
-                responses.append(pb_utils.InferenceResponse([out]))
+                responses.append(text_response(""))
                 continue
             window = pb_utils.get_input_tensor_by_name(request, api.OUTPUT_IDS).as_numpy().tolist()
             prefix_length, text_start, text_end = (int(pb_utils.get_input_tensor_by_name(request, name).as_numpy()[0])
                                                    for name in (api.PREFIX_LENGTH, api.TEXT_START, api.TEXT_END))
             prompt_text = (string_input(pb_utils, request, api.PROMPT_TEXT) or b"").decode("utf-8")
             text = prompt_text + decode_range(self.tokenizer, window, prefix_length, text_start, text_end)
-            out = pb_utils.Tensor(api.TEXT_OUTPUT, np.array([text.encode("utf-8")], dtype=np.object_))
-            responses.append(pb_utils.InferenceResponse([out]))
+            responses.append(text_response(text))
         return responses
 
     def relay_cancellation(self, key):
