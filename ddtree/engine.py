@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, default_cost_model, node_weights, parse_arms
 from ddtree.config import EngineConfig
 from ddtree.errors import InvalidRequest
+from ddtree.models.base import to_device
 from ddtree.models.dense import KVCache, Segment
 from ddtree.models.dflash import DFlashDrafter
 from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticDrafter, StaticTarget, key_bucket, row_bucket
@@ -51,7 +52,9 @@ class StageTimes:
     #                              host's wake-up after the GPU finished, e.g. waiting for the GIL)
     draft_gpu: float = 0.0       # CUDA: GPU timeline of the draft stage's device work (drafter pass to the top-k read)
     commit_gpu: float = 0.0      # CUDA: GPU timeline from the commit's start (after the verify's read) to its last kernel
-    commit: float = 0.0          # acceptance walks and commits
+    #                              (accounted a round later: the host does not wait for the commit)
+    commit: float = 0.0          # acceptance walks and commits (host time: the commit's device work is not waited for,
+    #                              it overlaps what follows, the next round's draft waits for it in stream order)
     decode: float = 0.0          # whole decoding rounds: draft, tree_build, verify, commit and the glue between
     batch_rounds: int = 0        # decoding rounds of the whole batch
     rounds: int = 0              # decoding rounds, summed over requests
@@ -97,6 +100,7 @@ class StageEvents:
     def __init__(self, device: torch.device) -> None:
         self.events = ({name: torch.cuda.Event(enable_timing=True) for name in self.NAMES}
                        if device.type == "cuda" else None)
+        self.deferred: list[tuple[str, str, StageTimes, str]] = []
 
     def record(self, name: str) -> None:
         if self.events is not None:
@@ -108,6 +112,18 @@ class StageEvents:
             return 0.0
         self.events[end].synchronize()
         return self.events[start].elapsed_time(self.events[end]) / 1e3
+
+    def defer(self, start: str, end: str, times: StageTimes, stage: str) -> None:
+        """Add the GPU time between two events to times.<stage> later (settle), when the device has passed `end`
+        anyway: reading it now would make the host wait for work it need not wait for."""
+        if self.events is not None:
+            self.deferred.append((start, end, times, stage))
+
+    def settle(self) -> None:
+        """Account the deferred intervals (before their events are recorded again; waits for them if need be)."""
+        for start, end, times, stage in self.deferred:
+            setattr(times, stage, getattr(times, stage) + self.seconds(start, end))
+        self.deferred.clear()
 
 
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor | None:
@@ -312,13 +328,16 @@ class Engine:
         self._events.record("verify")
         logits, taps = self._verify(seqs, trees, batches)
         self._events.record("verified")
-        self._sync()
+        # the target's greedy choices of every row, launched behind the verify and read in the same wait: one
+        # device-to-host read per round (rows of requests that sample or suppress tokens are recomputed per request)
+        greedy = any(s.request.params.is_greedy for s in seqs)
+        choices = logits.argmax(dim=-1).tolist() if greedy else None
+        if not greedy:
+            self._sync()
         t_commit = time.perf_counter()
+        self._events.settle()   # the last round's commit: the device has passed it
         times.verify_gpu += self._events.seconds("verify", "verified")
         self._events.record("commit")
-        # the target's greedy choices of every row in one device-to-host read (rows of requests that sample or
-        # suppress tokens are recomputed per request)
-        choices = logits.argmax(dim=-1).tolist() if any(s.request.params.is_greedy for s in seqs) else None
         accepted, starts, row = [], [], 0
         for seq, tree in zip(seqs, trees):
             rows = slice(row, row + tree.num_nodes + 1)
@@ -329,8 +348,9 @@ class Engine:
         self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
         outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
         self._events.record("committed")
-        self._sync()
-        times.commit_gpu += self._events.seconds("commit", "committed")
+        # not waited for: the commit's device work (a hybrid's recurrent replay, ~1.5 ms at 27B dims) runs while the
+        # host reports this round and starts the next; the next round's reads wait for it in stream order
+        self._events.defer("commit", "committed", times, "commit_gpu")
         times.verify += t_commit - t_verify
         times.commit += time.perf_counter() - t_commit
         return outputs
@@ -391,7 +411,7 @@ class Engine:
             # verify's outputs (static buffers on CUDA), no index built on the host and sent to the device
             kept = taps[rows[0] : rows[-1] + 1].clone().split(1)
         else:
-            kept = taps[torch.tensor(rows, device=self.device)].split([len(accepted[i]) for i in keep])
+            kept = taps[to_device(torch.tensor(rows), self.device)].split([len(accepted[i]) for i in keep])
         for i, new_taps in zip(keep, kept):
             seqs[i].pending_taps.append(new_taps)
 
@@ -552,6 +572,7 @@ class Engine:
                 self.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=4, ignore_eos=True),
                                   request_id="warm-up")
             self._warm_shapes(n + 4, max(budgets) + 1 if self.drafter is not None else 1)
+        self._events.settle()
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
         self.graphs.warmed = True
         logger.info("warm-up: %d static programs ready in %.1f s", len(self.graphs.programs), time.perf_counter() - t0)

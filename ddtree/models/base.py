@@ -6,6 +6,15 @@ import torch
 from torch import nn
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting for the device's queued work: on CUDA through pinned memory
+    (its block is reused only after the copy), where a pageable copy synchronizes the stream, so that the host would
+    sit idle until every kernel before it finished instead of preparing the next ones."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class TargetModel(nn.Module):
     """Subclasses set config (with eos_token_ids), embed_tokens, norm, lm_head and define
     forward_packed(input_ids, positions, segments, tap_layers, logit_rows) and new_cache(max_len)."""

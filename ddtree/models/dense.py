@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models import fused
-from ddtree.models.base import TargetModel
+from ddtree.models.base import TargetModel, to_device
 from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
@@ -78,8 +78,8 @@ class KVPool:
         moves = [(slot, start, rows) for slot, start, rows in moves if rows != list(range(len(rows)))]
         if not moves:
             return
-        index = torch.tensor([[slot, start + i, start + r] for slot, start, rows in moves for i, r in enumerate(rows)],
-                             dtype=torch.long).to(self.k.device)
+        index = to_device(torch.tensor([[slot, start + i, start + r] for slot, start, rows in moves
+                                        for i, r in enumerate(rows)], dtype=torch.long), self.k.device)
         slots, dst, src = index.unbind(1)
         self.k[:, slots, dst] = self.k[:, slots, src]
         self.v[:, slots, dst] = self.v[:, slots, src]

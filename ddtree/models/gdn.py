@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ddtree.models import fused
+from ddtree.models.base import to_device
 
 L2_EPS = 1e-6                    # l2norm eps of use_qk_l2norm_in_kernel (fla / transformers)
 AUTO_HEAD_ELEMENTS = 1 << 24     # head_chunk=None: heads per group so that one [heads, N, N] buffer has <= this many elements
@@ -504,7 +505,7 @@ def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tens
         start += n
     host = torch.tensor([row for p in paths for row in p] + list(slots) + np.cumsum([0] + lengths).tolist() + columns,
                         dtype=torch.long)
-    index, slot_index, cu, columns = host.to(device).split([sum(lengths), r, r + 1, r * kernel_size])   # one copy
+    index, slot_index, cu, columns = to_device(host, device).split([sum(lengths), r, r + 1, r * kernel_size])   # one copy
     layers, _, heads, dv = base.v.shape
     dk, total = base.k.shape[-1], index.shape[0]
 

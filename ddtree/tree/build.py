@@ -55,7 +55,9 @@ def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.nd
     k = min(k, logits.shape[-1])
     top_logits, top_ids = torch.topk(logits, k=k, dim=-1)
     log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return (top_logits - log_z).cpu().double().numpy(), top_ids.cpu().numpy()
+    # one read for both (a second read is another round trip to the device): ids are exact as float64 (< 2^53)
+    both = torch.cat([(top_logits - log_z).double(), top_ids.double()], dim=-1).cpu().numpy()
+    return both[..., :k], both[..., k:].astype(np.int64)
 
 
 def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> DraftTree:
