@@ -3,6 +3,8 @@
 perf_analyzer over gRPC streaming against the ensemble, one server (continuous batching,
 max_num_seqs = the largest concurrency), methods ar / dflash / ddtree-16 / auto (the budget
 policy), concurrency 1, 2, 4, 8, 16, 32. Every request decodes exactly --max-tokens tokens.
+At each concurrency the methods are measured in turns, --repeats times (a method's point is its median run), and
+`auto`'s throughput is compared run by run with the best other method's of the same turn.
 Writes perf/results/<name>.{json,md,png}.
 
     python perf/concurrency_sweep.py --name concurrency_cpu --max-tokens 16
@@ -81,6 +83,10 @@ def main() -> None:
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one unmeasured perf_analyzer run before each measured one (steady state, not start-up)")
     parser.add_argument("--gpus", default="", help="one engine replica per listed GPU, e.g. 0,1 (KIND_GPU instances)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measured runs per method and point, the methods in turns (each repeat starts one method "
+                             "later): ratios between methods compare runs made minutes apart at most, not a whole "
+                             "method's sweep apart (the same method moved by up to 1.39x between sweeps on the H200)")
     args = parser.parse_args()
     gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     methods = [m for m in METHODS if m[2] in args.methods.split(",")]
@@ -89,37 +95,84 @@ def main() -> None:
                           device=args.device, dtype=args.dtype, max_tree_budget=64)
     prompts = json.loads((ROOT / "perf/prompts.json").read_text())
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "target": config.target_path, "gpus": gpus, "methods": {}}
+              "target": config.target_path, "gpus": gpus, "repeats": args.repeats,
+              "methods": {name: {} for _, _, name in methods}}
+    runs: dict[str, dict[str, list[dict]]] = {name: {} for _, _, name in methods}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024"}, gpus)
         with TritonServer(str(repo), log_path=str(workdir / "server.log")) as server:
-            for mode, budget, name in methods:
-                sampling = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "mode": mode,
-                            "tree_budget": budget}
-                result["methods"][name] = {}
-                for level in levels:
-                    count = max(args.requests_per_stream * level, 4)
-                    if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size
-                        run_perf_analyzer(server, input_data(prompts, sampling), workdir, count, level)
-                    stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
-                    arms = auto_arm_rounds(server.metrics_url)
-                    requests = run_perf_analyzer(server, input_data(prompts, sampling), workdir, count, level)
-                    entry = result["methods"][name][str(level)] = summarize(requests, args.max_tokens)
-                    # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing
-                    # step (one execution per streamed response) queues
-                    entry["stages"] = per_round_ms(stages, wait_stages(server.metrics_url, stages))
-                    if mode == "auto":   # which arms auto ran (shares of its measured rounds)
-                        ran = {arm: n - arms.get(arm, 0.0) for arm, n in auto_arm_rounds(server.metrics_url).items()}
-                        total = sum(ran.values())
-                        entry["auto_arms"] = {arm: n / total for arm, n in ran.items() if n > 0} if total else {}
-                    after = model_stats(server.http_url, "postprocessing")
-                    executions = max(after["count"] - post["count"], 1)
-                    entry["postprocessing"] = {"executions": after["count"] - post["count"],
-                                               "queue_ms": (after["queue_ns"] - post["queue_ns"]) / executions / 1e6,
-                                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6}
-                    print(f"{name} c={level}: {entry}", flush=True)
-                write(result, levels, args)      # after each method: a cut-off run keeps what it measured
+            for level in levels:
+                count = max(args.requests_per_stream * level, 4)
+                if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size
+                    for method in methods:
+                        run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
+                for repeat in range(args.repeats):
+                    for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
+                        entry = measure(server, workdir, prompts, method, args, count, level)
+                        runs[method[2]].setdefault(str(level), []).append(entry)
+                        print(f"{method[2]} c={level} run {repeat + 1}/{args.repeats}: {entry}", flush=True)
+                for _, _, name in methods:
+                    result["methods"][name][str(level)] = median_run(runs[name][str(level)])
+                result["paired"] = paired_ratios(result["methods"])
+                write(result, [c for c in levels if str(c) in result["methods"][methods[0][2]]], args)
+                # after each point: a cut-off run keeps what it measured
+
+
+def sampling_of(method: tuple[str, int, str], args) -> dict:
+    mode, budget, _ = method
+    return {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0, "mode": mode, "tree_budget": budget}
+
+
+def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, str], args, count: int,
+            level: int) -> dict:
+    """One measured perf_analyzer run of a method at a concurrency, with the engine's per-round stages over it."""
+    stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
+    arms = auto_arm_rounds(server.metrics_url)
+    requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
+    entry = summarize(requests, args.max_tokens)
+    # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing step (one
+    # execution per streamed response) queues
+    entry["stages"] = per_round_ms(stages, wait_stages(server.metrics_url, stages))
+    if method[0] == "auto":   # which arms auto ran (shares of its measured rounds)
+        ran = {arm: n - arms.get(arm, 0.0) for arm, n in auto_arm_rounds(server.metrics_url).items()}
+        total = sum(ran.values())
+        entry["auto_arms"] = {arm: n / total for arm, n in ran.items() if n > 0} if total else {}
+    after = model_stats(server.http_url, "postprocessing")
+    executions = max(after["count"] - post["count"], 1)
+    entry["postprocessing"] = {"executions": after["count"] - post["count"],
+                               "queue_ms": (after["queue_ns"] - post["queue_ns"]) / executions / 1e6,
+                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6}
+    return entry
+
+
+def median_run(entries: list[dict]) -> dict:
+    """The run of median throughput (its TTFT, ITL and stages), with every run's throughput beside it."""
+    ranked = sorted(entries, key=lambda e: e["tokens_per_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [e["tokens_per_s"] for e in entries]}
+
+
+def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") -> dict[str, dict]:
+    """Per concurrency: `candidate`'s throughput over the best other method's, run by run (run i of every method was
+    measured in the same turn), and over `ar`'s; the median and the worst of those ratios."""
+    others = [name for name in methods if name != candidate]
+    if candidate not in methods or not others:
+        return {}
+    out = {}
+    for level, entry in methods[candidate].items():
+        mine = entry["runs_tokens_per_s"]
+        series = {name: methods[name][level]["runs_tokens_per_s"] for name in others if level in methods[name]}
+        if not series:
+            continue
+        best = [max(s[i] for s in series.values()) for i in range(len(mine))]
+        ratios = [m / b for m, b in zip(mine, best)]
+        row = {"best_per_run": [max(series, key=lambda name: series[name][i]) for i in range(len(mine))],
+               "over_best": ratios, "over_best_median": statistics.median(ratios), "over_best_min": min(ratios)}
+        if "ar" in series:
+            over_ar = [m / a for m, a in zip(mine, series["ar"])]
+            row.update(over_ar=over_ar, over_ar_median=statistics.median(over_ar), over_ar_min=min(over_ar))
+        out[level] = row
+    return out
 
 
 def write(result: dict, levels: list[int], args) -> None:
@@ -152,6 +205,27 @@ def write(result: dict, levels: list[int], args) -> None:
                 shares = sorted(by_level[str(c)].get("auto_arms", {}).items(), key=lambda item: -item[1])
                 cells.append(", ".join(f"{arm} {share:.0%}" if share >= 0.005 else f"{arm} <1%" for arm, share in shares) or "-")
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    paired = result.get("paired", {})
+    if paired:
+        cells = {c: paired.get(str(c)) for c in levels}
+        rows += ["", f"`auto` against the other methods measured in the same turn ({result.get('repeats', 1)} turns per "
+                 "point; median and worst turn):", "",
+                 "| ratio | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels),
+                 "| auto / best other, median | " + " | ".join(f"{r['over_best_median']:.2f}" if r else "-"
+                                                         for r in cells.values()) + " |",
+                 "| auto / best other, worst turn | " + " | ".join(f"{r['over_best_min']:.2f}" if r else "-"
+                                                             for r in cells.values()) + " |"]
+        if any(r and "over_ar_median" in r for r in cells.values()):
+            rows.append("| auto / ar, median | " + " | ".join(f"{r['over_ar_median']:.2f}" if r and "over_ar_median" in r
+                                                            else "-" for r in cells.values()) + " |")
+        rows.append("| best other per turn | " + " | ".join(", ".join(r["best_per_run"]) if r else "-"
+                                                         for r in cells.values()) + " |")
+    if result.get("repeats", 1) > 1:
+        rows += ["", "Every run's tokens/s, turn by turn:", "",
+                 "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+        for name, by_level in result["methods"].items():
+            rows.append(f"| {name} | " + " | ".join(" / ".join(f"{v:.0f}" for v in by_level[str(c)]["runs_tokens_per_s"])
+                                                    for c in levels) + " |")
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
 

@@ -1,0 +1,34 @@
+"""perf/concurrency_sweep.py's bookkeeping: a point is its median run; `auto` is compared turn by turn."""
+
+import pytest
+
+from perf.concurrency_sweep import median_run, paired_ratios
+
+
+def runs(*values):
+    return median_run([{"tokens_per_s": v, "ttft_ms_p50": 10 * v} for v in values])
+
+
+def test_a_point_is_its_median_run_with_every_run_beside_it():
+    entry = runs(300.0, 100.0, 200.0)
+    assert entry["tokens_per_s"] == 200.0 and entry["ttft_ms_p50"] == 2000.0   # the median run's own numbers
+    assert entry["runs_tokens_per_s"] == [300.0, 100.0, 200.0]
+    assert runs(5.0, 1.0)["tokens_per_s"] == 1.0   # an even count: the lower middle run, a measured one
+
+
+def test_auto_is_compared_with_the_best_other_method_of_the_same_turn():
+    methods = {"ar": {"4": runs(100.0, 200.0, 150.0)},
+               "ddtree-16": {"4": runs(120.0, 150.0, 100.0)},
+               "auto": {"4": runs(110.0, 190.0, 160.0)}}
+    row = paired_ratios(methods)["4"]
+    assert row["best_per_run"] == ["ddtree-16", "ar", "ar"]
+    assert row["over_best"] == pytest.approx([110 / 120, 190 / 200, 160 / 150])
+    assert row["over_best_min"] == pytest.approx(110 / 120)
+    assert row["over_best_median"] == pytest.approx(190 / 200)
+    assert row["over_ar"] == pytest.approx([1.1, 0.95, 160 / 150])
+    # the medians of each method alone (ar 150, auto 160) would hide the turn auto lost by 8%
+
+
+def test_no_auto_or_nothing_to_compare_gives_no_ratios():
+    assert paired_ratios({"ar": {"1": runs(1.0)}}) == {}
+    assert paired_ratios({"auto": {"1": runs(1.0)}}) == {}
