@@ -62,6 +62,7 @@ class ServiceStats:
     num_held_slots: int = 0          # cache slots in use (0 when idle: nothing leaks)
     num_tree_nodes: int = 0
     draft_seconds: float = 0.0
+    draft_gpu_seconds: float = 0.0   # CUDA: the drafts' GPU timeline (draft_seconds - this: host work before its launch)
     verify_seconds: float = 0.0
     verify_gpu_seconds: float = 0.0  # CUDA: the verifies' GPU timeline (verify_seconds - this: host wake-up after them)
     host_seconds: float = 0.0        # decoding round time outside the drafter and target passes
@@ -248,7 +249,7 @@ class GenerationService:
         self.stats.num_rounds, self.stats.num_tree_nodes = times.rounds, times.tree_nodes
         self.stats.num_batch_rounds = times.batch_rounds
         self.stats.draft_seconds, self.stats.verify_seconds = times.draft, times.verify
-        self.stats.verify_gpu_seconds = times.verify_gpu
+        self.stats.verify_gpu_seconds, self.stats.draft_gpu_seconds = times.verify_gpu, times.draft_gpu
         self.stats.host_seconds = times.host
         # the engine's own dicts: copied once, into the snapshot below, when the stats are published
         self.stats.acceptance_histogram, self.stats.auto_arm_rounds = times.acceptance_histogram, times.auto_arm_rounds

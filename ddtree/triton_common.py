@@ -118,6 +118,9 @@ class TritonMetrics:
                 ("ddtree_batch_rounds_total", "num_batch_rounds", "Decoding rounds of the whole batch"),
                 ("ddtree_tree_nodes_total", "num_tree_nodes", "Draft tree nodes verified"),
                 ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
+                ("ddtree_draft_gpu_seconds_total", "draft_gpu_seconds",
+                 "CUDA: the drafts' GPU timeline, from the drafter's launch to the top-k read (draft time less this: "
+                 "host work before the launch)"),
                 ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
                 ("ddtree_verify_gpu_seconds_total", "verify_gpu_seconds",
                  "CUDA: the verifies' GPU timeline (verify time less this: the host waking up after them)"),

@@ -73,7 +73,7 @@ def engine_stages(engine) -> dict:
     """The in-process reading of the counters per_round_ms takes (Engine.stage_times)."""
     t = engine.stage_times
     return {"batch_rounds": t.batch_rounds, "rounds": t.rounds, "draft": t.draft, "verify": t.verify, "host": t.host,
-            "verify_gpu": t.verify_gpu}
+            "verify_gpu": t.verify_gpu, "draft_gpu": t.draft_gpu}
 
 
 def per_round_ms(before: dict, after: dict) -> dict:
@@ -81,6 +81,6 @@ def per_round_ms(before: dict, after: dict) -> dict:
     the same counters in process (Engine.stage_times) and through Triton (its metrics), so the two sides compare
     stage by stage; mean_batch = request rounds per batch round."""
     rounds = after["batch_rounds"] - before["batch_rounds"]
-    return {f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in ("draft", "verify", "verify_gpu", "host", "serve")
-            if k in after} | {
+    stages = ("draft", "draft_gpu", "verify", "verify_gpu", "host", "serve")
+    return {f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in stages if k in after} | {
         "batch_rounds": rounds, "mean_batch": (after["rounds"] - before["rounds"]) / max(rounds, 1)}

@@ -295,14 +295,16 @@ def table(result: dict) -> str:
 def stage_table(result: dict) -> str:
     """Per-round engine stage times in process and through Triton (where they differ is where Triton's cost is)."""
     lines = ["Engine stages per round (ms; in process / Triton):", "",
-             "| method | T | rounds | draft | verify | verify on the GPU (CUDA) | host (tree build, accept, commit, glue) | "
-             "serve (streaming, cancellation checks, metrics; Triton) |", "|---|---|---|---|---|---|---|---|"]
+             "| method | T | rounds | draft | draft on the GPU (CUDA) | verify | verify on the GPU (CUDA) | "
+             "host (tree build, accept, commit, glue) | serve (streaming, cancellation checks, metrics; Triton) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key, name in _rows(result):
         sides = [result.get(side, {}).get(key, {}).get(name, {}).get("stages") for side in ("in_process", "triton")]
         if not any(sides):
             continue
         cell = lambda field: " / ".join(_fmt(s and s.get(field), ".2f" if field.endswith("ms") else ".0f") for s in sides)  # noqa: E731
-        lines.append(f"| {name} | {key} | {cell('batch_rounds')} | {cell('draft_ms')} | {cell('verify_ms')} | "
+        lines.append(f"| {name} | {key} | {cell('batch_rounds')} | {cell('draft_ms')} | {cell('draft_gpu_ms')} | "
+                     f"{cell('verify_ms')} | "
                      f"{cell('verify_gpu_ms')} | {cell('host_ms')} | {cell('serve_ms')} |")
     return "\n".join(lines)
 

@@ -62,7 +62,7 @@ def make_repository(config: EngineConfig, workdir: Path, extra: dict[str, str] |
 STAGE_METRICS = {"batch_rounds": "ddtree_batch_rounds_total", "rounds": "ddtree_rounds_total",
                  "draft": "ddtree_draft_seconds_total", "verify": "ddtree_verify_seconds_total",
                  "host": "ddtree_host_seconds_total", "serve": "ddtree_serve_seconds_total",
-                 "verify_gpu": "ddtree_verify_gpu_seconds_total"}
+                 "verify_gpu": "ddtree_verify_gpu_seconds_total", "draft_gpu": "ddtree_draft_gpu_seconds_total"}
 
 
 def scrape_metrics(metrics_url: str, names) -> dict[str, float]:
