@@ -29,7 +29,7 @@ from ddtree.models.target import load_target
 from ddtree.request import Request, RequestOutput
 from ddtree.sampling import probabilities, sample, suppress_tokens
 from ddtree.sampling_params import SamplingParams
-from ddtree.tree import DraftTree, build_chain, build_tree, compile_tree, top_log_probs
+from ddtree.tree import DraftTree, build_chain, build_tree, compile_tree, top_ids, top_log_probs
 from ddtree.tree.build import _empty_tree
 from ddtree.verify import accept
 
@@ -450,7 +450,10 @@ class Engine:
         draft_logits = self.draft_logits(hidden[:, 1 : 1 + depth], [seqs[i].request for i in drafting])  # [R, depth, V]
         plans = {i: self._draft_plan(seqs[i]) for i in drafting}               # (chain?, budget)
         k = max(1 if chain else budget for chain, budget in plans.values())
-        log_probs, token_ids = top_log_probs(draft_logits, k)                  # [R, depth, k] on the host (a sync)
+        if all(chain for chain, _ in plans.values()):   # chains only: their tokens, no log-probabilities
+            log_probs, token_ids = None, top_ids(draft_logits)                # [R, depth, 1] on the host (a sync)
+        else:
+            log_probs, token_ids = top_log_probs(draft_logits, k)              # [R, depth, k] on the host (a sync)
         t1 = time.perf_counter()
         self._events.record("drafted")   # after the read: the GPU is idle, the event completes at once
         self.stage_times.draft_gpu += self._events.seconds("draft", "drafted")

@@ -51,13 +51,19 @@ def top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.nd
 
     draft_logits  # [..., depth_limit, vocab] -> [..., depth_limit, k] each (one device-to-host copy)
     """
-    logits = draft_logits.float()
-    k = min(k, logits.shape[-1])
-    top_logits, top_ids = torch.topk(logits, k=k, dim=-1)
-    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
+    # one fused log-softmax in float32 (a logsumexp and a subtraction after the top-k were ~10 small kernels, each an
+    # eager launch of host time per drafting round)
+    log_probs = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(log_probs, k=min(k, log_probs.shape[-1]), dim=-1)
     # one read for both (a second read is another round trip to the device): ids are exact as float64 (< 2^53)
-    both = torch.cat([(top_logits - log_z).double(), top_ids.double()], dim=-1).cpu().numpy()
-    return both[..., :k], both[..., k:].astype(np.int64)
+    both = torch.cat([top.double(), ids.double()], dim=-1).cpu().numpy()
+    return both[..., : top.shape[-1]], both[..., top.shape[-1] :].astype(np.int64)
+
+
+def top_ids(draft_logits: torch.Tensor) -> np.ndarray:
+    """The most likely token per depth (a chain's drafts: no log-probabilities needed), read to the host.
+    draft_logits  # [..., depth_limit, vocab] -> [..., depth_limit, 1]"""
+    return draft_logits.argmax(dim=-1, keepdim=True).cpu().numpy()
 
 
 def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> DraftTree:
