@@ -139,6 +139,9 @@ class Arm(NamedTuple):
         raise ValueError(f"unknown auto arm {name!r}: use ar, dflash, policy or ddtree-<budget>")
 
 
+AR = Arm("ar")
+
+
 def parse_arms(spec: str) -> tuple[Arm, ...]:
     arms = tuple(dict.fromkeys(Arm.parse(n) for n in spec.split(",") if n.strip()))
     if not arms:
@@ -266,12 +269,21 @@ class ArmSelector:
         slowdown = max(1.0, self.round_seconds(bucket, arm) / max(self.round_seconds(bucket, best), 1e-9))
         return self.reprobe_every * slowdown * 2 ** self.misses[(bucket, arm)]
 
-    def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float) -> None:
+    def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float, drafted: bool = True) -> Arm:
+        """Account a round of `arm`; returns the arm it is credited to. A round of the policy arm in which no `auto`
+        request drafted (the policy's back-off skipped drafting for all of them) was an `ar` round: it is credited
+        to `ar` (where `ar` is an arm), so that the policy is judged by the rounds in which it drafted. Otherwise its
+        cheap skipped rounds, as fast as `ar`'s, mixed into its rate let it win rounds whose drafting lost (on 2 CPU
+        cores at 16 streams it ran 56% of auto's rounds at 0.91x `ar`: concurrency_cpu_turns.md)."""
+        if arm.mode == "policy" and not drafted and AR in self.arms:
+            # no catch-up happened (nobody drafted); the policy's next drafting round pays the catch-up its skipping
+            # causes, measured: it is the policy's own cost
+            arm, self.catching_up = AR, False
         b = self.bucket(num_seqs)
         key = (b, arm)
         if self.catching_up:   # not measured: the same arm runs again next round (choose), and that round counts
             self.catching_up, self.repeat = False, key
-            return
+            return arm
         probed, best_rate = self.probing.pop(b, (None, 0.0))
         if probed == arm and seconds > 0 and tokens / seconds > best_rate:
             # a re-probe beat the leader: try it again at once until its estimate (old rounds decayed) leads or a
@@ -281,6 +293,7 @@ class ArmSelector:
         self.seconds[key] = self.decay * self.seconds[key] + seconds
         self.weight[key] = self.decay * self.weight[key] + 1.0
         self.samples[key] += 1
+        return arm
 
     def table(self) -> dict[str, dict[str, float]]:
         """{bucket label: {arm: tokens/s}} of what has been measured (for logs and benchmarks)."""

@@ -45,7 +45,8 @@ MAX_SERVE_GAP_S = 0.5
 class StageTimes:
     """Wall time per stage in seconds, summed over rounds (synchronized on GPU)."""
     prefill: float = 0.0
-    draft: float = 0.0           # packed drafter passes, their lm_head and top-k, read to the host
+    draft: float = 0.0           # packed drafter passes, their lm_head and top-k, read to the host (the read also
+    #                              waits for what is left of the last round's commit on the device)
     tree_build: float = 0.0      # best-first trees (and the budget policy) on the host
     verify: float = 0.0          # packed target verify passes
     verify_gpu: float = 0.0      # CUDA: GPU timeline from the verify's start to its last kernel (verify - this: the
@@ -61,7 +62,8 @@ class StageTimes:
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
     draft_passes: int = 0        # packed drafter passes
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
-    auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran
+    auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
+    #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
 
     @property
     def host(self) -> float:
@@ -174,6 +176,7 @@ class Engine:
         self.auto_backoff = 1
         self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
         self._events = StageEvents(self.device)
+        self._auto_drafted: list[bool] = []   # this round's drafting requests: which of them are mode auto
 
     @property
     def cache(self):
@@ -304,8 +307,9 @@ class Engine:
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
-            self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start)
-            times.auto_arm_rounds[self.arm.name] = times.auto_arm_rounds.get(self.arm.name, 0) + 1
+            drafted = any(self._auto_drafted)
+            ran = self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start, drafted=drafted)
+            times.auto_arm_rounds[ran.name] = times.auto_arm_rounds.get(ran.name, 0) + 1
         self._round_end = now
         times.decode += now - t_round
         times.batch_rounds += 1
@@ -348,8 +352,8 @@ class Engine:
         self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
         outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
         self._events.record("committed")
-        # not waited for: the commit's device work (a hybrid's recurrent replay, ~1.5 ms at 27B dims) runs while the
-        # host reports this round and starts the next; the next round's reads wait for it in stream order
+        # not waited for: the commit's device work (K/V row moves, a hybrid's recurrent replay) runs while the host
+        # reports this round and starts the next; the next round's reads wait for it in stream order
         self._events.defer("commit", "committed", times, "commit_gpu")
         times.verify += t_commit - t_verify
         times.commit += time.perf_counter() - t_commit
@@ -425,6 +429,7 @@ class Engine:
         """One packed drafter pass for the requests that speculate; their trees (empty for the others)."""
         trees = [_empty_tree() for _ in seqs]
         drafting = [i for i, s in enumerate(seqs) if self._drafts_this_round(s)]
+        self._auto_drafted = [seqs[i].request.params.mode == "auto" for i in drafting]   # auto's arm accounting
         if not drafting:
             return trees
         t0 = time.perf_counter()

@@ -222,7 +222,8 @@ def test_auto_charges_each_round_the_serving_work_since_the_last_one(tiny_models
                                  drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=160, max_tree_budget=16))
     charged = []
     record = engine.arm_selector.record
-    engine.arm_selector.record = lambda n, arm, tokens, seconds: (charged.append(seconds), record(n, arm, tokens, seconds))
+    engine.arm_selector.record = lambda n, arm, tokens, seconds, drafted=True: (
+        charged.append(seconds), record(n, arm, tokens, seconds, drafted=drafted))[1]
     engine.add(Request("a", [5, 6, 7], SamplingParams(mode="auto", tree_budget=16, max_tokens=12, ignore_eos=True)))
     engine.step()                        # prefill only: no round
     gaps = []
@@ -276,3 +277,32 @@ def test_default_cost_model_follows_device_and_target_dimensions():
         assert model.verify(2 * model.rows[-1]) == pytest.approx(model.verify_ms[-1] + max(slope, 0) * model.rows[-1])
         if "x" in path.stem.rsplit("_", 1)[-1]:   # the shaped models: measured to 1025 rows, growing with the tree
             assert model.rows[-1] >= 1025 and model.verify(1025) > 2 * model.verify(1), path.name
+
+
+def _policy_share(credit_skipped_rounds: bool) -> float:
+    """Share of 3000 rounds the selector runs the policy arm when the policy drafts in 1 round of 8 (at 50 tokens/s)
+    and skips drafting in the others (an `ar` round, here at 110 tokens/s against `ar`'s 100: a mixture of 102.5)."""
+    selector = ArmSelector(parse_arms("ar,policy"), min_samples=2, reprobe_every=16)
+    chosen, policy_rounds = 0, 0
+    for _ in range(3000):
+        arm = selector.choose(1)
+        drafted, rate = False, 100.0
+        if arm.mode == "policy":
+            chosen, policy_rounds = chosen + 1, policy_rounds + 1
+            drafted = policy_rounds % 8 == 0
+            rate = 50.0 if drafted else 110.0
+        selector.record(1, arm, tokens=round(rate), seconds=1.0, drafted=drafted or not credit_skipped_rounds)
+    return chosen / 3000
+
+
+def test_policy_rounds_in_which_nobody_drafted_count_as_ar():
+    """The policy is judged by the rounds in which it drafted: its skipped rounds are `ar` rounds. Mixed into its
+    rate they let it win although every round in which it drafts loses (the control: the same play without the
+    crediting runs the policy in a third of the rounds, with it under 1%)."""
+    selector = ArmSelector(parse_arms("ar,policy"))
+    assert selector.record(1, Arm("policy"), tokens=1, seconds=1.0, drafted=False) == Arm("ar")
+    assert selector.samples[(0, Arm("ar"))] == 1 and selector.samples[(0, Arm("policy"))] == 0
+    assert selector.record(1, Arm("policy"), tokens=1, seconds=1.0, drafted=True) == Arm("policy")
+    assert ArmSelector(parse_arms("policy")).record(1, Arm("policy"), 1, 1.0, drafted=False) == Arm("policy")  # no ar arm
+    assert _policy_share(credit_skipped_rounds=False) > 0.25
+    assert _policy_share(credit_skipped_rounds=True) < 0.05
