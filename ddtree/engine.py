@@ -176,7 +176,7 @@ class Engine:
         self.auto_backoff = 1
         self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
         self._events = StageEvents(self.device)
-        self._auto_drafted: list[bool] = []   # this round's drafting requests: which of them are mode auto
+        self._auto_drafted = False   # whether a mode-auto request drafted this round (auto's arm accounting)
 
     @property
     def cache(self):
@@ -307,8 +307,7 @@ class Engine:
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
-            drafted = any(self._auto_drafted)
-            ran = self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start, drafted=drafted)
+            ran = self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start, drafted=self._auto_drafted)
             times.auto_arm_rounds[ran.name] = times.auto_arm_rounds.get(ran.name, 0) + 1
         self._round_end = now
         times.decode += now - t_round
@@ -429,7 +428,7 @@ class Engine:
         """One packed drafter pass for the requests that speculate; their trees (empty for the others)."""
         trees = [_empty_tree() for _ in seqs]
         drafting = [i for i, s in enumerate(seqs) if self._drafts_this_round(s)]
-        self._auto_drafted = [seqs[i].request.params.mode == "auto" for i in drafting]   # auto's arm accounting
+        self._auto_drafted = any(seqs[i].request.params.mode == "auto" for i in drafting)
         if not drafting:
             return trees
         t0 = time.perf_counter()

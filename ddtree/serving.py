@@ -62,7 +62,8 @@ class ServiceStats:
     num_held_slots: int = 0          # cache slots in use (0 when idle: nothing leaks)
     num_tree_nodes: int = 0
     draft_seconds: float = 0.0
-    draft_gpu_seconds: float = 0.0   # CUDA: the drafts' GPU timeline (draft_seconds - this: host work before its launch)
+    draft_gpu_seconds: float = 0.0   # CUDA: the drafts' GPU timeline (draft_seconds - this: the wait for the last
+    #                                  round's commit on the device, which the draft's read is queued behind)
     verify_seconds: float = 0.0
     verify_gpu_seconds: float = 0.0  # CUDA: the verifies' GPU timeline (verify_seconds - this: host wake-up after them)
     host_seconds: float = 0.0        # decoding round time outside the drafter and target passes

@@ -120,7 +120,7 @@ class TritonMetrics:
                 ("ddtree_draft_seconds_total", "draft_seconds", "Drafter time"),
                 ("ddtree_draft_gpu_seconds_total", "draft_gpu_seconds",
                  "CUDA: the drafts' GPU timeline, from the drafter's launch to the top-k read (draft time less this: "
-                 "host work before the launch)"),
+                 "the wait for the last round's commit on the device)"),
                 ("ddtree_verify_seconds_total", "verify_seconds", "Target verify time"),
                 ("ddtree_verify_gpu_seconds_total", "verify_gpu_seconds",
                  "CUDA: the verifies' GPU timeline (verify time less this: the host waking up after them)"),

@@ -304,8 +304,7 @@ def stage_table(result: dict) -> str:
             continue
         cell = lambda field: " / ".join(_fmt(s and s.get(field), ".2f" if field.endswith("ms") else ".0f") for s in sides)  # noqa: E731
         lines.append(f"| {name} | {key} | {cell('batch_rounds')} | {cell('draft_ms')} | {cell('draft_gpu_ms')} | "
-                     f"{cell('verify_ms')} | "
-                     f"{cell('verify_gpu_ms')} | {cell('host_ms')} | {cell('serve_ms')} |")
+                     f"{cell('verify_ms')} | {cell('verify_gpu_ms')} | {cell('host_ms')} | {cell('serve_ms')} |")
     return "\n".join(lines)
 
 
