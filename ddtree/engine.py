@@ -22,7 +22,7 @@ from ddtree.errors import InvalidRequest
 from ddtree.models.base import to_device
 from ddtree.models.dense import KVCache, Segment
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticDrafter, StaticTarget, key_bucket, row_bucket
+from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticCommit, StaticDrafter, StaticTarget, key_bucket, path_bucket, row_bucket
 from ddtree.models.loader import dtype_of
 from ddtree.models.qwen3_5 import compact_all
 from ddtree.models.target import load_target
@@ -171,6 +171,7 @@ class Engine:
         self.graphs = GraphPool(self.device, capture=config.cuda_graphs)
         self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs, scratch) if static else None
         self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs, scratch) if static and drafter else None
+        self.static_commit = StaticCommit(self.graphs) if static else None   # a lone hybrid request's replay commit
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -393,10 +394,13 @@ class Engine:
     def _commit_caches(self, seqs: list[Sequence], accepted: list[list[int]]) -> None:
         """Move each request's accepted rows to its committed prefix: for a dense target one gather and one scatter
         over the whole KV pool for all of them (per request, that was an index copy and two kernels); a hybrid
-        cache also commits its recurrent state (for a batch of trees on our paths kernel in one replay for all)."""
+        cache also commits its recurrent state (for a batch of trees on our paths kernel in one replay for all; for a
+        lone request after a static verify as a static program)."""
         caches = [self.caches[seq.slot] for seq in seqs]
         if isinstance(caches[0], KVCache):
             caches[0].pool.move_rows([(c.slot, seq.start, a) for c, seq, a in zip(caches, seqs, accepted)])
+            return
+        if self.static_commit is not None and len(caches) == 1 and self.static_commit(caches[0], seqs[0].start, accepted[0]):
             return
         compact_all(caches, [seq.start for seq in seqs], accepted)
 
@@ -590,8 +594,9 @@ class Engine:
         a user's request, and in a benchmark's measured rounds): the target's verify at every row bucket up to
         max_rows (a dflash block's chain, the smaller trees of a request's last rounds), on trees of the drafter's
         depth, and the drafter's pass after every context-row bucket up to block + 1 (a round's accepted tokens) and
-        for a first draft after a prompt of this key bucket (the prompt's features, all at once). They run on slot 0,
-        whose contents the next request's prefill replaces (nothing is committed)."""
+        for a first draft after a prompt of this key bucket (the prompt's features, all at once); a hybrid target's
+        commit of every path bucket after each of those verifies. They run on slot 0,
+        whose contents the next request's prefill replaces (what they commit is overwritten)."""
         block = self.drafter.block_size if self.drafter is not None else 1
         for rows in sorted({row_bucket(n) for n in range(1, max_rows + 1)}):
             depth = min(rows, block)   # a chain of `depth` rows, the other rows leaves under its first node
@@ -599,6 +604,13 @@ class Engine:
             positions = [start + i for i in range(depth)] + [start + 1] * (rows - depth)
             if self.static_target.batch([self.caches[0]], [start], [[1] * rows], [positions], [parents]) is None:
                 break   # no static shape fits (the dynamic forward would run): larger trees fit none either
+            cache = self.caches[0]
+            stash = getattr(cache, "pending", None)    # a hybrid target's: its commit of every path bucket
+            for n in sorted({min(path_bucket(n), depth) for n in range(1, depth + 1)} if stash else ()):
+                cache.pending = stash
+                self.static_commit(cache, start, list(range(n)))
+            if stash is not None:
+                cache.pending = None
         if self.static_drafter is None:
             return
         cache, ids = self.draft_caches[0], [1] + [self.drafter.config.mask_token_id] * (block - 1)

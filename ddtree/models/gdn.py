@@ -488,48 +488,62 @@ def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Te
         replay_batch(stash, [path], state[None], conv[None], [0], kernel)
 
 
+def replay_columns(lengths: Sequence[int], kernel_size: int, width: int | None = None) -> list[int]:
+    """The conv window columns of replay_apply: request i's new window is the last K of [its committed K columns;
+    its path's rows], as columns of src = [every request's committed columns (K each); every path row of the batch]
+    (each path taking `width` rows where given: padded)."""
+    r, columns, start = len(lengths), [], 0
+    for i, n in enumerate(lengths):
+        for t in range(n, n + kernel_size):   # position t of [committed; path]: a committed column or a path row
+            columns.append(i * kernel_size + t if t < kernel_size else r * kernel_size + start + t - kernel_size)
+        start += width or n
+    return columns
+
+
+def replay_apply(base: ReplayStash, index: Tensor, cu: Tensor, columns: Tensor, held: Tensor, committed: Tensor,
+                 kernel, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The device work of a replay commit, no host reads: (new states [R, L, HV, dk, dv] float32, new conv windows
+    [R, L, C, K]) of R requests from their committed states `held` and windows `committed`, by one call of the chain
+    kernel over the rows `index` of `base` (one varlen sequence per request, bounds `cu`, all layers as heads).
+    valid  # [T] 0/1: a padding row (0) gets zero decay and zero beta, which leave the state exactly as it was."""
+    r, (layers, _, heads, dv), dk, total = held.shape[0], base.v.shape, base.k.shape[-1], index.shape[0]
+
+    def as_heads(t: Tensor) -> Tensor:   # [L, N, heads, ...] -> [1, T, L * heads, ...] (layer-major, as GVA groups)
+        return t[:, index].transpose(0, 1).reshape(1, total, layers * t.shape[2], *t.shape[3:])
+
+    k, g, beta = as_heads(base.k), as_heads(base.g), as_heads(base.beta)
+    if valid is not None:
+        g, beta = g * valid[None, :, None].to(g.dtype), beta * valid[None, :, None].to(beta.dtype)
+    _, new = kernel(k, k, as_heads(base.v), g=g, beta=beta, initial_state=held.reshape(r, layers * heads, dk, dv).float(),
+                    output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    kernel_size = committed.shape[-1]
+    src = torch.cat([committed.permute(1, 2, 0, 3).reshape(layers, -1, r * kernel_size),
+                     base.x[:, index].transpose(1, 2).to(committed.dtype)], dim=2)    # [L, C, R * K + T]
+    window = src[:, :, columns]                                                       # [L, C, R * K]
+    return new.view(r, layers, heads, dk, dv), window.view(layers, -1, r, kernel_size).permute(2, 0, 1, 3)
+
+
 def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tensor, convs: Tensor, slots: Sequence[int],
                  kernel) -> None:
     """Commit R requests' accepted paths whose stashes are rows of one stash `base` (paths: each request's accepted
     path as rows of `base`, root first): one call of the chain kernel for all of them (one varlen sequence per
     request, all layers as heads), their states gathered from and scattered back to the pool (states  # [slots, L,
     HV, dk, dv]), and every conv window [slots, L, C, K] rebuilt by one gather from [committed windows; path rows]."""
-    device, r, kernel_size = base.k.device, len(paths), convs.shape[-1]
+    device, r = base.k.device, len(paths)
     lengths = [len(p) for p in paths]
-    # conv: request i's new window is the last K of [its committed K columns; its path's rows], as columns of
-    # src = [every request's committed columns (K each); every path row of the batch]
-    columns, start = [], 0
-    for i, n in enumerate(lengths):
-        for t in range(n, n + kernel_size):   # position t of [committed; path]: a committed column or a path row
-            columns.append(i * kernel_size + t if t < kernel_size else r * kernel_size + start + t - kernel_size)
-        start += n
-    host = torch.tensor([row for p in paths for row in p] + list(slots) + np.cumsum([0] + lengths).tolist() + columns,
-                        dtype=torch.long)
-    index, slot_index, cu, columns = to_device(host, device).split([sum(lengths), r, r + 1, r * kernel_size])   # one copy
-    layers, _, heads, dv = base.v.shape
-    dk, total = base.k.shape[-1], index.shape[0]
-
-    def as_heads(t: Tensor) -> Tensor:   # [L, N, heads, ...] -> [1, T, L * heads, ...] (layer-major, as GVA groups)
-        return t[:, index].transpose(0, 1).reshape(1, total, layers * t.shape[2], *t.shape[3:])
-
-    k = as_heads(base.k)
+    host = torch.tensor([row for p in paths for row in p] + list(slots) + np.cumsum([0] + lengths).tolist()
+                        + replay_columns(lengths, convs.shape[-1]), dtype=torch.long)
+    index, slot_index, cu, columns = to_device(host, device).split([sum(lengths), r, r + 1, r * convs.shape[-1]])   # one copy
     # slots in a row (the usual case: the engine hands out the lowest free slots) are a view of the pool: no gather
     # (each request's state is 150 MB at Qwen3.6-27B dims), the same traffic as one replay_path per request
     run = list(slots) == list(range(slots[0], slots[0] + r))
     held = states[slots[0] : slots[0] + r] if run else states.index_select(0, slot_index)
-    _, new = kernel(k, k, as_heads(base.v), g=as_heads(base.g), beta=as_heads(base.beta),
-                    initial_state=held.reshape(r, layers * heads, dk, dv).float(), output_final_state=True,
-                    use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    new = new.view(r, layers, heads, dk, dv).to(states.dtype)
+    new, window = replay_apply(base, index, cu, columns, held, convs.index_select(0, slot_index), kernel)
     if run:
         held.copy_(new)
     else:
-        states.index_copy_(0, slot_index, new)
-    committed = convs.index_select(0, slot_index)                                     # [R, L, C, K]
-    src = torch.cat([committed.permute(1, 2, 0, 3).reshape(layers, -1, r * kernel_size),
-                     base.x[:, index].transpose(1, 2).to(convs.dtype)], dim=2)        # [L, C, R * K + T]
-    window = src[:, :, columns]                                                       # [L, C, R * K]
-    convs.index_copy_(0, slot_index, window.view(layers, -1, r, kernel_size).permute(2, 0, 1, 3))
+        states.index_copy_(0, slot_index, new.to(states.dtype))
+    convs.index_copy_(0, slot_index, window)
 
 
 def gdn_paths(kernel, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, paths: TreePaths,
@@ -575,4 +589,5 @@ def reference_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None
 
 __all__ = ["GDNStash", "ReplayStash", "TreeLayout", "TreePaths", "TreeStash", "ancestors_from_parents", "commit_path",
            "conv_state_after", "conv_tree", "conv_window_index", "gdn_paths", "gdn_sequential", "gdn_state_at", "gdn_tree",
-           "leaves", "parents_from_visibility", "reference_recurrent", "replay_path", "tree_paths"]
+           "leaves", "parents_from_visibility", "reference_recurrent", "replay_apply", "replay_batch", "replay_columns",
+           "replay_path", "tree_paths"]

@@ -188,10 +188,54 @@ def test_paths_form_decodes_the_targets_greedy_tokens(hybrid, monkeypatch):
             for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
                 assert engine.generate_ids(ids, greedy(mode, budget)).output_ids == tokens, f"{static} {mode}-{budget}"
     assert len(replays) > 50 and max(len(path) for path in replays) > 2   # trees were verified and committed so
+    assert any(key[0] == "commit" for key in engine.graphs.programs)      # with the static forward: by a static commit
     # static programs per (rows, keys, number of paths): padded rows take no path, path counts go to buckets
     shapes = [key[2:5] for key in engine.graphs.programs if key[0] == "target"]   # ("target", requests, rows, keys, paths, ...)
     assert any(paths and paths < rows for rows, _, paths in shapes), shapes
     assert len({(rows, paths) for rows, _, paths in shapes}) > len({rows for rows, _, _ in shapes}), shapes
+
+
+def test_static_commit_equals_the_dynamic_replay(hybrid, monkeypatch):
+    """A lone request's commit as a static program (its path padded to a bucket: padding rows with zero decay and
+    zero beta, padding K/V moves of the root's row onto itself) leaves exactly the K/V, recurrent states and conv
+    windows of the dynamic commit (HybridCache.compact), at every path length and for a view of a batch's stash;
+    any other pending state is left to the dynamic commit."""
+    from ddtree.models import qwen3_5
+    from ddtree.models.gdn import ReplayStash, reference_recurrent
+    from ddtree.models.graphs import StaticCommit, path_bucket
+
+    monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+    root, _ = hybrid
+    target = HybridTarget.from_pretrained(root / "target")
+    c, gen = target.config, torch.Generator().manual_seed(0)
+    dynamic, static = target.new_caches(2, 64)[1], target.new_caches(2, 64)[1]   # slot 1 of two pools
+    for t in (dynamic.kv.k, dynamic.kv.v, dynamic.state, dynamic.conv):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    for a, b in ((dynamic.kv.k, static.kv.k), (dynamic.kv.v, static.kv.v), (dynamic.state, static.state),
+                 (dynamic.conv, static.conv)):
+        b.copy_(a)
+    n, start = 20, 10
+    batch = ReplayStash.empty(len(dynamic.gdn_layers), n + 7, c.linear_num_value_heads, c.linear_key_head_dim,
+                              c.linear_value_head_dim, c.conv_dim, torch.float32, "cpu", key_heads=c.linear_num_key_heads)
+    batch.qkv.copy_(torch.randn(batch.qkv.shape, generator=gen))
+    batch.g.copy_(-torch.rand(batch.g.shape, generator=gen))
+    batch.beta.copy_(torch.rand(batch.beta.shape, generator=gen))
+    batch.x.copy_(torch.randn(batch.x.shape, generator=gen))
+    commit = StaticCommit(GraphPool(torch.device("cpu"), capture=False))
+    for length, stash in [(1, batch.rows(0, n)), (2, batch.rows(3, n)), (3, batch), (5, batch.rows(7, n)), (9, batch),
+                          (12, batch.rows(7, n))]:
+        accepted = [0] + sorted(torch.randperm(n - 1, generator=gen)[: length - 1].add(1).tolist())
+        dynamic.pending = static.pending = stash
+        dynamic.compact(start, accepted)
+        assert commit(static, start, accepted) and static.pending is None
+        for a, b in ((dynamic.kv.k, static.kv.k), (dynamic.kv.v, static.kv.v), (dynamic.state, static.state),
+                     (dynamic.conv, static.conv)):
+            assert torch.equal(a, b), length
+        start += length
+    assert not dynamic.state.equal(static.state.zero_())    # the comparison can fail
+    assert sorted({key[2] for key in commit.graphs.programs}) == [path_bucket(n) for n in (1, 2, 3, 5, 9)]
+    static.pending = {}
+    assert not commit(static, start, [0])                  # not a paths-form stash: the dynamic commit's
 
 
 @pytest.mark.parametrize("family", ["hybrid", "qwen3"])
