@@ -605,6 +605,9 @@ class Engine:
             if self.static_target.batch([self.caches[0]], [start], [[1] * rows], [positions], [parents]) is None:
                 break   # no static shape fits (the dynamic forward would run): larger trees fit none either
             cache = self.caches[0]
+            if getattr(cache, "pending", None) and cache.pending is not getattr(cache, "static_stash", None):
+                # a first call runs eagerly, then captures: a replay's stash is the program's, which commits statically
+                self.static_target.batch([cache], [start], [[1] * rows], [positions], [parents])
             stash = getattr(cache, "pending", None)    # a hybrid target's: its commit of every path bucket
             for n in sorted({min(path_bucket(n), depth) for n in range(1, depth + 1)} if stash else ()):
                 cache.pending = stash

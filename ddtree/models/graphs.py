@@ -253,8 +253,12 @@ class StaticTarget:
                 tokens[r * t.size : (r + 1) * t.size], bounds[r * b.size : (r + 1) * b.size] = t, b
                 node_pos[r * rows : (r + 1) * rows] = p
         logits, taps, stashes = self.graphs.run(key, program)
+        # a replay's stashes are the captured program's outputs, the same memory every replay (StaticCommit bakes it
+        # in); a first call's are its eager run's, a one-off
+        fixed = not self.graphs.capture or (program.graph not in (None, False) and stashes is program.outputs[2])
         for cache, stash in zip(caches, stashes):
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
+            cache.static_stash = stash if fixed else None
         return logits[:total], None if taps is None else taps[:total]
 
     def _make_hybrid(self, cache, reqs: int, rows: int, keys: int, num_paths: int) -> Program:
@@ -294,7 +298,7 @@ def path_bucket(n: int) -> int:
 
 
 class StaticCommit:
-    """A lone hybrid request's commit after a paths-form verify as a static program: the K/V moves of its accepted
+    """A lone hybrid request's commit after a paths-form static verify as a static program: the K/V moves of its accepted
     rows and the replay of every GDN layer's state and conv window along its accepted path (gdn.replay_apply), with
     the path padded to a bucket (padding rows: zero decay and zero beta, which leave the state exactly as it was;
     padding K/V moves copy the root's row onto itself). Launched one by one that is ~20 kernels and fla's Python
@@ -312,6 +316,8 @@ class StaticCommit:
         stash = cache.pending
         if not isinstance(stash, ReplayStash) or not accepted:
             return False
+        if self.graphs.capture and stash is not getattr(cache, "static_stash", None):
+            return False   # not a captured verify's stash (a dynamic forward's, a first call's): no fixed memory
         base = stash.base or stash
         n, width = len(accepted), path_bucket(len(accepted))
         tensors = (base.qkv, base.g, base.beta, base.x)

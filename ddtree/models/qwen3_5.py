@@ -226,6 +226,7 @@ class HybridCache:
         self.slot_index = torch.tensor([self.slot], dtype=torch.long, device=device)   # the slot as a device index
         self.conv, self.state = self.gdn_pool.conv[self.slot], self.gdn_pool.state[self.slot]
         self.pending: TreeStash | ReplayStash | dict[int, CommittedState] | None = None   # the last forward's
+        self.static_stash: ReplayStash | None = None   # pending, where a captured static verify's (graphs.StaticCommit)
 
     def gdn_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv window [C, K], recurrent state [HV, dk, dv]) committed at GDN layer `layer`."""

@@ -199,7 +199,8 @@ def test_static_commit_equals_the_dynamic_replay(hybrid, monkeypatch):
     """A lone request's commit as a static program (its path padded to a bucket: padding rows with zero decay and
     zero beta, padding K/V moves of the root's row onto itself) leaves exactly the K/V, recurrent states and conv
     windows of the dynamic commit (HybridCache.compact), at every path length and for a view of a batch's stash;
-    any other pending state is left to the dynamic commit."""
+    any other pending state (and, where programs are captured, a stash not from a captured verify) is left to the
+    dynamic commit."""
     from ddtree.models import qwen3_5
     from ddtree.models.gdn import ReplayStash, reference_recurrent
     from ddtree.models.graphs import StaticCommit, path_bucket
@@ -236,6 +237,11 @@ def test_static_commit_equals_the_dynamic_replay(hybrid, monkeypatch):
     assert sorted({key[2] for key in commit.graphs.programs}) == [path_bucket(n) for n in (1, 2, 3, 5, 9)]
     static.pending = {}
     assert not commit(static, start, [0])                  # not a paths-form stash: the dynamic commit's
+    # where programs are captured (CUDA), only a captured verify's stash (fixed memory, named in the key) commits so
+    capturing = StaticCommit(GraphPool(torch.device("cpu"), capture=False))
+    capturing.graphs.capture = True
+    static.pending, static.static_stash = batch, None
+    assert not capturing(static, start, [0]) and static.pending is batch and not capturing.graphs.programs
 
 
 @pytest.mark.parametrize("family", ["hybrid", "qwen3"])
