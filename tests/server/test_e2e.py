@@ -256,7 +256,7 @@ def one_chaotic_request(server, i: int, rng_seed: int) -> str:
 
     rng = random.Random(rng_seed)
     action = rng.choice(["finish", "cancel", "disconnect"])
-    sampling = {"max_tokens": rng.randint(6, 40), "temperature": rng.choice([0, 0.8]), "seed": i, "ignore_eos": True,
+    sampling = {"max_tokens": rng.randint(6, 24), "temperature": rng.choice([0, 0.8]), "seed": i, "ignore_eos": True,
                 "mode": rng.choice(["ar", "dflash", "ddtree"]), "tree_budget": rng.choice([4, 16])}
     deadline = time.time() + 120
     while True:
