@@ -50,6 +50,21 @@ def summarize(requests: list[dict], max_tokens: int) -> dict:
             "num_requests": len(done)}
 
 
+def merge_earlier(result: dict, earlier: dict, levels: list[int]) -> list[int]:
+    """Take into `result` the points of an earlier run of the same methods at the concurrencies this run does not
+    measure; returns those concurrencies. The earlier run's header is kept beside this one's."""
+    for key in ("device", "dtype", "max_tokens", "repeats"):
+        if earlier.get(key) != result.get(key):
+            raise SystemExit(f"--merge: the earlier run's {key} is {earlier.get(key)!r}, this run's {result.get(key)!r}")
+    if set(earlier["methods"]) != set(result["methods"]):
+        raise SystemExit(f"--merge: the earlier run measured {sorted(earlier['methods'])}, this one {sorted(result['methods'])}")
+    taken = sorted({int(c) for by_level in earlier["methods"].values() for c in by_level} - set(levels))
+    for name, by_level in earlier["methods"].items():
+        result["methods"][name].update({str(c): by_level[str(c)] for c in taken if str(c) in by_level})
+    result["merged"] = {"levels": taken, "header": earlier["header"]}
+    return [c for c in taken if all(str(c) in by_level for by_level in result["methods"].values())]
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -83,6 +98,9 @@ def main() -> None:
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one unmeasured perf_analyzer run before each measured one (steady state, not start-up)")
     parser.add_argument("--gpus", default="", help="one engine replica per listed GPU, e.g. 0,1 (KIND_GPU instances)")
+    parser.add_argument("--merge", default="",
+                        help="an earlier result (.json) of the same methods and settings whose other concurrencies join "
+                             "this one's tables (a sweep split over several commands, e.g. under a 10-minute limit)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measured runs per method and point, the methods in turns (each repeat starts one method "
                              "later): ratios between methods compare runs made minutes apart at most, not a whole "
@@ -98,6 +116,7 @@ def main() -> None:
               "target": config.target_path, "gpus": gpus, "repeats": args.repeats,
               "methods": {name: {} for _, _, name in methods}}
     runs: dict[str, dict[str, list[dict]]] = {name: {} for _, _, name in methods}
+    earlier = merge_earlier(result, json.loads(Path(args.merge).read_text()), levels) if args.merge else []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024"}, gpus)
@@ -115,7 +134,7 @@ def main() -> None:
                 for _, _, name in methods:
                     result["methods"][name][str(level)] = median_run(runs[name][str(level)])
                 result["paired"] = paired_ratios(result["methods"])
-                write(result, [c for c in levels if str(c) in result["methods"][methods[0][2]]], args)
+                write(result, sorted(earlier + [c for c in levels if str(c) in runs[methods[0][2]]]), args)
                 # after each point: a cut-off run keeps what it measured
 
 
@@ -177,6 +196,10 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
 
 def write(result: dict, levels: list[int], args) -> None:
     rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    if "merged" in result:
+        merged = result["merged"]
+        rows = [f"c={', '.join(map(str, merged['levels']))} from an earlier run (commit `{merged['header'].get('commit')}`, "
+                f"{merged['header'].get('date')}: `{merged['header'].get('command')}`); the others from this one.", ""] + rows
     for name, by_level in result["methods"].items():
         rows.append(f"| {name} tok/s | " + " | ".join(f"{by_level[str(c)]['tokens_per_s']:.1f}" for c in levels) + " |")
         rows.append(f"| {name} TTFT p50 ms | " + " | ".join(f"{by_level[str(c)]['ttft_ms_p50']:.0f}" for c in levels) + " |")

@@ -102,7 +102,8 @@ eval)
 sweep)
   # after `target` and `eval` on the same warm machine (the embedded default, tritonserver, tritonclient in place),
   # carry .deps/gpu (perf_analyzer): issue 4's concurrency sweep, 1..32 streams; `sweep --gpus 0,1` on two GPUs
-  # (issue 7: one engine replica per GPU)
+  # (issue 7: one engine replica per GPU). A sweep longer than one command's 10 minutes goes in parts: `--concurrency
+  # 1,2,4,8 --name X_low`, then `--concurrency 16,32 --merge <X_low.json carried back> --name X` (one table)
   install_wheels
   [ -d .deps/perf_analyzer ] || tar -C .deps -xJf .deps/gpu/perf_analyzer.tar.xz
   mkdir -p .deps/bin

@@ -32,3 +32,22 @@ def test_auto_is_compared_with_the_best_other_method_of_the_same_turn():
 def test_no_auto_or_nothing_to_compare_gives_no_ratios():
     assert paired_ratios({"ar": {"1": runs(1.0)}}) == {}
     assert paired_ratios({"auto": {"1": runs(1.0)}}) == {}
+
+
+def test_a_sweep_split_over_commands_merges_the_earlier_points():
+    from perf.concurrency_sweep import merge_earlier
+
+    settings = {"device": "cuda", "dtype": "bfloat16", "max_tokens": 64, "repeats": 3}
+    earlier = {**settings, "header": {"commit": "abc1234", "date": "d", "command": "c"},
+               "methods": {"ar": {"1": runs(10.0), "2": runs(20.0), "16": runs(99.0)},
+                           "auto": {"1": runs(11.0), "2": runs(19.0), "16": runs(98.0)}}}
+    result = {**settings, "methods": {"ar": {"16": runs(160.0)}, "auto": {"16": runs(170.0)}}}
+    assert merge_earlier(result, earlier, [16, 32]) == [1, 2]
+    assert sorted(result["methods"]["ar"], key=int) == ["1", "2", "16"]
+    assert result["methods"]["auto"]["16"]["tokens_per_s"] == 170.0     # this run's point, not the earlier one's
+    assert paired_ratios(result["methods"])["2"]["over_ar"] == pytest.approx([19 / 20])
+    assert result["merged"] == {"levels": [1, 2], "header": earlier["header"]}
+    with pytest.raises(SystemExit, match="max_tokens"):
+        merge_earlier({**result, "max_tokens": 32}, earlier, [16])
+    with pytest.raises(SystemExit, match="measured"):
+        merge_earlier({**settings, "methods": {"ar": {}}}, earlier, [16])
