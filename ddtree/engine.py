@@ -602,12 +602,15 @@ class Engine:
             depth = min(rows, block)   # a chain of `depth` rows, the other rows leaves under its first node
             parents = list(range(-1, depth - 1)) + [0] * (rows - depth)
             positions = [start + i for i in range(depth)] + [start + 1] * (rows - depth)
-            if self.static_target.batch([self.caches[0]], [start], [[1] * rows], [positions], [parents]) is None:
-                break   # no static shape fits (the dynamic forward would run): larger trees fit none either
             cache = self.caches[0]
+
+            def verify():
+                return self.static_target.batch([cache], [start], [[1] * rows], [positions], [parents])
+
+            if verify() is None:
+                break   # no static shape fits (the dynamic forward would run): larger trees fit none either
             if getattr(cache, "pending", None) and cache.pending is not getattr(cache, "static_stash", None):
-                # a first call runs eagerly, then captures: a replay's stash is the program's, which commits statically
-                self.static_target.batch([cache], [start], [[1] * rows], [positions], [parents])
+                verify()   # a first call runs eagerly, then captures: a replay's stash is the program's (commits statically)
             stash = getattr(cache, "pending", None)    # a hybrid target's: its commit of every path bucket
             for n in sorted({min(path_bucket(n), depth) for n in range(1, depth + 1)} if stash else ()):
                 cache.pending = stash

@@ -340,21 +340,19 @@ class StaticCommit:
         kernel_size = cache.conv.shape[-1]
         host, inputs = self.graphs.new_inputs(4 * width + kernel_size)
         cu = torch.tensor([0, width], dtype=torch.long, device=inputs.device)
-        program = Program(body=lambda: None, host=host, inputs=inputs)
-        kernel = qwen3_5.step_gdn_kernel(inputs.device)
+        kernel, extra = qwen3_5.step_gdn_kernel(inputs.device), {}
 
         def body():
             rows, valid, dst, src, columns = inputs.split([width] * 4 + [kernel_size])
             kv = cache.kv
             kv.k[:, dst] = kv.k[:, src]
             kv.v[:, dst] = kv.v[:, src]
-            state, window = replay_apply(program.extra["stash"], rows, cu, columns, cache.state[None], cache.conv[None],
-                                         kernel, valid)
+            state, window = replay_apply(extra["stash"], rows, cu, columns, cache.state[None], cache.conv[None], kernel,
+                                         valid)
             cache.state.copy_(state[0])
             cache.conv.copy_(window[0])
 
-        program.body = body
-        return program
+        return Program(body=body, host=host, inputs=inputs, extra=extra)
 
 
 class StaticDrafter:

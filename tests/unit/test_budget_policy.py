@@ -283,16 +283,16 @@ def _policy_share(credit_skipped_rounds: bool) -> float:
     """Share of 3000 rounds the selector runs the policy arm when the policy drafts in 1 round of 8 (at 50 tokens/s)
     and skips drafting in the others (an `ar` round, here at 110 tokens/s against `ar`'s 100: a mixture of 102.5)."""
     selector = ArmSelector(parse_arms("ar,policy"), min_samples=2, reprobe_every=16)
-    chosen, policy_rounds = 0, 0
+    policy_rounds = 0
     for _ in range(3000):
         arm = selector.choose(1)
         drafted, rate = False, 100.0
         if arm.mode == "policy":
-            chosen, policy_rounds = chosen + 1, policy_rounds + 1
+            policy_rounds += 1
             drafted = policy_rounds % 8 == 0
             rate = 50.0 if drafted else 110.0
         selector.record(1, arm, tokens=round(rate), seconds=1.0, drafted=drafted or not credit_skipped_rounds)
-    return chosen / 3000
+    return policy_rounds / 3000
 
 
 def test_policy_rounds_in_which_nobody_drafted_count_as_ar():
