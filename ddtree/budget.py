@@ -165,7 +165,9 @@ class ArmSelector:
         self.misses: dict[tuple[int, Arm], int] = defaultdict(int)        # re-probes since the arm last led
         self.probing: dict[int, tuple[Arm, float]] = {}                   # bucket -> (arm re-probed, best's rate)
         self.rounds: dict[int, int] = defaultdict(int)
-        self._eligible: dict[tuple, tuple[int, set[Arm]]] = {}   # (bucket, arms) -> (round to recompute at, pruned)
+        # (bucket, arms) -> (round to recompute at, pruned, the arms left, whether each of those was explored)
+        self._eligible: dict[tuple, tuple[int, set[Arm], tuple[Arm, ...], bool]] = {}
+        self._capped: dict[int | None, tuple[Arm, ...]] = {}       # max_budget -> the arms choose considers
         self.last: Arm | None = None                # the last round's arm (any batch size)
         self.catching_up = False                    # this round's arm drafts after rounds that did not
         self.repeat: tuple[int, Arm] | None = None  # (bucket, arm) to run again, measured, after a catch-up round
@@ -230,25 +232,30 @@ class ArmSelector:
             self.last_tried[repeat] = self.rounds[b]
             self.last = repeat[1]
             return repeat[1]
-        arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
-        arms = arms or self.arms
+        arms = self._capped.get(max_budget)
+        if arms is None:
+            arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
+            arms = self._capped[max_budget] = arms or self.arms
         cached = self._eligible.get((b, arms))
-        if (cached is None or self.rounds[b] >= cached[0]
-                or any(self.samples[(b, a)] < self.min_samples for a in arms if a not in cached[1])):
+        if cached is None or self.rounds[b] >= cached[0] or not cached[3]:
             # once exploration is done, which arms are ruled out changes slowly (it compares decayed rates): it is
-            # recomputed every PRUNE_EVERY rounds of the bucket, not every round (O(buckets x arms^2) of Python)
+            # recomputed every PRUNE_EVERY rounds of the bucket, not every round (O(buckets x arms^2) of Python);
+            # while an eligible arm is unexplored, every round (samples only grow: explored stays explored)
             pruned = self._pruned(b, arms)
-            cached = self._eligible[(b, arms)] = (self.rounds[b] + PRUNE_EVERY, pruned)
-        pruned = cached[1]
-        arms = tuple(a for a in arms if a not in pruned) or arms
+            eligible = tuple(a for a in arms if a not in pruned) or arms
+            explored = all(self.samples[(b, a)] >= self.min_samples for a in eligible)
+            cached = self._eligible[(b, arms)] = (self.rounds[b] + PRUNE_EVERY, pruned, eligible, explored)
+        _, pruned, arms, explored = cached
         self.rounds[b] += 1
-        unexplored = [a for a in arms if self.samples[(b, a)] < self.min_samples]
+        unexplored = [] if explored else [a for a in arms if self.samples[(b, a)] < self.min_samples]
         if unexplored:
             arm = unexplored[0]
         else:
             self.settled.setdefault(b, pruned)
             best = max(arms, key=lambda a: self.score(b, a))
-            due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_interval(b, a, best)]
+            # an interval is at least reprobe_every rounds: arms tried more recently are not due (no interval computed)
+            due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_every
+                   and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_interval(b, a, best)]
             arm = min(due, key=lambda a: self.last_tried[(b, a)]) if due else best
             if arm == best:
                 self.misses[(b, arm)] = 0

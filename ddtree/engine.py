@@ -81,8 +81,9 @@ class Sequence:
     slot: int = -1
     root: int = -1                           # last committed token, not yet in the cache
     start: int = 0                           # its position = committed cache length
-    # target features of tokens the drafter has not seen, a chunk per round (joined once, when it next drafts)
-    pending_taps: list[torch.Tensor] = field(default_factory=list)
+    # target features of tokens the drafter has not seen, a chunk per round (joined once, when it next drafts): the
+    # rows lo:hi of a tensor that holds a whole round's (views are made when they are joined, not per request and round)
+    pending_taps: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
     skip_rounds: int = 0                     # mode auto: rounds left without drafting (trees did not pay)
     backoff: int = 1                         # mode auto: next skip length after another zero-node round
     calibration: float = 1.0                 # mode auto: observed / drafter-expected accepted nodes (EMA)
@@ -128,8 +129,10 @@ class StageEvents:
         self.deferred.clear()
 
 
-def _joined(chunks: list[torch.Tensor]) -> torch.Tensor | None:
-    return None if not chunks else chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+def _joined(chunks: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor | None:
+    """A request's pending features as one tensor: chunks are (rows of several requests, this one's first, end)."""
+    parts = [rows[lo:hi] for rows, lo, hi in chunks]
+    return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Engine:
@@ -286,7 +289,7 @@ class Engine:
                                          torch.tensor([params.min_tokens > 0], device=self.device))
             seq.root = self._choose(row_logits[0], params, seq.generator)
             seq.start = n
-            seq.pending_taps = [taps[row : row + n]] if taps is not None and params.mode != "ar" else []
+            seq.pending_taps = [(taps, row, row + n)] if taps is not None and params.mode != "ar" else []
             row += n
             if self.draft_caches:
                 self.draft_caches[seq.slot].length = 0
@@ -298,16 +301,15 @@ class Engine:
     def _round(self, seqs: list[Sequence], prefill_s: float = 0.0) -> list[RequestOutput]:
         times, t_round = self.stage_times, time.perf_counter()
         cycle_start = self._cycle_start(t_round, prefill_s)
-        auto = [s for s in seqs if s.request.params.mode == "auto"]
-        self.arm = self.arm_selector.choose(len(seqs), max(s.request.params.tree_budget for s in auto)) if auto else None
-        auto_tokens_before = sum(s.request.num_output_tokens for s in auto)
+        budgets = [s.request.params.tree_budget for s in seqs if s.request.params.mode == "auto"]
+        self.arm = self.arm_selector.choose(len(seqs), max(budgets)) if budgets else None
         trees = self._draft(seqs)
         batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
         times.tree_nodes += sum(tree.num_nodes for tree in trees)
         outputs = self._verify_and_commit(seqs, trees, batches)
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
-            produced = sum(s.request.num_output_tokens for s in auto) - auto_tokens_before
+            produced = sum(len(out.new_token_ids) for seq, out in zip(seqs, outputs) if seq.request.params.mode == "auto")
             ran = self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start, drafted=self._auto_drafted)
             times.auto_arm_rounds[ran.name] = times.auto_arm_rounds.get(ran.name, 0) + 1
         self._round_end = now
@@ -416,11 +418,16 @@ class Engine:
         if rows[-1] - rows[0] == len(rows) - 1 and len(rows) == len(keep):
             # one row each, in order (a round where nobody drafted, e.g. `auto` on `ar`): a slice copied out of the
             # verify's outputs (static buffers on CUDA), no index built on the host and sent to the device
-            kept = taps[rows[0] : rows[-1] + 1].clone().split(1)
-        else:
-            kept = taps[to_device(torch.tensor(rows), self.device)].split([len(accepted[i]) for i in keep])
-        for i, new_taps in zip(keep, kept):
-            seqs[i].pending_taps.append(new_taps)
+            kept, j = taps[rows[0] : rows[-1] + 1].clone(), 0
+            for i in keep:
+                seqs[i].pending_taps.append((kept, j, j + 1))
+                j += 1
+            return
+        kept, lo = taps[to_device(torch.tensor(rows), self.device)], 0
+        for i in keep:
+            hi = lo + len(accepted[i])
+            seqs[i].pending_taps.append((kept, lo, hi))
+            lo = hi
 
     def _advance(self, seq: Sequence, tree: DraftTree, acceptance) -> RequestOutput:
         new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
@@ -431,7 +438,9 @@ class Engine:
     def _draft(self, seqs: list[Sequence]) -> list[DraftTree]:
         """One packed drafter pass for the requests that speculate; their trees (empty for the others)."""
         trees = [_empty_tree() for _ in seqs]
-        drafting = [i for i, s in enumerate(seqs) if self._drafts_this_round(s)]
+        # a round of `auto` on `ar`: only requests of the drafting modes can draft (no per-request test of the others)
+        skip = ("ar", "auto") if self.arm is not None and self.arm.mode == "ar" else ("ar",)
+        drafting = [i for i, s in enumerate(seqs) if s.request.params.mode not in skip and self._drafts_this_round(s)]
         self._auto_drafted = any(seqs[i].request.params.mode == "auto" for i in drafting)
         if not drafting:
             return trees
@@ -540,7 +549,7 @@ class Engine:
         if request.finish_reason is None and request.num_output_tokens >= seq.max_tokens:
             request.finish_reason = "length"
         if accepted_length is not None:
-            request.acceptance_lengths.append(accepted_length)
+            request.add_round(accepted_length)
             self.stage_times.rounds += 1
             hist = self.stage_times.acceptance_histogram
             hist[accepted_length] = hist.get(accepted_length, 0) + 1

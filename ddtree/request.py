@@ -13,8 +13,13 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
-    acceptance_lengths: list[int] = field(default_factory=list)   # tokens committed per round
+    acceptance_lengths: list[int] = field(default_factory=list)   # tokens committed per round (add_round)
     finish_reason: str | None = None
+    accepted_total: int = 0            # sum(acceptance_lengths), kept as they are added: read every round
+
+    def add_round(self, accepted_length: int) -> None:
+        self.acceptance_lengths.append(accepted_length)
+        self.accepted_total += accepted_length
 
     @property
     def num_output_tokens(self) -> int:
@@ -22,8 +27,8 @@ class Request:
 
     @property
     def mean_acceptance_length(self) -> float:
-        rounds = self.acceptance_lengths
-        return sum(rounds) / len(rounds) if rounds else 0.0
+        rounds = len(self.acceptance_lengths)
+        return self.accepted_total / rounds if rounds else 0.0
 
 
 @dataclass(slots=True)
