@@ -61,6 +61,7 @@ class StageTimes:
     rounds: int = 0              # decoding rounds, summed over requests
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
     draft_passes: int = 0        # packed drafter passes
+    static_commits: int = 0      # rounds whose cache commit ran as a static program (graphs.StaticCommit)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
     #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
@@ -403,6 +404,7 @@ class Engine:
             caches[0].pool.move_rows([(c.slot, seq.start, a) for c, seq, a in zip(caches, seqs, accepted)])
             return
         if self.static_commit is not None and len(caches) == 1 and self.static_commit(caches[0], seqs[0].start, accepted[0]):
+            self.stage_times.static_commits += 1
             return
         compact_all(caches, [seq.start for seq in seqs], accepted)
 

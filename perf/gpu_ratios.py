@@ -181,7 +181,19 @@ def table(result: dict) -> str:
                 lines.append(f"| {forward} | {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {stage(e, 'draft')} | "
                              f"{e['tree_build_ms']:.1f} | {stage(e, 'verify')} | {stage(e, 'commit')} | {e['host_share']:.0%} | "
                              f"{e.get('device_ms', float('nan')):.1f} | {e.get('gpu_idle_share', float('nan')):.0%} |")
-        lines += ["", "(draft, verify, commit: host time (the stage's GPU timeline, CUDA events at its bounds))"]
+        lines += ["", "(draft, verify, commit: host time (the stage's GPU timeline, CUDA events at its bounds); "
+                  "static commits: " + ", ".join(f"{name} {e['static_commit_share']:.0%}" for forward, rounds in r["rounds"].items()
+                                                 for name, e in rounds.items() if "static_commit_share" in e and forward == "static")
+                  + " of rounds (graphs.StaticCommit; the others commit eagerly); programs whose CUDA graph capture "
+                  "failed (they run eagerly): " + (", ".join(sorted({k for rounds in r["rounds"].values() for e in rounds.values()
+                                                                  for k in e.get("eager_programs", [])})) or "none")]
+        for forward, rounds in r["rounds"].items():
+            for name, e in rounds.items():
+                if e.get("round_kernels"):
+                    lines += ["", f"{shape}, {forward} {name}: a whole round's kernels (a request's less its prefill's, "
+                              "per round): the drafter's layers run 5 times a round, the target's 64 (27B)", "",
+                              "| kernel | per round | ms per round |", "|---|---|---|"]
+                    lines += [f"| `{k}` | {n} | {ms:.3f} |" for k, n, ms in e["round_kernels"]]
         if r.get("batched"):
             sizes = list(next(iter(r["batched"].values())))
             lines += ["", f"{shape}: R concurrent requests, whole rounds (static forwards): ms per round / tokens per s",

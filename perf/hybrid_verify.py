@@ -136,7 +136,25 @@ def kernel_profile(fn, repeats: int = 3, top: int = 12) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
     kernels.sort(key=lambda k: -k[2])
     return {"device_ms": sum(k[2] for k in kernels), "kernels": round(sum(k[1] for k in kernels)),
-            "top": [[name[:90], round(count, 1), round(ms, 4)] for name, count, ms in kernels[:top]]}
+            "top": [[name[:90], round(count, 1), round(ms, 4)] for name, count, ms in kernels[:top]],
+            "all": {name: (count, ms) for name, count, ms in kernels}}
+
+
+def without_all(profile: dict) -> dict:
+    """A profile as results keep it: the top kernels, not every kernel's line."""
+    return {k: v for k, v in profile.items() if k != "all"}
+
+
+def kernels_per_round(whole: dict, prefill: dict, rounds: int, top: int = 20) -> list[list]:
+    """The kernels of a request's decoding rounds (a whole request's less its prefill's), per round: [name, calls,
+    ms] of the `top` by time. Where a round's device time goes stage by stage: the drafter's kernels run 5 times a
+    round (its layers), the target's 64 (27B), its lm_head's once, each in both stages."""
+    rows = []
+    for name, (count, ms) in whole["all"].items():
+        count0, ms0 = prefill["all"].get(name, (0.0, 0.0))
+        if ms - ms0 > 0:
+            rows.append([name[:90], round((count - count0) / rounds, 1), round((ms - ms0) / rounds, 4)])
+    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 @torch.inference_mode()
@@ -165,7 +183,7 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
     results = {"forward": "static" if static else "dynamic", "ar_step_ms": statistics.median(ar), "budgets": {}}
     cuda = device.startswith("cuda")
     if cuda and profile:
-        results["profile"] = {"ar": kernel_profile(lambda: verify(step, [-1]))}
+        results["profile"] = {"ar": without_all(kernel_profile(lambda: verify(step, [-1])))}
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
         log_probs, token_ids = top_log_probs(torch.randn(15, c.vocab_size, generator=gen), budget)
@@ -181,7 +199,7 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
         entry = {"num_nodes": tree.num_nodes + 1, "verify_ms": statistics.median(times),
                  "verify_over_ar": statistics.median(times) / results["ar_step_ms"]}
         if cuda and budget in profile:
-            results["profile"][f"ddtree-{budget}"] = kernel_profile(lambda: verify(batch, tree.parents))
+            results["profile"][f"ddtree-{budget}"] = without_all(kernel_profile(lambda: verify(batch, tree.parents)))
         if device.startswith("cuda"):
             entry["verify_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         if hasattr(cache, "pending"):
@@ -215,7 +233,8 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
     if "error" in whole or "error" in prefill:
         return {"device_profile_error": whole.get("error") or prefill.get("error")}
     device_ms = (whole["device_ms"] - prefill["device_ms"]) / rounds
-    return {"device_ms": device_ms, "gpu_idle_share": max(0.0, 1.0 - device_ms / round_ms)}
+    return {"device_ms": device_ms, "gpu_idle_share": max(0.0, 1.0 - device_ms / round_ms),
+            "round_kernels": kernels_per_round(whole, prefill, rounds)}
 
 
 @torch.inference_mode()
@@ -235,12 +254,15 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds + 1, ignore_eos=True)   # +1: the prefill token
         engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
         stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
-        before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds",)}
+        before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits")}
         engine.generate_ids(prompt, params)
         t = engine.stage_times
         n = t.batch_rounds - before["batch_rounds"]
         entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
         entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
+        entry["static_commit_share"] = (t.static_commits - before["static_commits"]) / n
+        graphs = getattr(engine, "graphs", None)   # programs whose capture failed run eagerly (logged once): which kinds
+        entry["eager_programs"] = sorted({key[0] for key, p in (graphs.programs.items() if graphs else ()) if p.graph is False})
         entry["rounds"] = n
         if device.startswith("cuda") and static_forward != "off":
             entry.update(round_device_time(engine, prompt, params, n, entry["round_ms"]))

@@ -20,6 +20,8 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
             assert set(rounds) == {"ar", "dflash", "ddtree-16", "ddtree-64"}
             assert all(1 <= e["rounds"] <= 3 and e["round_ms"] > 0 and 0 <= e["host_share"] < 1 for e in rounds.values())
             assert rounds["ar"]["draft_ms"] == 0 and rounds["ddtree-64"]["draft_ms"] > 0
+            # the CPU has no chain kernel, so no paths-form stash: every commit is eager
+            assert all(e["static_commit_share"] == 0 for e in rounds.values())
         assert set(shape["batched"]) == {"ar", "ddtree-16"}
         for per in shape["batched"].values():                         # R = 1, 2, 4, 8 concurrent requests
             assert list(per) == ["1", "2", "4", "8"] and all(e["rounds"] == 3 and e["tokens_per_s"] > 0 for e in per.values())
@@ -34,5 +36,13 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
     assert cost.rows == (1, 17, 65) and cost.draft_ms > 0
     assert cost.verify(17) == saved["shapes"]["tiny-hybrid"]["verify"]["static"]["budgets"]["16"]["verify_ms"]
     md = (tmp_path / "r.md").read_text()
-    assert "| tiny-dense |" in md and "Goals (issue 6)" in md
+    assert "| tiny-dense |" in md and "Goals (issue 6)" in md and "static commits: ar 0%" in md
     assert (tmp_path / "r.png").stat().st_size > 1000 and result["plot"].endswith("r.png")
+
+
+def test_kernels_per_round_subtract_the_prefill():
+    from perf.hybrid_verify import kernels_per_round
+
+    whole = {"all": {"gemm": (130.0, 26.0), "topk": (12.0, 0.6), "prefill_only": (1.0, 5.0)}}
+    prefill = {"all": {"gemm": (10.0, 2.0), "prefill_only": (1.0, 5.0)}}
+    assert kernels_per_round(whole, prefill, rounds=12) == [["gemm", 10.0, 2.0], ["topk", 1.0, 0.05]]
