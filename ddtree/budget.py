@@ -65,10 +65,16 @@ class CostModel:
     def verify(self, rows: int) -> float:
         """Interpolated between measured points; past the last one, extended along the last segment's slope (never
         flat: a tree larger than the data must not look as cheap as the largest measured one)."""
-        if rows > self.rows[-1] and len(self.rows) > 1:
-            slope = (self.verify_ms[-1] - self.verify_ms[-2]) / (self.rows[-1] - self.rows[-2])
-            return float(self.verify_ms[-1] + max(slope, 0.0) * (rows - self.rows[-1]))
-        return float(np.interp(rows, self.rows, self.verify_ms))
+        return float(self.verify_many(np.array([rows]))[0])
+
+    def verify_many(self, rows: np.ndarray) -> np.ndarray:
+        """verify() of every element of rows, in one numpy pass."""
+        out = np.interp(rows, self.rows, self.verify_ms)
+        if len(self.rows) > 1:
+            slope = max((self.verify_ms[-1] - self.verify_ms[-2]) / (self.rows[-1] - self.rows[-2]), 0.0)
+            beyond = rows > self.rows[-1]
+            out[beyond] = self.verify_ms[-1] + slope * (rows[beyond] - self.rows[-1])
+        return out
 
 
 def node_weights(log_weights: list[float]) -> np.ndarray:
@@ -84,20 +90,21 @@ def choose_budgets(weights: list[np.ndarray], cost: CostModel, max_budgets: list
     fixed_rows: rows of other requests in the same verify pass (not chosen here).
     """
     num_requests = len(weights)
-    pool = [(float(w), i) for i, ws in enumerate(weights) for w in ws[: max_budgets[i]]]
-    pool.sort(key=lambda item: -item[0])
+    # every request's nodes in one pool, best first (ties: request order, then node order): at 32 requests of
+    # 64-node trees a pool of 2048, whose rates numpy computes at once (a Python loop with an interpolation per
+    # node took ~3.5 ms a round)
+    parts = [np.asarray(ws[: max_budgets[i]], dtype=np.float64) for i, ws in enumerate(weights)]
+    pool = np.concatenate(parts) if parts else np.zeros(0)
+    owner = np.repeat(np.arange(num_requests), [len(part) for part in parts])
+    order = np.argsort(-pool, kind="stable")
     base_rows = fixed_rows + num_requests
     best_k, best_rate = 0, num_requests / cost.verify(base_rows)     # no tree at all
-    expected = float(num_requests)
-    for k, (w, _) in enumerate(pool, start=1):
-        expected += w
-        rate = expected / (cost.draft_ms + cost.verify(base_rows + k))
+    expected = num_requests + np.cumsum(pool[order])                 # expected tokens with the k best nodes
+    rates = expected / (cost.draft_ms + cost.verify_many(base_rows + np.arange(1, len(pool) + 1)))
+    for k, rate in enumerate(rates.tolist(), start=1):               # the first k that beats every smaller one
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
-    budgets = [0] * num_requests
-    for _, i in pool[:best_k]:
-        budgets[i] += 1
-    return budgets
+    return np.bincount(owner[order[:best_k]], minlength=num_requests).tolist()
 
 
 def expected_tokens(weights: np.ndarray, budget: int) -> float:

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 WARM_UP_MAX_KEYS = 4096
 # Time between two decoding rounds beyond this is an idle spell (or a debugger), not serving work (auto's accounting).
 MAX_SERVE_GAP_S = 0.5
+POLICY_MIN_CAP = 8   # the policy arm's smallest tree-building cap (Engine.policy_cap)
 
 
 @dataclass(slots=True)
@@ -179,6 +180,10 @@ class Engine:
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
+        # the policy arm builds trees of at most this many nodes (None: the requests' tree_budget): twice the largest
+        # budget it chose last round, so that a batch where it keeps a few nodes per request does not build (on the
+        # host) and rank 64-node trees for each of them every round, while a budget that fills its cap doubles it
+        self.policy_cap: int | None = None
         self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
         self._events = StageEvents(self.device)
         self._auto_drafted = False   # whether a mode-auto request drafted this round (auto's arm accounting)
@@ -496,7 +501,9 @@ class Engine:
             return True, 1
         if mode == "ddtree" and params.mode == "auto":
             return False, min(self.arm.budget, params.tree_budget)
-        return False, params.tree_budget   # ddtree, and the policy arm (cut below by _apply_budget_policy)
+        if params.mode == "auto" and self.policy_cap is not None:   # the policy arm (cut below by _apply_budget_policy)
+            return False, min(params.tree_budget, self.policy_cap)
+        return False, params.tree_budget   # ddtree, and the policy arm's first round
 
     def _apply_budget_policy(self, seqs: list[Sequence], trees: list[DraftTree]) -> None:
         """Mode "auto" on the policy arm: cut each request's tree to the nodes that pay this round (ddtree.budget)."""
@@ -508,6 +515,7 @@ class Engine:
         other_rows = sum(1 + trees[i].num_nodes for i in range(len(seqs)) if i not in auto)
         weights = [node_weights(trees[i].log_weights[1:]) * seqs[i].calibration for i in auto]
         budgets = choose_budgets(weights, self.cost_model, [trees[i].num_nodes for i in auto], fixed_rows=other_rows)
+        self.policy_cap = max(POLICY_MIN_CAP, 2 * max(budgets))
         for i, budget in zip(auto, budgets):
             trees[i] = trees[i].truncated(budget)
             seq = seqs[i]

@@ -10,7 +10,7 @@ import pytest
 
 from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, expected_tokens, parse_arms
 from ddtree.config import EngineConfig
-from ddtree.engine import Engine
+from ddtree.engine import POLICY_MIN_CAP, Engine
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import build_tree, top_log_probs
 
@@ -72,6 +72,11 @@ def test_policy_arm_is_exact(tiny_models, tmp_path, cost):
     assert (nodes > 0) if cost is FLAT else (nodes == 0), f"{nodes} tree nodes verified"
     if cost is STEEP:   # trees never pay: after back-off the drafter runs in few of the ~30 rounds
         assert engine.stage_times.draft_passes <= 8, engine.stage_times.draft_passes
+        # and it builds small trees: twice the largest budget it chose (none), at least POLICY_MIN_CAP nodes
+        assert engine.policy_cap == POLICY_MIN_CAP
+    else:               # free nodes: it keeps whole trees, and its cap (twice the last) never cuts one
+        fixed = engine.generate_ids(prompt, SamplingParams(mode="ddtree", tree_budget=32, **params))
+        assert fixed.output_ids == ar and engine.stage_times.tree_nodes - nodes == nodes
 
 
 def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: int,
