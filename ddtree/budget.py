@@ -26,12 +26,15 @@ Exploration carries over between batch sizes (ArmSelector._pruned).
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 DATA = Path(__file__).with_name("data")
 DEFAULT_COST_MODEL = DATA / "cost_model_cpu.json"
@@ -121,6 +124,7 @@ PRUNE = 0.8              # a tree below this fraction of a lighter arm (fewer dr
 PRUNE_ACROSS = 0.95      # an arm below this fraction of a lighter arm at a smaller batch is not tried at larger ones
 UCB = 0.2                # optimism bonus of an arm measured in n rounds: rate x (1 + UCB / sqrt(n))
 PRUNE_EVERY = 8          # rounds of a bucket between recomputations of the arms it rules out
+LOG_AFTER = 16           # a bucket's new leading arm is logged once it has led this many choices in a row
 MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
 
 
@@ -175,6 +179,7 @@ class ArmSelector:
         # (bucket, arms) -> (round to recompute at, pruned, the arms left, whether each of those was explored)
         self._eligible: dict[tuple, tuple[int, set[Arm], tuple[Arm, ...], bool]] = {}
         self._capped: dict[int | None, tuple[Arm, ...]] = {}       # max_budget -> the arms choose considers
+        self.leader: dict[int, tuple[Arm, int, bool]] = {}          # bucket -> (leading arm, since round, logged)
         self.last: Arm | None = None                # the last round's arm (any batch size)
         self.catching_up = False                    # this round's arm drafts after rounds that did not
         self.repeat: tuple[int, Arm] | None = None  # (bucket, arm) to run again, measured, after a catch-up round
@@ -260,6 +265,7 @@ class ArmSelector:
         else:
             self.settled.setdefault(b, pruned)
             best = max(arms, key=lambda a: self.score(b, a))
+            self._log_leader(b, best, arms)
             # an interval is at least reprobe_every rounds: arms tried more recently are not due (no interval computed)
             due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_every
                    and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_interval(b, a, best)]
@@ -275,6 +281,17 @@ class ArmSelector:
         self.catching_up = arm.mode != "ar" and (self.last is None or self.last.mode == "ar")
         self.last = arm
         return arm
+
+    def _log_leader(self, b: int, best: Arm, arms: tuple[Arm, ...]) -> None:
+        """Log when a batch size's leading arm changes and holds the lead for LOG_AFTER choices (arms of near-equal
+        rates can swap the lead round by round: those swaps are not logged)."""
+        arm, since, logged = self.leader.get(b, (None, 0, True))
+        if best != arm:
+            self.leader[b] = (best, self.rounds[b], False)
+        elif not logged and self.rounds[b] - since >= LOG_AFTER:
+            self.leader[b] = (arm, since, True)
+            logger.info("auto: batch size %s runs %s (score: measured tokens/s, the less measured the more optimistic; "
+                        "%s)", self.label(b), arm.name, ", ".join(f"{a.name} {self.rate(b, a):.1f}" for a in arms))
 
     def reprobe_interval(self, bucket: int, arm: Arm, best: Arm) -> float:
         """Rounds between re-probes of a non-leading arm: reprobe_every x its round time / the best arm's (so each
@@ -314,6 +331,10 @@ class ArmSelector:
         out: dict[str, dict[str, float]] = {}
         for (b, arm), n in sorted(self.samples.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
             if n:
-                label = "1" if b == 0 else f"{2 ** (b - 1) + 1}-{2 ** b}"
-                out.setdefault(label, {})[arm.name] = round(self.rate(b, arm), 2)
+                out.setdefault(self.label(b), {})[arm.name] = round(self.rate(b, arm), 2)
         return out
+
+    @staticmethod
+    def label(bucket: int) -> str:
+        """A bucket's batch sizes: 1, 2, 3-4, 5-8, ..."""
+        return "1" if bucket == 0 else "2" if bucket == 1 else f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
