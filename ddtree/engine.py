@@ -40,6 +40,7 @@ WARM_UP_MAX_KEYS = 4096
 # Time between two decoding rounds beyond this is an idle spell (or a debugger), not serving work (auto's accounting).
 MAX_SERVE_GAP_S = 0.5
 POLICY_MIN_CAP = 8   # the policy arm's smallest tree-building cap (Engine.policy_cap)
+COMMIT_PARTS = ("accept", "caches", "features", "tokens")   # StageTimes.commit_parts
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ class StageTimes:
     #                              (accounted a round later: the host does not wait for the commit)
     commit: float = 0.0          # acceptance walks and commits (host time: the commit's device work is not waited for,
     #                              it overlaps what follows, the next round's draft waits for it in stream order)
+    commit_parts: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])   # commit's host time by part:
+    #                              acceptance walks, cache commits, kept features, token bookkeeping (COMMIT_PARTS)
     decode: float = 0.0          # whole decoding rounds: draft, tree_build, verify, commit and the glue between
     batch_rounds: int = 0        # decoding rounds of the whole batch
     rounds: int = 0              # decoding rounds, summed over requests
@@ -356,9 +359,18 @@ class Engine:
             accepted.append(self._accept(seq, tree, logits[rows], None if choices is None else choices[rows]))
             starts.append(row)
             row = rows.stop
+        t_accepted = time.perf_counter()
         self._commit_caches(seqs, [a.accepted for a in accepted])
+        t_caches = time.perf_counter()
         self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
+        t_features = time.perf_counter()
         outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
+        t_tokens = time.perf_counter()
+        parts = times.commit_parts
+        parts[0] += t_accepted - t_commit
+        parts[1] += t_caches - t_accepted
+        parts[2] += t_features - t_caches
+        parts[3] += t_tokens - t_features
         self._events.record("committed")
         # not waited for: the commit's device work (K/V row moves, a hybrid's recurrent replay) runs while the host
         # reports this round and starts the next; the next round's reads wait for it in stream order

@@ -187,6 +187,10 @@ def table(result: dict) -> str:
                   + " of rounds (graphs.StaticCommit; the others commit eagerly); programs whose CUDA graph capture "
                   "failed (they run eagerly): " + (", ".join(sorted({k for rounds in r["rounds"].values() for e in rounds.values()
                                                                   for k in e.get("eager_programs", [])})) or "none")]
+        lines += ["", "commit stage's host time by part, ms per round (acceptance walks / cache commits / kept features / "
+                  "token bookkeeping): " + "; ".join(
+                      f"{forward} {name} " + " / ".join(f"{v:.2f}" for v in e["commit_parts_ms"].values())
+                      for forward, rounds in r["rounds"].items() for name, e in rounds.items() if "commit_parts_ms" in e)]
         for forward, rounds in r["rounds"].items():
             for name, e in rounds.items():
                 if e.get("round_kernels"):

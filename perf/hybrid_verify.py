@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.config import EngineConfig  # noqa: E402
-from ddtree.engine import Engine  # noqa: E402
+from ddtree.engine import COMMIT_PARTS, Engine  # noqa: E402
 from ddtree.models.dflash import DFlashConfig, DFlashDrafter, dflash_hf_config  # noqa: E402
 from ddtree.models.gdn import gdn_sequential, gdn_tree  # noqa: E402
 from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
@@ -255,12 +255,15 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
         stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
         before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits")}
+        parts_before = list(engine.stage_times.commit_parts)
         engine.generate_ids(prompt, params)
         t = engine.stage_times
         n = t.batch_rounds - before["batch_rounds"]
         entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
         entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
         entry["static_commit_share"] = (t.static_commits - before["static_commits"]) / n
+        entry["commit_parts_ms"] = {name: (after - prior) / n * 1e3
+                                    for name, after, prior in zip(COMMIT_PARTS, t.commit_parts, parts_before)}
         graphs = getattr(engine, "graphs", None)   # programs whose capture failed run eagerly (logged once): which kinds
         entry["eager_programs"] = sorted({key[0] for key, p in (graphs.programs.items() if graphs else ()) if p.graph is False})
         entry["rounds"] = n

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from perf import gpu_ratios
 
 
@@ -22,6 +24,8 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
             assert rounds["ar"]["draft_ms"] == 0 and rounds["ddtree-64"]["draft_ms"] > 0
             # the CPU has no chain kernel, so no paths-form stash: every commit is eager
             assert all(e["static_commit_share"] == 0 for e in rounds.values())
+            for e in rounds.values():   # the commit stage's parts add up to it
+                assert sum(e["commit_parts_ms"].values()) == pytest.approx(e["commit_ms"], rel=0.05, abs=0.05)
         assert set(shape["batched"]) == {"ar", "ddtree-16"}
         for per in shape["batched"].values():                         # R = 1, 2, 4, 8 concurrent requests
             assert list(per) == ["1", "2", "4", "8"] and all(e["rounds"] == 3 and e["tokens_per_s"] > 0 for e in per.values())
@@ -36,7 +40,7 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
     assert cost.rows == (1, 17, 65) and cost.draft_ms > 0
     assert cost.verify(17) == saved["shapes"]["tiny-hybrid"]["verify"]["static"]["budgets"]["16"]["verify_ms"]
     md = (tmp_path / "r.md").read_text()
-    assert "| tiny-dense |" in md and "Goals (issue 6)" in md and "static commits: ar 0%" in md
+    assert "| tiny-dense |" in md and "Goals (issue 6)" in md and "static commits: ar 0%" in md and "token bookkeeping): dynamic ar" in md
     assert (tmp_path / "r.png").stat().st_size > 1000 and result["plot"].endswith("r.png")
 
 
