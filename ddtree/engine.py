@@ -365,18 +365,18 @@ class Engine:
         self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
         t_features = time.perf_counter()
         outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
-        t_tokens = time.perf_counter()
-        parts = times.commit_parts
-        parts[0] += t_accepted - t_commit
-        parts[1] += t_caches - t_accepted
-        parts[2] += t_features - t_caches
-        parts[3] += t_tokens - t_features
         self._events.record("committed")
         # not waited for: the commit's device work (K/V row moves, a hybrid's recurrent replay) runs while the host
         # reports this round and starts the next; the next round's reads wait for it in stream order
         self._events.defer("commit", "committed", times, "commit_gpu")
+        t_end = time.perf_counter()
+        parts = times.commit_parts   # the stage's host time by part: they add up to it
+        parts[0] += t_accepted - t_commit
+        parts[1] += t_caches - t_accepted
+        parts[2] += t_features - t_caches
+        parts[3] += t_end - t_features
         times.verify += t_commit - t_verify
-        times.commit += time.perf_counter() - t_commit
+        times.commit += t_end - t_commit
         return outputs
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> tuple[torch.Tensor, torch.Tensor | None]:
