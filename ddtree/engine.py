@@ -437,12 +437,10 @@ class Engine:
         if rows[-1] - rows[0] == len(rows) - 1 and len(rows) == len(keep):
             # one row each, in order (a round where nobody drafted, e.g. `auto` on `ar`): a slice copied out of the
             # verify's outputs (static buffers on CUDA), no index built on the host and sent to the device
-            kept, j = taps[rows[0] : rows[-1] + 1].clone(), 0
-            for i in keep:
-                seqs[i].pending_taps.append((kept, j, j + 1))
-                j += 1
-            return
-        kept, lo = taps[to_device(torch.tensor(rows), self.device)], 0
+            kept = taps[rows[0] : rows[-1] + 1].clone()
+        else:
+            kept = taps[to_device(torch.tensor(rows), self.device)]
+        lo = 0
         for i in keep:
             hi = lo + len(accepted[i])
             seqs[i].pending_taps.append((kept, lo, hi))
@@ -538,10 +536,11 @@ class Engine:
             self.auto_backoff = seq.backoff   # new requests start where the last decision left off
 
     def _drafts_this_round(self, seq: Sequence) -> bool:
-        mode = seq.request.params.mode
-        if mode == "ar" or seq.depth_limit <= 0 or (mode == "auto" and self.arm.mode == "ar"):
+        """Whether a request of a mode that drafts this round (_draft leaves out `ar`, and `auto` on an `ar` round)
+        drafts: not past its last token, not backing off on the policy arm."""
+        if seq.depth_limit <= 0:
             return False
-        if mode == "auto" and self.arm.mode == "policy" and seq.skip_rounds > 0:
+        if seq.request.params.mode == "auto" and self.arm.mode == "policy" and seq.skip_rounds > 0:
             seq.skip_rounds -= 1   # the policy found no tree worth it lately: back off
             return False
         return True

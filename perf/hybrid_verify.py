@@ -264,8 +264,8 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         entry["static_commit_share"] = (t.static_commits - before["static_commits"]) / n
         entry["commit_parts_ms"] = {name: (after - prior) / n * 1e3
                                     for name, after, prior in zip(COMMIT_PARTS, t.commit_parts, parts_before)}
-        graphs = getattr(engine, "graphs", None)   # programs whose capture failed run eagerly (logged once): which kinds
-        entry["eager_programs"] = sorted({key[0] for key, p in (graphs.programs.items() if graphs else ()) if p.graph is False})
+        # programs whose capture failed run eagerly (logged once): which kinds
+        entry["eager_programs"] = sorted({key[0] for key, p in engine.graphs.programs.items() if p.graph is False})
         entry["rounds"] = n
         if device.startswith("cuda") and static_forward != "off":
             entry.update(round_device_time(engine, prompt, params, n, entry["round_ms"]))
