@@ -185,6 +185,16 @@ def conv_windows_into(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
 
 
 @fused
+def conv_windows_pooled_into(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                             window: torch.Tensor, out: torch.Tensor, x_out: torch.Tensor) -> None:
+    """conv_windows_into with the committed windows read from a recurrent pool's layer view conv_pool [S, C, K] at
+    slots [R] (window index r * K + i < R * K: slot r's i-th committed input): the gather and the transpose happen in
+    the conv's own kernel (two copy kernels per GDN layer less in a tree batch's verify)."""
+    committed = conv_pool[slots].permute(1, 0, 2).reshape(conv_pool.shape[1], -1)   # [C, R * K]
+    conv_windows_into.eager(x, committed, weight, window, out, x_out)
+
+
+@fused
 def conv_steps(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One committed token per sequence: the conv + SiLU output [R, C] and the shifted windows [R, C, K].
     x  # [R, C]; conv_states  # [R, C, K]; weight  # [C, K]. Each window is conv_windows' for a root node (the last
@@ -193,6 +203,14 @@ def conv_steps(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor)
     shifted = torch.cat([conv_states[:, :, 1:], x[:, :, None].to(conv_states.dtype)], dim=2)       # [R, C, K]
     windows = torch.cat([conv_states[:, :, 1:].to(dtype), x[:, :, None].to(dtype)], dim=2).transpose(1, 2)
     return _conv_silu(windows, weight, x.dtype), shifted
+
+
+@fused
+def conv_steps_pooled(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv_steps with the committed windows read from a recurrent pool's layer view conv_pool [S, C, K] at slots [R]
+    (the gather in the conv's own kernel)."""
+    return conv_steps.eager(x, conv_pool[slots], weight)
 
 
 def _conv_silu(windows: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -206,6 +224,6 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
 
 
-__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_windows", "conv_windows_into",
+__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_steps_pooled", "conv_windows", "conv_windows_into", "conv_windows_pooled_into",
            "enabled", "fused", "gated_rms_norm", "gdn_gates", "gdn_gates_into", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window",
            "sigmoid_gate", "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

@@ -58,10 +58,22 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
     return _tree_kernel()
 
 
+def steps_gdn_kernel(device: torch.device) -> Callable | None:
+    """Our kernel's `ar` steps (ddtree.models.tree_kernel.steps_in_place: one token per sequence, each state read and
+    written in place in the recurrent pool) where tree_gdn_kernel runs, else None (fla's kernel on gathered states)."""
+    return None if tree_gdn_kernel(device) is None else _steps_kernel()
+
+
 @functools.cache
 def _tree_kernel() -> Callable:
     from ddtree.models.tree_kernel import batched_tree_paths
     return batched_tree_paths
+
+
+@functools.cache
+def _steps_kernel() -> Callable:
+    from ddtree.models.tree_kernel import steps_in_place
+    return steps_in_place
 
 
 def step_gdn_kernel(device: torch.device) -> Callable | None:
@@ -102,4 +114,4 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                   use_qk_l2norm_in_kernel=True)
 
 
-__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel", "tree_gdn_kernel"]
+__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel", "steps_gdn_kernel", "tree_gdn_kernel"]

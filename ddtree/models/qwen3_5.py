@@ -39,7 +39,8 @@ from ddtree.models.gdn import (
     replay_path,
     tree_paths,
 )
-from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_sequences_fla, step_gdn_kernel, tree_gdn_kernel
+from ddtree.models.kernels import (chain_gdn_kernel, gdn_chain_fla, gdn_sequences_fla, step_gdn_kernel, steps_gdn_kernel,
+                                   tree_gdn_kernel)
 from ddtree.models.layers import Derived, FusedProjections, GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
@@ -371,9 +372,11 @@ class GatedDeltaNet(FusedProjections, nn.Module):
 
     def _sequences(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment], slot: int,
                    layouts: list[TreeLayout], stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
-        """A batch of `ar` steps in one pass (`_steps`), else each sequence from its own committed state (`_core`)."""
+        """A batch of `ar` steps in one pass (`_steps`; a lone step too where our kernel runs them in place), else each
+        sequence from its own committed state (`_core`)."""
         one_pool = len({id(seg.cache.gdn_pool) for seg in segments}) == 1
-        if len(segments) > 1 and mixed.shape[0] == len(segments) and all(s is None for s in stashes) and one_pool:
+        several = len(segments) > 1 or steps_gdn_kernel(mixed.device) is not None
+        if several and mixed.shape[0] == len(segments) and all(s is None for s in stashes) and one_pool:
             return self._steps(mixed, g, beta, segments, slot)
         outputs, row = [], 0
         for seg, layout, stash in zip(segments, layouts, stashes):
@@ -413,21 +416,27 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         request's committed one) that writes its output and its inputs into the batch's commit stash (g and beta are
         there already: forward), one call of our paths kernel (each path from its slot's state, read in place). The
         same values as `_core` computes for each tree alone."""
-        conv_states = pool.conv[:, slot].index_select(0, trees.slots)                  # [R, C, K]
-        channels = conv_states.shape[1]
-        committed = conv_states.permute(1, 0, 2).reshape(channels, -1)                 # [C, R * K]: column r * K + i
-        qkv = trees.stash.qkv[slot]
-        fused.conv_windows_into(mixed, committed, self.conv_weight(self.conv1d.weight), trees.window, qkv, trees.stash.x[slot])
+        qkv = trees.stash.qkv[slot]   # the committed windows read from the pool by the conv's kernel (column r * K + i)
+        fused.conv_windows_pooled_into(mixed, pool.conv[:, slot], trees.slots, self.conv_weight(self.conv1d.weight),
+                                       trees.window, qkv, trees.stash.x[slot])
         q, k, v = self._heads(qkv)
         return trees.kernel(q, k, v, g, beta, trees.tokens, trees.first, trees.last, pool.state[:, slot], trees.path_state)
 
     def _steps(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment],
                slot: int) -> torch.Tensor:
-        """One committed token for each of R sequences at GDN layer `slot`: their states gathered from the pool,
-        one conv and (on CUDA) one fla call for all, the new states scattered back. Per sequence the same values as
-        `_core` computes for it alone (the torch recurrence runs per sequence; fla's programs are per sequence)."""
+        """One committed token for each of R sequences at GDN layer `slot`: on CUDA with our kernel, one conv that
+        reads the committed windows from the pool (their shifted windows written back by one copy) and one call that
+        reads and writes each state in place (steps_in_place); else their states gathered from the pool, one conv and
+        (on CUDA) one fla call for all, the new states scattered back. Per sequence the same values as `_core`
+        computes for it alone (the torch recurrence runs per sequence; the kernels' programs are per sequence)."""
         pool = segments[0].cache.gdn_pool
-        slots = torch.cat([seg.cache.slot_index for seg in segments])
+        slots = segments[0].cache.slot_index if len(segments) == 1 else torch.cat([s.cache.slot_index for s in segments])
+        in_place = steps_gdn_kernel(mixed.device)
+        if in_place is not None:
+            conv, shifted = fused.conv_steps_pooled(mixed, pool.conv[:, slot], slots, self.conv_weight(self.conv1d.weight))
+            pool.conv[:, slot].index_copy_(0, slots, shifted)
+            q, k, v = self._heads(conv)
+            return in_place(q, k, v, g, beta, pool.state[:, slot], slots)
         conv_states, states = pool.gather(slot, slots)
         conv, shifted = fused.conv_steps(mixed, conv_states, self.conv_weight(self.conv1d.weight))
         q, k, v = self._heads(conv)

@@ -33,12 +33,16 @@ BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
 
 @triton.jit
 def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_first, path_last, tokens, scale, eps,
-                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr):
+                  qk_row, v_row, gate_row, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr):
     i_v, i_path, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    first = tl.load(path_first + i_path).to(tl.int64)
-    last = tl.load(path_last + i_path).to(tl.int64)
+    if STEPS:   # one token per sequence (row i_path), its new state written over the old one
+        first = i_path.to(tl.int64)
+        last = first + 1
+    else:
+        first = tl.load(path_first + i_path).to(tl.int64)
+        last = tl.load(path_last + i_path).to(tl.int64)
     cols_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
     in_k, in_v = cols_k < K, cols_v < V
@@ -47,12 +51,15 @@ def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_fi
     live = (in_k[:, None] & in_v[None, :]) & (last > first)
     state = tl.load(h0 + cols_k[:, None] * V + cols_v[None, :], mask=live, other=0.0).to(tl.float32)
     for i in tl.range(first, last, num_stages=STAGES):   # the path's own length: empty (padding) paths do nothing
-        node = tl.load(tokens + i).to(tl.int64)
-        b_q = tl.load(q + (node * H + i_h) * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (node * H + i_h) * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (node * HV + i_hv) * V + cols_v, mask=in_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + node * HV + i_hv).to(tl.float32)
-        b_beta = tl.load(beta + node * HV + i_hv).to(tl.float32)
+        if STEPS:
+            node = i
+        else:
+            node = tl.load(tokens + i).to(tl.int64)
+        b_q = tl.load(q + node * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + node * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + node * v_row + i_hv * V + cols_v, mask=in_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + node * gate_row + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + node * gate_row + i_hv).to(tl.float32)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + eps) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + eps)
         state = state * tl.exp(b_g)
@@ -60,6 +67,8 @@ def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_fi
         state = state + b_k[:, None] * b_v[None, :]
         b_o = tl.sum(state * b_q[:, None], 0)
         tl.store(o + (node * HV + i_hv) * V + cols_v, b_o.to(o.dtype.element_ty), mask=in_v)
+    if STEPS:
+        tl.store(h0 + cols_k[:, None] * V + cols_v[None, :], state, mask=live)
 
 
 def tree_paths_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -75,26 +84,49 @@ def tree_paths_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 def batched_tree_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        tokens: torch.Tensor, path_first: torch.Tensor, path_last: torch.Tensor, states: torch.Tensor,
                        path_state: torch.Tensor, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
-                       num_stages: int = NUM_STAGES) -> torch.Tensor:
+                       num_stages: int = NUM_STAGES, steps: bool = False) -> torch.Tensor:
     """o [N, HV, dv] in v's dtype of every node covered by a path (others 0).
 
     q, k  # [N, H, dk] raw; v  # [N, HV, dv]; g  # [N, HV] log decay; beta  # [N, HV]: the rows of every tree of the
-    batch. tokens  # [T] long: the row of each path position (paths concatenated, root first); path_first,
+    batch, each row's heads contiguous, rows any stride apart (q, k, v may be column slices of the conv's output
+    [N, conv_dim], read where they lie: no copies); q and k, g and beta with one row stride each. tokens  # [T] long: the row of each path position (paths concatenated, root first); path_first,
     path_last  # [S] long: each path's tokens[first:last] (first == last: a padding path); states  # [B, HV, dk, dv]
     float32, any stride between its B states (a pool's layer view); path_state  # [S] long: the state each path
-    starts from.
+    starts from. steps: one token per path, row s of path s (tokens, path_first, path_last unused), its final state
+    written over the state it started from (steps_in_place).
     """
     n, h, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert hv % h == 0 and k.shape == q.shape and g.shape == (n, hv) and beta.shape == (n, hv), "shapes"
     assert states.dtype == torch.float32 and states.shape[1:] == (hv, dk, dv) and states[0].is_contiguous(), "states"
-    o = torch.zeros_like(v)
-    grid = (triton.cdiv(dv, block_v), path_first.shape[0], hv)
-    _paths_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), o,
-                        states, states.stride(0), path_state, path_first, path_last, tokens, dk**-0.5, L2_EPS,
+    q, k, v, g, beta = (_rows_apart(t) for t in (q, k, v, g, beta))
+    if k.stride(0) != q.stride(0):
+        k = k.contiguous()
+        q = q.contiguous()
+    if beta.stride(0) != g.stride(0):
+        g, beta = g.contiguous(), beta.contiguous()
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    grid = (triton.cdiv(dv, block_v), n if steps else path_first.shape[0], hv)
+    _paths_kernel[grid](q, k, v, g, beta, o, states, states.stride(0), path_state, path_first, path_last, tokens,
+                        dk**-0.5, L2_EPS, q.stride(0), v.stride(0), g.stride(0),
                         H=h, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, STAGES=num_stages,
-                        num_warps=num_warps)
+                        STEPS=steps, num_warps=num_warps)
     return o
 
 
-__all__ = ["batched_tree_paths", "tree_paths_recurrence"]
+def steps_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One committed token for each of R sequences (batched_tree_paths' q..beta with N = R rows), sequence r from
+    states[slots[r]] (a recurrent pool's layer view), its new state written there in place: o [R, HV, dv]. An `ar`
+    step without the gather of the states before fla's kernel and the scatter after it (two copies of 3 MiB per
+    request and GDN layer at Qwen3.6-27B dims). The slots must differ (each program owns its block of its state)."""
+    return batched_tree_paths(q, k, v, g, beta, slots, slots, slots, states, slots, steps=True)
+
+
+def _rows_apart(t: torch.Tensor) -> torch.Tensor:
+    """t itself where each row's elements are contiguous (rows any stride apart), else a contiguous copy."""
+    inner = t[0] if t.shape[0] else t
+    return t if inner.is_contiguous() else t.contiguous()
+
+
+__all__ = ["batched_tree_paths", "steps_in_place", "tree_paths_recurrence"]

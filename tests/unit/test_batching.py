@@ -173,3 +173,26 @@ def test_trees_of_a_batch_through_our_paths_kernel_equal_alone(engines, monkeypa
     # static programs pad the paths to the rows (our kernel's padding paths read nothing): one program per row bucket
     shapes = {key[2:5] for key in batched.graphs.programs if key[0] == "target"}   # (rows, keys, paths)
     assert all(paths in (0, rows) for rows, _, paths in shapes) and (not kind.endswith("static") or shapes), shapes
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter runs our kernel on the CPU)")
+def test_ar_steps_in_place_through_our_kernel_equal_alone(engines, monkeypatch):
+    """Hybrid targets where our kernel runs `ar` steps (CUDA; here Triton's interpreter): a round's steps, a lone one
+    too, read the committed windows and states from the pool and write them back in place (GatedDeltaNet._steps,
+    tree_kernel.steps_in_place); each request decodes what it decodes alone on the torch recurrence."""
+    kind, batched, single, vocab = engines
+    if not kind.startswith("hybrid"):
+        pytest.skip("a hybrid target's path")
+    from ddtree.models import qwen3_5
+
+    rng = random.Random(6)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 30))],
+             SamplingParams(max_tokens=rng.randint(6, 12), mode="ar", ignore_eos=True)) for _ in range(5)]
+    expected = [single.generate_ids(prompt, params).output_ids for prompt, params in jobs]
+    in_place, calls = tree_kernel_module().steps_in_place, []
+    monkeypatch.setattr(qwen3_5, "steps_gdn_kernel",
+                        lambda device: lambda q, *a: calls.append(q.shape[0]) or in_place(q, *a))
+    together = run_together(batched, jobs, arrive_every=1)
+    assert calls and max(calls) >= 4 and min(calls) == 1, sorted(set(calls))
+    for i, (prompt, params) in enumerate(jobs):
+        assert together[f"r{i}"] == expected[i], f"{kind} request {i}"

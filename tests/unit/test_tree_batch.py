@@ -92,3 +92,46 @@ def depth(parents: list[int], node: int) -> int:
     while parents[node] >= 0:
         node, d = parents[node], d + 1
     return d
+
+
+def test_steps_in_place_equal_the_recurrence_and_write_only_their_slots():
+    """`ar` steps through our kernel (tree_kernel.steps_in_place): each sequence's one token from its slot's state,
+    the output equal to the recurrence (fla's interface in torch) and the new state written over that slot's, the
+    other slots untouched. q, k, v are column slices of one conv output, read where they lie (no copies)."""
+    kernels = tree_kernel_module()
+    gen = torch.Generator().manual_seed(3)
+    h, hv, dk, dv, slots = 2, 4, 16, 32, torch.tensor([3, 0, 4])
+    r = slots.shape[0]
+    conv = torch.randn(r, 2 * h * dk + hv * dv, generator=gen)
+    q, k, v = conv.split([h * dk, h * dk, hv * dv], dim=1)
+    q, k, v = q.reshape(r, h, dk), k.reshape(r, h, dk), v.reshape(r, hv, dv)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    g, beta = -torch.rand(r, hv, generator=gen), torch.rand(r, hv, generator=gen)
+    pool = torch.randn(6, hv, dk, dv, generator=gen)
+    before = pool.clone()
+    o = kernels.steps_in_place(q, k, v, g, beta, pool, slots)
+    want, finals = reference_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                       initial_state=before[slots], output_final_state=True)
+    torch.testing.assert_close(o, want[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[slots], finals, rtol=1e-5, atol=1e-5)
+    others = [s for s in range(6) if s not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+
+
+def test_the_paths_kernel_reads_strided_rows_as_contiguous_ones():
+    """The paths kernel reads q, k, v as column slices of the conv's output (row stride conv_dim) and gives what it
+    gives for contiguous copies of them."""
+    kernels = tree_kernel_module()
+    gen = torch.Generator().manual_seed(4)
+    h, hv, dk, dv, n = 2, 4, 16, 32, 6
+    conv = torch.randn(n, 2 * h * dk + hv * dv, generator=gen)
+    q, k, v = conv.split([h * dk, h * dk, hv * dv], dim=1)
+    q, k, v = q.reshape(n, h, dk), k.reshape(n, h, dk), v.reshape(n, hv, dv)
+    g, beta = -torch.rand(n, hv, generator=gen), torch.rand(n, hv, generator=gen)
+    tokens, first, last = torch.tensor([0, 1, 2, 0, 3, 4, 5]), torch.tensor([0, 3]), torch.tensor([3, 7])
+    states, path_state = torch.randn(2, hv, dk, dv, generator=gen), torch.tensor([1, 0])
+    strided = kernels.batched_tree_paths(q, k, v, g, beta, tokens, first, last, states, path_state)
+    dense = kernels.batched_tree_paths(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, tokens, first, last,
+                                       states, path_state)
+    assert strided.abs().sum() > 0
+    torch.testing.assert_close(strided, dense, rtol=0, atol=0)
