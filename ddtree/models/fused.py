@@ -224,6 +224,7 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
 
 
-__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_steps_pooled", "conv_windows", "conv_windows_into", "conv_windows_pooled_into",
-           "enabled", "fused", "gated_rms_norm", "gdn_gates", "gdn_gates_into", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window",
-           "sigmoid_gate", "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]
+__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_steps_pooled",
+           "conv_windows", "conv_windows_into", "conv_windows_pooled_into", "enabled", "fused", "gated_rms_norm",
+           "gdn_gates", "gdn_gates_into", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window", "sigmoid_gate",
+           "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

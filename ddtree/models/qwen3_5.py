@@ -39,8 +39,7 @@ from ddtree.models.gdn import (
     replay_path,
     tree_paths,
 )
-from ddtree.models.kernels import (chain_gdn_kernel, gdn_chain_fla, gdn_sequences_fla, step_gdn_kernel, steps_gdn_kernel,
-                                   tree_gdn_kernel)
+from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_sequences_fla, step_gdn_kernel, steps_gdn_kernel, tree_gdn_kernel
 from ddtree.models.layers import Derived, FusedProjections, GatedMLP, Rotary
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
