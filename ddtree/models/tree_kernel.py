@@ -87,13 +87,14 @@ def batched_tree_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        num_stages: int = NUM_STAGES, steps: bool = False) -> torch.Tensor:
     """o [N, HV, dv] in v's dtype of every node covered by a path (others 0).
 
-    q, k  # [N, H, dk] raw; v  # [N, HV, dv]; g  # [N, HV] log decay; beta  # [N, HV]: the rows of every tree of the
-    batch, each row's heads contiguous, rows any stride apart (q, k, v may be column slices of the conv's output
-    [N, conv_dim], read where they lie: no copies); q and k, g and beta with one row stride each. tokens  # [T] long:
-    the row of each path position (paths concatenated, root first); path_first, path_last  # [S] long: each path's tokens[first:last] (first == last: a padding path); states  # [B, HV, dk, dv]
-    float32, any stride between its B states (a pool's layer view); path_state  # [S] long: the state each path
-    starts from. steps: one token per path, row s of path s (tokens, path_first, path_last unused), its final state
-    written over the state it started from (steps_in_place).
+    q, k # [N, H, dk] raw; v # [N, HV, dv]; g # [N, HV] log decay; beta # [N, HV]: the rows of every tree of the
+    batch, each row's heads contiguous, rows any stride apart (q, k, v may be column slices of the conv's output [N,
+    conv_dim], read where they lie: no copies); q and k, g and beta with one row stride each. tokens # [T] long: the
+    row of each path position (paths concatenated, root first); path_first, path_last # [S] long: each path's
+    tokens[first:last] (first == last: a padding path); states # [B, HV, dk, dv] float32, any stride between its B
+    states (a pool's layer view); path_state # [S] long: the state each path starts from. steps: one token per path,
+    row s of path s (tokens, path_first, path_last unused), its final state written over the state it started from
+    (steps_in_place).
     """
     n, h, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
