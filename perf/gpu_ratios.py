@@ -123,6 +123,12 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
               for forward in forwards}
     batched = (measure_batched_rounds(target, drafter, args.device, args.dtype, args.batches, args.prompt_len,
                                       args.rounds) if args.batches else {})
+    if batched and hasattr(target, "uses_paths") and qwen3_5.tree_gdn_kernel(torch.device(args.device)) is not None:
+        # a hybrid's `ar` steps through fla's kernel on gathered states (scattered back after), as before our kernel ran
+        # them in place in the pool (DDTREE_TREE_KERNEL=0; a fresh engine: programs are captured per engine)
+        with mock.patch.dict(os.environ, {"DDTREE_TREE_KERNEL": "0"}):
+            batched["ar (fla steps)"] = measure_batched_rounds(target, drafter, args.device, args.dtype, args.batches,
+                                                               args.prompt_len, args.rounds, modes=(("ar", 1),))["ar"]
     floor_ms = floor_bytes / bandwidth * 1e3
     ratios = {"ar_over_floor": verify["static"]["ar_step_ms"] / floor_ms,
               "dynamic_ar_over_floor": verify["dynamic"]["ar_step_ms"] / floor_ms if "dynamic" in verify else float("nan")}
