@@ -285,6 +285,7 @@ def measure_batched_rounds(target, drafter: DFlashDrafter, device: str, dtype: s
     tokens per second against R, per mode. What batching buys: a round of R requests streams the weights once."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
                           max_model_len=prompt_len + rounds + 4, max_tree_budget=max(b for _, b in modes),
+                          default_tree_budget=min(16, max(b for _, b in modes)),
                           max_num_seqs=max(batches), static_forward="on")
     engine = Engine(config, target=target, drafter=drafter)
     gen = torch.Generator().manual_seed(3)
