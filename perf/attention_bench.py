@@ -4,6 +4,8 @@ slot's keys, each row seeing the committed prefix and its tree ancestors) throug
 Variants, each timed as a whole verify's worth of attention layers (16 at Qwen3.6-27B dims: 24 query heads, 4 K/V
 heads, head dim 256) in one CUDA graph replay, each layer with its own K/V:
 - sdpa: what the engine runs (F.scaled_dot_product_attention with the boolean mask; PyTorch picks the backend);
+- ours: ddtree.models.attention_kernel (the engine's, on CUDA): a K/V head's query heads together, keys split over
+  programs, read in place in the pool;
 - sdpa-efficient: the same call held to the memory-efficient backend;
 - flex: torch.compile'd flex_attention with the mask read in a score_mod (PyTorch's kernel for short queries splits
   the keys over programs and packs a K/V head's query heads together);
@@ -66,7 +68,13 @@ def variants(scale: float):
     def nomask(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
-    return {"sdpa": sdpa, "sdpa-efficient": efficient, "flex": flexed, "sdpa-nomask": nomask}
+    def ours(q, k, v, mask):   # the engine's layouts: queries [R, Q, H, d], K/V as a pool [slots, E, KVH, d]
+        from ddtree.models.attention_kernel import masked_attention
+        slots = torch.arange(q.shape[0], device=q.device)
+        out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), slots, k.shape[2], mask, scale)
+        return out.transpose(1, 2)
+
+    return {"sdpa": sdpa, "ours": ours, "sdpa-efficient": efficient, "flex": flexed, "sdpa-nomask": nomask}
 
 
 def measure(dims: dict, requests: int, rows: int, keys: int, repeats: int) -> dict:

@@ -28,6 +28,12 @@ def tree_kernel_module():
     return importlib.import_module("ddtree.models.tree_kernel")
 
 
+def attention_kernel_module():
+    """ddtree.models.attention_kernel: compiled on a CUDA machine, else interpreted (as tree_kernel_module)."""
+    tree_kernel_module()
+    return importlib.import_module("ddtree.models.attention_kernel")
+
+
 def _interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter turns a loaded scalar into a Python int with int(array), which numpy >= 2.3 refuses
     for its 1-element arrays (a loop bound read from memory fails); index such arrays by their one element."""

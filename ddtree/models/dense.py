@@ -17,6 +17,7 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.base import TargetModel, to_device
+from ddtree.models.kernels import attention_kernel
 from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
@@ -120,6 +121,11 @@ class Segment:
         return cls(cache=cache, start=start, length=n, mask=mask, parents=parents)
 
 
+# query rows per request up to which a CUDA forward's attention runs through our split-KV kernel (a verify's trees;
+# ddtree.models.attention_kernel); longer ones (prompts) through PyTorch's scaled_dot_product_attention
+ATTENTION_KERNEL_MAX_ROWS = 128
+
+
 @dataclass(slots=True)
 class PackedAttention:
     """Several segments' attention as one padded call over their shared KVPool (built once per forward).
@@ -188,12 +194,18 @@ class PackedAttention:
         """pool_k, pool_v  # [slots, max_len, kv_heads, d] of one layer; q  # [N, heads, d]; k, v  # [N, kv_heads, d]"""
         pool_k[self.write_slot, self.write_pos] = k
         pool_v[self.write_slot, self.write_pos] = v
+        r, q_len = self.q_index.shape
+        d = q.shape[-1]
+        kernel = attention_kernel(q.device) if q_len <= ATTENTION_KERNEL_MAX_ROWS and d & (d - 1) == 0 else None
+        if kernel is not None:   # ours: the keys read in the pool at each request's slot, split over programs
+            queries = q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]     # [R, Q, heads, d]
+            out = kernel(queries, pool_k, pool_v, self.slots, self.end, self.mask[:, 0], scale)
+            return out.reshape(r * q_len, *out.shape[2:]) if self.in_order else out.flatten(0, 1)[self.out_index]
         if self.fixed_slot is not None:                                        # views: no copy of the K/V
             keys, values = (pool[self.fixed_slot, : self.end][None].transpose(1, 2) for pool in (pool_k, pool_v))
         else:
             keys = pool_k[self.slots, : self.end].transpose(1, 2)              # [R, kv_heads, E, d]
             values = pool_v[self.slots, : self.end].transpose(1, 2)
-        r, q_len = self.q_index.shape
         queries = (q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]).transpose(1, 2)   # [R, heads, Q, d]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
                                              enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)

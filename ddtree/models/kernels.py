@@ -58,6 +58,20 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
     return _tree_kernel()
 
 
+def attention_kernel(device: torch.device) -> Callable | None:
+    """Our split-KV masked attention for a verify's few query rows per request (ddtree.models.attention_kernel) on
+    CUDA, or None (PyTorch's scaled_dot_product_attention; DDTREE_ATTENTION_KERNEL=0 turns ours off)."""
+    if device.type != "cuda" or os.environ.get("DDTREE_ATTENTION_KERNEL", "1") in ("", "0"):
+        return None
+    return _attention_kernel()
+
+
+@functools.cache
+def _attention_kernel() -> Callable:
+    from ddtree.models.attention_kernel import masked_attention
+    return masked_attention
+
+
 def steps_gdn_kernel(device: torch.device) -> Callable | None:
     """Our kernel's `ar` steps (ddtree.models.tree_kernel.steps_in_place: one token per sequence, each state read and
     written in place in the recurrent pool) where tree_gdn_kernel runs, else None (fla's kernel on gathered states)."""
@@ -114,4 +128,5 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                   use_qk_l2norm_in_kernel=True)
 
 
-__all__ = ["chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel", "steps_gdn_kernel", "tree_gdn_kernel"]
+__all__ = ["attention_kernel", "chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel",
+           "steps_gdn_kernel", "tree_gdn_kernel"]

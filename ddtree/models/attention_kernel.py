@@ -1,0 +1,125 @@
+"""A Triton kernel for the verify's masked attention: a few query rows per request (an `ar` step's one, a tree's
+nodes) against the keys of its cache slot, each row seeing what its boolean mask says (the committed prefix and its
+tree ancestors), with the keys split over programs (split-KV, as flash-decoding).
+
+PyTorch's scaled_dot_product_attention gives such a call one program per (request, query head, 64 query rows): at
+Qwen3.6-27B dims (24 query heads, 4 K/V heads of 256) that is 24 programs for a 17-row tree, each walking every key
+alone; with the mask the call costs 65 us a layer for 1,024 keys on an H200, 2.2x the same call unmasked
+(perf/results/attention_h200.md). Here each program takes one K/V head's query heads together (their rows stacked:
+6 heads x 17 rows) and one slice of the keys, reads the keys where they lie in the K/V pool (the request's slot, no
+gather), and writes its partial output and log-sum-exp; a second kernel joins the slices.
+
+Imported only where it runs (CUDA, or Triton's interpreter in a test): fla's trap applies to triton too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TARGET_PROGRAMS = 264   # about two programs per SM on an H200 (132 SMs): keys are split until the grid has this many
+MAX_QUERY_ROWS = 128    # query rows per request this kernel takes (a verify's trees); longer ones (prefill) use SDPA
+
+
+@triton.jit
+def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
+                  sq_r, sq_q, sq_h, sk_s, sk_n, sk_h, sv_s, sv_n, sv_h, sm_r, sm_q,
+                  reqs, rows_q, keys, split, scale,
+                  KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  M_BLOCKS: tl.constexpr):
+    i_split, i_b = tl.program_id(0), tl.program_id(1)
+    r = i_b // (KVH * M_BLOCKS)
+    i_kvh = (i_b // M_BLOCKS) % KVH
+    i_m = i_b % M_BLOCKS
+    rows = i_m * BLOCK_M + tl.arange(0, BLOCK_M)          # stacked rows of the K/V head's query heads: g * Q + qi
+    row_ok = rows < G * rows_q
+    g, qi = rows // rows_q, rows % rows_q
+    h = i_kvh * G + g
+    cols_d = tl.arange(0, D)
+    slot = tl.load(slots + r).to(tl.int64)
+    q_tile = tl.load(q + r * sq_r + qi[:, None] * sq_q + h[:, None] * sq_h + cols_d[None, :], mask=row_ok[:, None],
+                     other=0.0)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    start = i_split * split
+    end = tl.minimum(start + split, keys)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        k_tile = tl.load(k + slot * sk_s + cols[None, :] * sk_n + i_kvh * sk_h + cols_d[:, None], mask=col_ok[None, :],
+                         other=0.0)                                                           # [D, BLOCK_N]
+        s = tl.dot(q_tile, k_tile) * scale
+        seen = tl.load(mask + r * sm_r + qi[:, None] * sm_q + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0)
+        s = tl.where(seen != 0, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v_tile = tl.load(v + slot * sv_s + cols[:, None] * sv_n + i_kvh * sv_h + cols_d[None, :], mask=col_ok[:, None],
+                         other=0.0)                                                           # [BLOCK_N, D]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+        m_i = m_new
+    seen_any = l_i > 0
+    lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
+    # partials [splits, R, Q, H, D] and [splits, R, Q, H]
+    heads = KVH * G
+    at = ((i_split * reqs + r) * rows_q + qi) * heads + h
+    tl.store(o_part + at[:, None] * D + cols_d[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_part + at, lse, mask=row_ok)
+
+
+@triton.jit
+def _join_kernel(o_part, lse_part, out, splits, rows, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    i = tl.program_id(0)                                  # one (request, query row, head) of rows of them
+    s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_part + s * rows + i, mask=s < splits, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    cols = tl.arange(0, D)
+    parts = tl.load(o_part + (s[:, None] * rows + i) * D + cols[None, :], mask=(s < splits)[:, None], other=0.0)
+    joined = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out + i * D + cols, joined.to(out.dtype.element_ty))
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, keys: int,
+                     mask: torch.Tensor, scale: float, target_programs: int = TARGET_PROGRAMS) -> torch.Tensor:
+    """out [R, Q, H, D] in q's dtype: softmax(q k^T * scale, where mask) v per request and query head.
+
+    q  # [R, Q, H, D]; k, v  # [S, E', KVH, D] (a K/V pool's layer: S slots of E' >= keys positions), read for
+    request r at slot slots[r]  # [R] long, positions 0..keys-1; mask  # [R, Q, keys] (bool or uint8, True/1 = seen;
+    every row must see a key). Each tensor's last dim contiguous, other strides free (q may be a view). Query head h
+    reads K/V head h // (H / KVH).
+    """
+    r, rows_q, heads, d = q.shape
+    kvh = k.shape[2]
+    assert heads % kvh == 0 and k.shape[3] == d and v.shape == k.shape and keys <= k.shape[1], "shapes"
+    assert mask.shape == (r, rows_q, keys), f"mask {tuple(mask.shape)} != {(r, rows_q, keys)}"
+    assert q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1 and mask.stride(2) == 1, "last dims contiguous"
+    assert d == triton.next_power_of_2(d), "head dim a power of two"
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    group = heads // kvh
+    block_m = min(64, max(16, triton.next_power_of_2(group * rows_q)))
+    m_blocks = triton.cdiv(group * rows_q, block_m)
+    block_n = 32 if d >= 256 else 64
+    programs = r * kvh * m_blocks
+    splits = max(1, min(triton.cdiv(target_programs, programs), triton.cdiv(keys, block_n)))
+    split = triton.cdiv(triton.cdiv(keys, splits), block_n) * block_n
+    splits = triton.cdiv(keys, split)
+    o_part = torch.empty(splits, r, rows_q, heads, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(splits, r, rows_q, heads, dtype=torch.float32, device=q.device)
+    _split_kernel[(splits, programs)](
+        q, k, v, mask, slots, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(1), r, rows_q, keys, split, scale,
+        KVH=kvh, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks, num_warps=8 if d * block_m >= 16384 else 4)
+    out = torch.empty(r, rows_q, heads, d, dtype=q.dtype, device=q.device)
+    _join_kernel[(r * rows_q * heads,)](o_part, lse_part, out, splits, r * rows_q * heads, D=d,
+                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+__all__ = ["MAX_QUERY_ROWS", "masked_attention"]

@@ -1,0 +1,80 @@
+"""Our split-KV masked attention (ddtree.models.attention_kernel) against PyTorch's scaled_dot_product_attention, on
+the CPU through Triton's interpreter (compiled on a GPU machine): requests read from scattered slots of a K/V pool,
+grouped query heads, trees' ancestor masks, keys split over several programs (some slices fully masked for a row),
+and a dense and a hybrid engine whose CUDA-style forwards attend through it decode what they decode without it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree.sampling_params import SamplingParams
+from tests.triton_interpreter import AVAILABLE, attention_kernel_module
+from tests.unit.test_batching import run_together
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter runs our kernel on the CPU)")
+
+
+def tree_masks(requests: int, rows: int, keys: int, gen: torch.Generator) -> torch.Tensor:
+    """[R, Q, E]: a random prefix per request, then random tree ancestors among its rows; rows past the tree see key 0."""
+    masks = torch.zeros(requests, rows, keys, dtype=torch.bool)
+    for r in range(requests):
+        nodes = int(torch.randint(1, rows + 1, (1,), generator=gen))
+        start = int(torch.randint(1, keys - nodes + 1, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+        masks[r, :, 0] = True
+        masks[r, :nodes, :start] = True
+        for i in range(nodes):
+            node = i
+            while node >= 0:
+                masks[r, i, start + node] = True
+                node = parents[node]
+    return masks
+
+
+@pytest.mark.parametrize("rows, keys, programs", [(1, 40, 8), (5, 70, 8), (17, 100, 64), (5, 70, 1)])
+def test_masked_attention_equals_sdpa(rows, keys, programs):
+    kernel = attention_kernel_module().masked_attention
+    gen = torch.Generator().manual_seed(rows * 100 + keys)
+    heads, kv_heads, d, slots = 6, 2, 32, torch.tensor([3, 0, 4])
+    r = slots.shape[0]
+    pool_k, pool_v = (torch.randn(5, keys + 9, kv_heads, d, generator=gen) for _ in range(2))
+    q = torch.randn(r, heads, rows, d, generator=gen).transpose(1, 2)     # [R, Q, heads, d], a strided view
+    mask = tree_masks(r, rows, keys, gen)
+    got = kernel(q, pool_k, pool_v, slots, keys, mask, d**-0.5, target_programs=programs)
+    keys_, values = (pool[slots, :keys].transpose(1, 2) for pool in (pool_k, pool_v))
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), keys_, values, attn_mask=mask[:, None], scale=d**-0.5,
+                                          enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_engines_attending_through_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
+    """Greedy `ar` and `ddtree` requests, alone and four at once, with every packed attention call of the target
+    through our kernel (few programs: the interpreter is slow) decode what the engine decodes with SDPA."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.models import dense
+    from tests.unit.test_batching import make_hybrid
+
+    if kind == "dense":
+        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+    else:
+        target, drafter = make_hybrid(tmp_path)
+    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), dtype="float32", max_model_len=128,
+                          max_num_seqs=4, static_forward="on")
+    vocab = Engine(config).target.config.vocab_size
+    rng = random.Random(7)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 20))],
+             SamplingParams(max_tokens=rng.randint(4, 8), mode=("ar", "ddtree")[i % 2], tree_budget=6, ignore_eos=True))
+            for i in range(4)]
+    expected = run_together(Engine(config), jobs, arrive_every=1)
+    kernel, calls = attention_kernel_module().masked_attention, []
+    monkeypatch.setattr(dense, "attention_kernel",
+                        lambda device: lambda *a: calls.append(a[0].shape[:2]) or kernel(*a, target_programs=4))
+    got = run_together(Engine(config), jobs, arrive_every=1)
+    assert calls and max(c[0] for c in calls) >= 2, calls
+    assert got == expected
