@@ -117,6 +117,11 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         with mock.patch.dict(os.environ, {"DDTREE_COMPILE": "0"}):
             verify["static-uncompiled"] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
                                                          args.prompt_len, args.repeats, static=True)
+    if args.device.startswith("cuda"):
+        # the same static forward with attention through PyTorch's SDPA instead of our split-KV kernel, for comparison
+        with mock.patch.dict(os.environ, {"DDTREE_ATTENTION_KERNEL": "0"}):
+            verify["static-sdpa"] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
+                                                   args.prompt_len, args.repeats, static=True)
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
@@ -163,7 +168,8 @@ def table(result: dict) -> str:
              "Static forward (CUDA graphs on CUDA; what the engine serves batch 1 with) unless marked dynamic; "
              "static-masked: small hybrid trees on the ancestor-masked GDN form instead of the paths form; "
              "static-flapaths: the paths form through fla's kernel per request instead of ours (DDTREE_TREE_KERNEL=0); "
-             "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0).", "",
+             "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0); "
+             "static-sdpa: attention through PyTorch's SDPA instead of our split-KV kernel (DDTREE_ATTENTION_KERNEL=0).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
