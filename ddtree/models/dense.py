@@ -17,7 +17,7 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.base import TargetModel, to_device
-from ddtree.models.kernels import attention_kernel
+from ddtree.models.kernels import attention_kernel, attention_kernel_rows
 from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
@@ -121,11 +121,6 @@ class Segment:
         return cls(cache=cache, start=start, length=n, mask=mask, parents=parents)
 
 
-# query rows per request up to which a CUDA forward's attention runs through our split-KV kernel (a verify's trees;
-# ddtree.models.attention_kernel); longer ones (prompts) through PyTorch's scaled_dot_product_attention
-ATTENTION_KERNEL_MAX_ROWS = 128
-
-
 @dataclass(slots=True)
 class PackedAttention:
     """Several segments' attention as one padded call over their shared KVPool (built once per forward).
@@ -196,7 +191,7 @@ class PackedAttention:
         pool_v[self.write_slot, self.write_pos] = v
         r, q_len = self.q_index.shape
         d = q.shape[-1]
-        kernel = attention_kernel(q.device) if q_len <= ATTENTION_KERNEL_MAX_ROWS and d & (d - 1) == 0 else None
+        kernel = attention_kernel(q.device) if q_len <= attention_kernel_rows() and d & (d - 1) == 0 else None
         if kernel is not None:   # ours: the keys read in the pool at each request's slot, split over programs
             queries = q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]     # [R, Q, heads, d]
             out = kernel(queries, pool_k, pool_v, self.slots, self.end, self.mask[:, 0], scale)

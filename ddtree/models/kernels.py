@@ -59,11 +59,21 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
 
 
 def attention_kernel(device: torch.device) -> Callable | None:
-    """Our split-KV masked attention for a verify's few query rows per request (ddtree.models.attention_kernel) on
-    CUDA, or None (PyTorch's scaled_dot_product_attention; DDTREE_ATTENTION_KERNEL=0 turns ours off)."""
-    if device.type != "cuda" or os.environ.get("DDTREE_ATTENTION_KERNEL", "1") in ("", "0"):
+    """Our split-KV masked attention for a forward's few query rows per request (ddtree.models.attention_kernel) on
+    CUDA, or None (PyTorch's scaled_dot_product_attention); for how many rows: attention_kernel_rows."""
+    if device.type != "cuda" or attention_kernel_rows() == 0:
         return None
     return _attention_kernel()
+
+
+def attention_kernel_rows() -> int:
+    """Query rows per request up to which a forward attends through our kernel: DDTREE_ATTENTION_KERNEL (0: never;
+    at most 128). Default 1, `ar` steps only: on the H200 the kernel made a 27B verify's attention 3.5x faster at
+    17 rows (perf/results/attention_h200_ours.md) and its kernels' device time 0.47 ms shorter, but the verify's wall
+    time 0.25 ms longer at budget 16 and 0.56 ms at 64 than with SDPA in the same run (more GPU idle time inside
+    the verify, not located: gpu_ratios_h200_attention.md); the `ar` step was 0.17 ms shorter."""
+    value = os.environ.get("DDTREE_ATTENTION_KERNEL", "1")
+    return min(int(value), 128) if value.strip() else 0
 
 
 @functools.cache
@@ -128,5 +138,5 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                   use_qk_l2norm_in_kernel=True)
 
 
-__all__ = ["attention_kernel", "chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel",
+__all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel",
            "steps_gdn_kernel", "tree_gdn_kernel"]
