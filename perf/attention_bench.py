@@ -32,14 +32,17 @@ from perf.tree_kernel_bench import graph_ms  # noqa: E402
 DIMS = {"qwen36-27b": dict(heads=24, kv_heads=4, head_dim=256, layers=16)}
 
 
-def tree_mask(requests: int, rows: int, keys: int, gen: torch.Generator) -> torch.Tensor:
-    """[R, Q, E] bool: each request's prefix (a random start, the tree's rows after it) and random tree ancestors."""
+def tree_masks(requests: int, rows: int, keys: int, gen: torch.Generator) -> torch.Tensor:
+    """[R, Q, E] bool: per request a random prefix, then a tree of a random number of its rows (random parents,
+    each row seeing its ancestors); rows past the tree see key 0 only (as the engine's padding rows)."""
     masks = torch.zeros(requests, rows, keys, dtype=torch.bool)
     for r in range(requests):
-        start = int(torch.randint(keys // 2, keys - rows + 1, (1,), generator=gen))
-        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, rows)]
-        masks[r, :, :start] = True
-        for i in range(rows):
+        nodes = int(torch.randint(1, rows + 1, (1,), generator=gen))
+        start = int(torch.randint(1, keys - nodes + 1, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+        masks[r, :, 0] = True
+        masks[r, :nodes, :start] = True
+        for i in range(nodes):
             node = i
             while node >= 0:
                 masks[r, i, start + node] = True
@@ -84,7 +87,7 @@ def measure(dims: dict, requests: int, rows: int, keys: int, repeats: int) -> di
     q = torch.randn(requests, h, rows, d, generator=gen).to(dev, dtype)
     kv = [(torch.randn(requests, kvh, keys, d, generator=gen).to(dev, dtype),
            torch.randn(requests, kvh, keys, d, generator=gen).to(dev, dtype)) for _ in range(layers)]
-    mask = tree_mask(requests, rows, keys, gen).to(dev)
+    mask = tree_masks(requests, rows, keys, gen).to(dev)
     ref = F.scaled_dot_product_attention(q.float(), kv[0][0].float(), kv[0][1].float(), attn_mask=mask[:, None],
                                          scale=d**-0.5, enable_gqa=True)
     result = {"requests": requests, "rows": rows, "keys": keys, "ms": {}, "max_abs_diff": {}}

@@ -73,6 +73,7 @@ def main() -> None:
     points = measure(engine, rows, args.context, args.max_tokens, args.repeats)
     draft_ms = statistics.median(p["draft_ms"] for n, p in points.items() if n > 1)
     out = Path(args.out) / f"cost_model_{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_cost_model(out, list(rows), [points[n]["verify_ms"] for n in rows], draft_ms, target=args.target,
                      context=args.context, measured="engine rounds (stage counters), one request at a time",
                      mean_rows=[round(points[n]["mean_rows"], 2) for n in rows])

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from perf.attention_bench import tree_masks
 from tests.triton_interpreter import attention_kernel_module
-from tests.unit.test_attention_kernel import tree_masks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -12,27 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.sampling_params import SamplingParams
+from perf.attention_bench import tree_masks
 from tests.triton_interpreter import AVAILABLE, attention_kernel_module
 from tests.unit.test_batching import run_together
 
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter runs our kernel on the CPU)")
-
-
-def tree_masks(requests: int, rows: int, keys: int, gen: torch.Generator) -> torch.Tensor:
-    """[R, Q, E]: a random prefix per request, then random tree ancestors among its rows; rows past the tree see key 0."""
-    masks = torch.zeros(requests, rows, keys, dtype=torch.bool)
-    for r in range(requests):
-        nodes = int(torch.randint(1, rows + 1, (1,), generator=gen))
-        start = int(torch.randint(1, keys - nodes + 1, (1,), generator=gen))
-        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
-        masks[r, :, 0] = True
-        masks[r, :nodes, :start] = True
-        for i in range(nodes):
-            node = i
-            while node >= 0:
-                masks[r, i, start + node] = True
-                node = parents[node]
-    return masks
 
 
 @pytest.mark.parametrize("rows, keys, programs", [(1, 40, 8), (5, 70, 8), (17, 100, 64), (5, 70, 1)])
