@@ -234,7 +234,9 @@ def table(result: dict) -> str:
                     lines += [f"{shape}, {forward} {name}: no kernel profile ({p['error']})", ""]
                     continue
                 lines += [f"{shape}, {forward} {name}: {p['kernels']} kernels, {p['device_ms']:.2f} ms of device time "
-                          f"(floor {r['floor_ms']:.2f} ms)", "", "| kernel | per call | ms per call |", "|---|---|---|"]
+                          f"in a GPU span of {p.get('span_ms', float('nan')):.2f} ms (first kernel's start to the last "
+                          f"one's end; floor {r['floor_ms']:.2f} ms)", "", "| kernel | per call | ms per call |",
+                          "|---|---|---|"]
                 lines += [f"| `{k}` | {n} | {ms:.3f} |" for k, n, ms in p["top"]] + [""]
         if r.get("errors"):
             lines += [f"{shape}: variants that failed: " + "; ".join(f"{k}: {v}" for k, v in r["errors"].items()), ""]

@@ -134,8 +134,18 @@ def kernel_profile(fn, repeats: int = 3, top: int = 12) -> dict:
                    if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as one:   # one call alone: its GPU span
+            fn()
+            torch.cuda.synchronize()
+        bounds = [(e.time_range.start, e.time_range.end) for e in one.events() if e.device_type == DeviceType.CUDA]
+        span_ms = (max(end for _, end in bounds) - min(start for start, _ in bounds)) / 1e3
+    except Exception:   # no events, or a profiler without time ranges: the table shows nan
+        span_ms = float("nan")
     kernels.sort(key=lambda k: -k[2])
-    return {"device_ms": sum(k[2] for k in kernels), "kernels": round(sum(k[1] for k in kernels)),
+    # span: the first kernel's start to the last one's end in one call (the host's work before its first launch left
+    # out); span less device time: the GPU's idle gaps inside the call, wall time less span: the host's part
+    return {"device_ms": sum(k[2] for k in kernels), "span_ms": span_ms, "kernels": round(sum(k[1] for k in kernels)),
             "top": [[name[:90], round(count, 1), round(ms, 4)] for name, count, ms in kernels[:top]],
             "all": {name: (count, ms) for name, count, ms in kernels}}
 

@@ -58,6 +58,10 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
     return _tree_kernel()
 
 
+# query rows per request our attention kernel takes at most (trees); longer ones (prompts) go through PyTorch's SDPA
+ATTENTION_KERNEL_MAX_ROWS = 128
+
+
 def attention_kernel(device: torch.device) -> Callable | None:
     """Our split-KV masked attention for a forward's few query rows per request (ddtree.models.attention_kernel) on
     CUDA, or None (PyTorch's scaled_dot_product_attention); for how many rows: attention_kernel_rows."""
@@ -73,7 +77,7 @@ def attention_kernel_rows() -> int:
     time 0.25 ms longer at budget 16 and 0.56 ms at 64 than with SDPA in the same run (more GPU idle time inside
     the verify, not located: gpu_ratios_h200_attention.md); the `ar` step was 0.17 ms shorter."""
     value = os.environ.get("DDTREE_ATTENTION_KERNEL", "1")
-    return min(int(value), 128) if value.strip() else 0
+    return min(int(value), ATTENTION_KERNEL_MAX_ROWS) if value.strip() else 0
 
 
 @functools.cache
