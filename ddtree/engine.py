@@ -69,6 +69,8 @@ class StageTimes:
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
     #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
+    auto_arm_seconds: dict[str, float] = field(default_factory=dict)   # mode auto: the time charged to each arm's rounds
+    #                              (what ArmSelector measures: from the previous round's end, serving work included)
 
     @property
     def host(self) -> float:
@@ -321,6 +323,7 @@ class Engine:
             produced = sum(len(out.new_token_ids) for seq, out in zip(seqs, outputs) if seq.request.params.mode == "auto")
             ran = self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start, drafted=self._auto_drafted)
             times.auto_arm_rounds[ran.name] = times.auto_arm_rounds.get(ran.name, 0) + 1
+            times.auto_arm_seconds[ran.name] = times.auto_arm_seconds.get(ran.name, 0.0) + now - cycle_start
         self._round_end = now
         times.decode += now - t_round
         times.batch_rounds += 1
@@ -594,9 +597,13 @@ class Engine:
                     yield output
 
     def warm_up(self) -> None:
-        """Compile and capture the batch-1 static forwards before serving (CUDA): a short greedy request in each mode
-        this deployment serves. Their first calls compile the fused chains and capture the graphs, seconds to tens of
-        seconds that would otherwise land on the first users' requests. Counters and seeds are reset after."""
+        """Compile and capture the static forwards before serving (CUDA): a short greedy request in each mode this
+        deployment serves (the batch-1 programs), and the target's one-token step of every padded batch size up to
+        max_num_seqs and of a lone request in every slot (what plain decoding, and `auto` on `ar`, run under
+        concurrency; vLLM captures its decode graphs for a list of batch sizes the same way), at every key bucket.
+        Their first calls compile the fused chains and capture the graphs, seconds to tens of seconds that would
+        otherwise land on the first users' requests; the trees of several requests are made on first use
+        (GraphPool.late_keys, ddtree_static_programs_late_total). Counters and seeds are reset after."""
         if self.static_target is None:   # dynamic forwards (the CPU default) have nothing to prepare
             return
         t0 = time.perf_counter()
@@ -613,10 +620,26 @@ class Engine:
                 self.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=4, ignore_eos=True),
                                   request_id="warm-up")
             self._warm_shapes(n + 4, max(budgets) + 1 if self.drafter is not None else 1)
+            self._warm_batched_steps(n + 4)
         self._events.settle()
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
         self.graphs.warmed = True
         logger.info("warm-up: %d static programs ready in %.1f s", len(self.graphs.programs), time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def _warm_batched_steps(self, start: int) -> None:
+        """The target's one-token step at this key bucket of a lone request in every other slot than 0 (a lone
+        request's program is made for its slot: the last request of a batch can hold any) and of 2, 4, ...
+        max_num_seqs requests (padded to a power of two: the scratch slot fills the rest), in slots 0.. (their next
+        requests' prefills replace what it writes)."""
+        for cache in self.caches[1 : self.config.max_num_seqs]:
+            self.static_target.batch([cache], [start], [[1]], [[start]], [[-1]])
+        reqs = 2
+        while reqs // 2 < self.config.max_num_seqs:
+            n = min(reqs, self.config.max_num_seqs)
+            if self.static_target.batch(self.caches[:n], [start] * n, [[1]] * n, [[start]] * n, [[-1]] * n) is None:
+                break
+            reqs *= 2
 
     @torch.inference_mode()
     def _warm_shapes(self, start: int, max_rows: int) -> None:

@@ -70,6 +70,9 @@ class ServiceStats:
     serve_seconds: float = 0.0       # engine-thread time outside engine steps: streaming, cancellation checks, metrics
     acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a round -> rounds
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)        # mode auto: batch rounds per arm it ran
+    auto_arm_seconds: dict[str, float] = field(default_factory=dict)     # mode auto: time charged to each arm's rounds
+    num_late_programs: int = 0       # static programs made while serving (shapes warm-up did not prepare: each one
+    #                                  compiled, and on CUDA captured, on a request's time)
     engine_healthy: int = 1          # 0 after a fatal engine error: the instance answers UNAVAILABLE from then on
 
 
@@ -254,6 +257,7 @@ class GenerationService:
         self.stats.host_seconds = times.host
         # the engine's own dicts: copied once, into the snapshot below, when the stats are published
         self.stats.acceptance_histogram, self.stats.auto_arm_rounds = times.acceptance_histogram, times.auto_arm_rounds
+        self.stats.auto_arm_seconds, self.stats.num_late_programs = times.auto_arm_seconds, len(engine.graphs.late_keys)
         # publishing costs one IPC call per changed metric in Triton (several per round): at most every
         # METRICS_INTERVAL_S while the engine works, and always once it is idle (scrapes then see final values)
         now = time.monotonic()
@@ -263,7 +267,7 @@ class GenerationService:
             # a snapshot: the engine thread goes on changing the stats while the outbox publishes them
             self._outbox.put(self.on_stats, dataclasses.replace(
                 self.stats, acceptance_histogram=dict(self.stats.acceptance_histogram),
-                auto_arm_rounds=dict(self.stats.auto_arm_rounds)))
+                auto_arm_rounds=dict(self.stats.auto_arm_rounds), auto_arm_seconds=dict(self.stats.auto_arm_seconds)))
 
     def _loop(self) -> None:
         name_native_thread("ddtree-engine")

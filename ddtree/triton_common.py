@@ -130,12 +130,18 @@ class TritonMetrics:
                 ("ddtree_requests_finished_total", "num_finished", "Requests finished"),
                 ("ddtree_requests_cancelled_total", "num_cancelled", "Requests cancelled"),
                 ("ddtree_requests_failed_total", "num_failed", "Requests failed or rejected"),
-                ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"))
+                ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"),
+                ("ddtree_static_programs_late_total", "num_late_programs",
+                 "Static programs made while serving (shapes the warm-up did not prepare, e.g. trees of several "
+                 "requests): each compiled, and on CUDA captured as a graph, on a request's time"))
     HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),)
     BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]}}
     # counters with one series per key of a {key: count} field, the key as the label `label`
     KEYED_COUNTERS = (("ddtree_auto_arm_rounds_total", "auto_arm_rounds", "arm",
-                       "Batch rounds of mode auto per arm it ran (ar, dflash, ddtree-<budget>, policy)"),)
+                       "Batch rounds of mode auto per arm it ran (ar, dflash, ddtree-<budget>, policy)"),
+                      ("ddtree_auto_arm_seconds_total", "auto_arm_seconds", "arm",
+                       "Seconds charged to mode auto's rounds per arm (from the previous round's end: what it measures "
+                       "each arm by)"))
 
     def __init__(self, pb_utils, lock, labels: dict[str, str], keys: dict[str, list[str]] | None = None) -> None:
         """keys: the label values of each keyed counter's field (e.g. {"auto_arm_rounds": the configured arms})."""

@@ -30,6 +30,7 @@ from perf.triton_bench import (  # noqa: E402
     make_repository,
     model_stats,
     run_perf_analyzer,
+    scrape_metrics,
     triton_stages,
     wait_stages,
 )
@@ -37,6 +38,8 @@ from perf.triton_bench import (  # noqa: E402
 METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), ("ddtree", 16, "ddtree-16"),
            ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto")]
 DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
+ARM_SECONDS = "ddtree_auto_arm_seconds_total"
+LATE = "ddtree_static_programs_late_total"
 
 
 def summarize(requests: list[dict], max_tokens: int) -> dict:
@@ -147,7 +150,8 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
             level: int) -> dict:
     """One measured perf_analyzer run of a method at a concurrency, with the engine's per-round stages over it."""
     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
-    arms = auto_arm_rounds(server.metrics_url)
+    arms, arm_seconds = auto_arm_rounds(server.metrics_url), auto_arm_rounds(server.metrics_url, ARM_SECONDS)
+    late = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0)
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
     # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing step (one
@@ -155,8 +159,15 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     entry["stages"] = per_round_ms(stages, wait_stages(server.metrics_url, stages))
     if method[0] == "auto":   # which arms auto ran (shares of its measured rounds)
         ran = {arm: n - arms.get(arm, 0.0) for arm, n in auto_arm_rounds(server.metrics_url).items()}
+        spent = {arm: s - arm_seconds.get(arm, 0.0) for arm, s in auto_arm_rounds(server.metrics_url, ARM_SECONDS).items()}
         total = sum(ran.values())
         entry["auto_arms"] = {arm: n / total for arm, n in ran.items() if n > 0} if total else {}
+        # what a round of each arm cost (as auto measures it: from the previous round's end) and its share of the time
+        entry["auto_arm_ms"] = {arm: 1e3 * spent.get(arm, 0.0) / n for arm, n in ran.items() if n > 0}
+        time_total = sum(spent.values())
+        entry["auto_arm_time_shares"] = {arm: t / time_total for arm, t in spent.items() if t > 0} if time_total else {}
+    # static programs compiled (captured, on CUDA) inside the measured run: shapes no warm-up or earlier run made
+    entry["late_programs"] = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0) - late
     after = model_stats(server.http_url, "postprocessing")
     executions = max(after["count"] - post["count"], 1)
     entry["postprocessing"] = {"executions": after["count"] - post["count"],
@@ -220,14 +231,26 @@ def write(result: dict, levels: list[int], args) -> None:
     autos = {name: by_level for name, by_level in result["methods"].items()
              if any("auto_arms" in by_level.get(str(c), {}) for c in levels)}
     if autos:
-        rows += ["", "Arms `auto` ran (share of its batch rounds; ddtree_auto_arm_rounds_total):", "",
+        rows += ["", "Arms `auto` ran (share of its batch rounds, ddtree_auto_arm_rounds_total; where measured, share of "
+                 "its time and ms per round of that arm, ddtree_auto_arm_seconds_total):", "",
                  "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
         for name, by_level in autos.items():
             cells = []
             for c in levels:
-                shares = sorted(by_level[str(c)].get("auto_arms", {}).items(), key=lambda item: -item[1])
-                cells.append(", ".join(f"{arm} {share:.0%}" if share >= 0.005 else f"{arm} <1%" for arm, share in shares) or "-")
+                entry = by_level[str(c)]
+                shares = sorted(entry.get("auto_arms", {}).items(), key=lambda item: -item[1])
+                times, ms = entry.get("auto_arm_time_shares", {}), entry.get("auto_arm_ms", {})
+                cells.append(", ".join((f"{arm} {share:.0%}" if share >= 0.005 else f"{arm} <1%")
+                                       + (f" ({times.get(arm, 0.0):.0%} of the time, {ms[arm]:.1f} ms)" if arm in ms else "")
+                                       for arm, share in shares) or "-")
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any("late_programs" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
+        rows += ["", "Static programs made inside the measured run (compiled and, on CUDA, captured on requests' time; "
+                 "ddtree_static_programs_late_total):", "",
+                 "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+        for name, by_level in result["methods"].items():
+            rows.append(f"| {name} | " + " | ".join(f"{by_level[str(c)]['late_programs']:.0f}"
+                                                    if "late_programs" in by_level[str(c)] else "-" for c in levels) + " |")
     paired = result.get("paired", {})
     if paired:
         cells = {c: paired.get(str(c)) for c in levels}

@@ -77,12 +77,13 @@ def scrape_metrics(metrics_url: str, names) -> dict[str, float]:
     return values
 
 
-def auto_arm_rounds(metrics_url: str) -> dict[str, float]:
-    """Mode auto's batch rounds per arm (ddtree_auto_arm_rounds_total{arm=...}), summed over instances."""
+def auto_arm_rounds(metrics_url: str, family: str = "ddtree_auto_arm_rounds_total") -> dict[str, float]:
+    """Mode auto's batch rounds per arm (ddtree_auto_arm_rounds_total{arm=...}; or another per-arm family, e.g.
+    ddtree_auto_arm_seconds_total), summed over instances."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     rounds: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("ddtree_auto_arm_rounds_total{") and 'arm="' in line:
+        if line.startswith(family + "{") and 'arm="' in line:
             arm = line.split('arm="', 1)[1].split('"', 1)[0]
             rounds[arm] = rounds.get(arm, 0.0) + float(line.rsplit(" ", 1)[1])
     return rounds

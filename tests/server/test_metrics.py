@@ -54,7 +54,8 @@ def buckets(samples: dict) -> list[float]:
 def test_new_metrics_are_exported(server):
     samples = scrape(server)
     for name in bucket_names() + ["ddtree_acceptance_length_sum", "ddtree_acceptance_length_count",
-                                  "ddtree_host_seconds_total", "ddtree_batch_rounds_total", "ddtree_serve_seconds_total"]:
+                                  "ddtree_host_seconds_total", "ddtree_batch_rounds_total", "ddtree_serve_seconds_total",
+                                  "ddtree_static_programs_late_total"]:
         assert name in samples, sorted(samples)
 
 
@@ -97,16 +98,26 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
 
 def test_auto_rounds_are_counted_per_arm(server):
     """mode auto: every batch round it runs is counted under the arm it chose (ddtree_auto_arm_rounds_total{arm}),
-    one series per configured arm; requests of other modes add none."""
+    one series per configured arm, and its time too (ddtree_auto_arm_seconds_total{arm}: what auto measures the arm
+    by); requests of other modes add none."""
     before = wait_idle(server)
     arms = sorted(name for name in before if name.startswith("ddtree_auto_arm_rounds_total{"))
     assert 'ddtree_auto_arm_rounds_total{arm="ar"}' in arms and 'ddtree_auto_arm_rounds_total{arm="policy"}' in arms, arms
+    timed = [name.replace("_rounds_", "_seconds_") for name in arms]
+    assert all(name in before for name in timed), sorted(before)
     run(server, {"max_tokens": 12, "ignore_eos": True, "mode": "ddtree", "tree_budget": 4, "temperature": 0})
     middle = wait_idle(server, before["ddtree_requests_finished_total"] + 1)
-    assert sum(delta(middle, before, name) for name in arms) == 0
+    assert sum(delta(middle, before, name) for name in arms + timed) == 0
+    start = time.monotonic()
     for _ in range(3):
         run(server, {"max_tokens": 12, "ignore_eos": True, "mode": "auto", "temperature": 0})
     after = wait_idle(server, middle["ddtree_requests_finished_total"] + 3)
+    elapsed = time.monotonic() - start
     counted = {name: delta(after, middle, name) for name in arms}
     assert sum(counted.values()) == delta(after, middle, "ddtree_batch_rounds_total") > 0, counted
     assert all(value >= 0 for value in counted.values())
+    seconds = {name: delta(after, middle, name) for name in timed}
+    # an arm has time exactly where it has rounds; auto's rounds fit in the requests' time
+    assert {name for name, value in seconds.items() if value > 0} == {
+        name.replace("_rounds_", "_seconds_") for name, value in counted.items() if value > 0}, (seconds, counted)
+    assert 0 < sum(seconds.values()) < elapsed, (seconds, elapsed)

@@ -293,6 +293,51 @@ def test_warm_up_prepares_the_shapes_a_lone_request_meets(tiny_models):
     assert engine.graphs.warmed and engine.graphs.late_keys == []
 
 
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_warm_up_prepares_plain_decoding_at_every_batch_size(family, tiny_models, hybrid):
+    """Plain decoding of several concurrent requests (what `ar`, and `auto` on `ar`, run under load) steps on
+    programs the warm-up made, at every padded batch size up to max_num_seqs and at the key buckets of short and
+    longer prompts, and decodes what each request decodes alone (the warm-up's writes in slots 0.. are replaced by
+    the requests' own prefills). Trees of several requests are made on first use, kept as late."""
+    from ddtree.engine import Engine
+    from ddtree.request import Request
+
+    base = dict(max_model_len=300, max_tree_budget=4, default_tree_budget=4, static_forward="on", max_num_seqs=3)
+    if family == "hybrid":
+        root, reference = hybrid
+        engine = OracleDraftEngine(EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"), **base),
+                                   reference=reference)
+    else:
+        engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                     drafter_path=str(tiny_models / "qwen3-dflash"), **base))
+    if family == "hybrid":   # its whole warm-up (every mode's trees, eagerly on the CPU) is slow: the steps' part
+        for start in (20, 260):    # the key buckets of the prompts below
+            engine._warm_batched_steps(start)
+        engine.graphs.warmed = True
+    else:
+        engine.warm_up()
+    assert {key[1] for key in engine.graphs.programs if key[0] in ("target", "batch")} >= {1, 2, 4}
+    prompts = [[3 + (7 * i + j) % 60 for j in range(10 + 3 * i)] for i in range(2)] + [[5 + j % 70 for j in range(262)]]
+
+    def together(mode: str, budget: int) -> list[list[int]]:
+        requests = [Request(request_id=f"r{i}", prompt_ids=prompt, params=SamplingParams(
+            max_tokens=3 + 2 * i, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True))   # 3, 2, 1 left
+            for i, prompt in enumerate(prompts)]
+        for request in requests:
+            engine.add(request)
+        while engine.has_work:
+            engine.step()
+        return [request.output_ids for request in requests]
+
+    outputs = together("ar", 1)
+    assert engine.graphs.late_keys == [], engine.graphs.late_keys
+    alone = [engine.generate_ids(prompt, SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, mode="ar", ignore_eos=True)).output_ids
+             for i, prompt in enumerate(prompts)]
+    assert outputs == alone
+    together("ddtree", 4)
+    assert any(key[1] > 1 for key in engine.graphs.late_keys), engine.graphs.late_keys   # the check can fail
+
 def test_graph_pool_records_the_programs_made_after_warm_up():
     """What a served request had to compile and capture itself is logged and kept (perf/serve_overhead.py reports it)."""
     from ddtree.models.graphs import Program

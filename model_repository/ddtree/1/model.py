@@ -70,9 +70,10 @@ class TritonPythonModel:
         self.config = dataclasses.replace(self.config, device=instance_device(args, self.config.device))
         package_logger.info("%s engine config: %s", args["model_instance_name"], self.config)
         engine = Engine(self.config)
-        engine.warm_up()   # CUDA: compiles and captures the batch-1 programs before the model reports ready
+        engine.warm_up()   # CUDA: compiles and captures the static programs before the model reports ready
         self.metrics = TritonMetrics(pb_utils, IPC_LOCK, {"model": args["model_name"], "instance": args["model_instance_name"]},
-                                     keys={"auto_arm_rounds": [arm.name for arm in engine.arm_selector.arms]})
+                                     keys={field: [arm.name for arm in engine.arm_selector.arms]
+                                           for field in ("auto_arm_rounds", "auto_arm_seconds")})
         self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
                                          max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
                                          stop_registry=StopRegistry(default_directory(args["model_name"])))
