@@ -107,6 +107,18 @@ def test_static_forward_declines_when_the_cache_is_too_short(tiny_models):
     assert static(cache, 0, [1], [0], [-1]) is None                                       # no prefix: a prefill
 
 
+def family_engine(family: str, tiny_models, hybrid, **settings):
+    """An engine on the tiny dense target ("qwen3") or the tiny hybrid (its oracle drafter) with these settings."""
+    from ddtree.engine import Engine
+
+    if family == "hybrid":
+        root, reference = hybrid
+        return OracleDraftEngine(EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"),
+                                              **settings), reference=reference)
+    return Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                               **settings))
+
+
 def greedy(mode: str, budget: int) -> SamplingParams:
     return SamplingParams(max_tokens=32, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
 
@@ -249,17 +261,10 @@ def test_a_lone_request_in_another_slot_reads_its_own_cache(family, tiny_models,
     """A lone request runs a program made for its slot, which reads that slot's K/V as views of the pool (a hybrid's
     recurrent state through its cache's views): a request left alone in slot 1, after its neighbour in slot 0
     finished, decodes what it decodes alone in slot 0 (reading slot 0's K/V fails it)."""
-    from ddtree.engine import Engine
     from ddtree.request import Request
 
-    base = dict(max_model_len=160, max_tree_budget=16, static_forward="on", max_num_seqs=2)
-    if family == "hybrid":
-        root, reference = hybrid
-        engine = OracleDraftEngine(EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"), **base),
-                                   reference=reference)
-    else:
-        engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
-                                     drafter_path=str(tiny_models / "qwen3-dflash"), **base))
+    engine = family_engine(family, tiny_models, hybrid, max_model_len=160, max_tree_budget=16, static_forward="on",
+                           max_num_seqs=2)
     prompt, other = list(range(3, 30)), [5, 9, 17, 33, 2, 71]
     for mode, budget in [("ar", 1), ("ddtree", 8)]:
         params = SamplingParams(max_tokens=24, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
@@ -300,17 +305,10 @@ def test_warm_up_prepares_plain_decoding_at_every_batch_size(family, tiny_models
     programs the warm-up made, at every padded batch size up to max_num_seqs and at the key buckets of short and
     longer prompts, and decodes what each request decodes alone (the warm-up's writes in slots 0.. are replaced by
     the requests' own prefills). Trees of several requests are made on first use, kept as late."""
-    from ddtree.engine import Engine
     from ddtree.request import Request
 
-    base = dict(max_model_len=300, max_tree_budget=4, default_tree_budget=4, static_forward="on", max_num_seqs=3)
-    if family == "hybrid":
-        root, reference = hybrid
-        engine = OracleDraftEngine(EngineConfig(target_path=str(root / "target"), drafter_path=str(root / "dflash"), **base),
-                                   reference=reference)
-    else:
-        engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
-                                     drafter_path=str(tiny_models / "qwen3-dflash"), **base))
+    engine = family_engine(family, tiny_models, hybrid, max_model_len=300, max_tree_budget=4, default_tree_budget=4,
+                           static_forward="on", max_num_seqs=3)
     if family == "hybrid":   # its whole warm-up (every mode's trees, eagerly on the CPU) is slow: the steps' part
         for start in (20, 260):    # the key buckets of the prompts below
             engine._warm_batched_steps(start)
