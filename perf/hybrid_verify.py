@@ -258,11 +258,17 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
                           max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets),
                           static_forward=static_forward)
     engine = Engine(config, target=target, drafter=drafter)
+    # as the Triton model does at load: the static programs of every mode, row and path bucket. Without it a dflash
+    # chain's programs (a row bucket per round as the chain shortens towards max_tokens) were each called once by
+    # the warm-up request below, whose first call runs eagerly: their replays, and the static commits from their
+    # fixed stashes, were first made (captured) inside the measured rounds
+    engine.warm_up()
     prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
     results = {}
     for mode, budget in [("ar", 1), ("dflash", 1)] + [("ddtree", b) for b in budgets]:
         params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds + 1, ignore_eos=True)   # +1: the prefill token
         engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
+        late = len(engine.graphs.late_keys)
         stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
         before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits")}
         parts_before = list(engine.stage_times.commit_parts)
@@ -276,6 +282,8 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
                                     for name, after, prior in zip(COMMIT_PARTS, t.commit_parts, parts_before)}
         # programs whose capture failed run eagerly (logged once): which kinds
         entry["eager_programs"] = sorted({key[0] for key, p in engine.graphs.programs.items() if p.graph is False})
+        # programs made (compiled, captured) inside the measured rounds: their cost is in the stage times above
+        entry["late_programs"] = [list(map(str, key)) for key in engine.graphs.late_keys[late:]]
         entry["rounds"] = n
         if device.startswith("cuda") and static_forward != "off":
             entry.update(round_device_time(engine, prompt, params, n, entry["round_ms"]))
