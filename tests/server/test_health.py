@@ -77,6 +77,7 @@ class FakeEngine:
         self.fail, self.waiting, self.running, self.free_slots = fail, [], [], [0, 1]
         self.config = SimpleNamespace(max_num_seqs=2)
         self.stage_times = StageTimes()   # the engine's own counters (all zero)
+        self.graphs = SimpleNamespace(late_keys=[])   # no static program made while serving
 
     def add(self, request):
         self.waiting.append(request)
