@@ -25,7 +25,7 @@ from ddtree.config import EngineConfig  # noqa: E402
 from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
 from perf.triton_bench import (  # noqa: E402
     TritonServer,
-    auto_arm_rounds,
+    auto_arms,
     input_data,
     make_repository,
     model_stats,
@@ -38,7 +38,6 @@ from perf.triton_bench import (  # noqa: E402
 METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), ("ddtree", 16, "ddtree-16"),
            ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto")]
 DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
-ARM_SECONDS = "ddtree_auto_arm_seconds_total"
 LATE = "ddtree_static_programs_late_total"
 
 
@@ -150,7 +149,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
             level: int) -> dict:
     """One measured perf_analyzer run of a method at a concurrency, with the engine's per-round stages over it."""
     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
-    arms, arm_seconds = auto_arm_rounds(server.metrics_url), auto_arm_rounds(server.metrics_url, ARM_SECONDS)
+    arms = auto_arms(server.metrics_url)
     late = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0)
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
@@ -158,8 +157,9 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     # execution per streamed response) queues
     entry["stages"] = per_round_ms(stages, wait_stages(server.metrics_url, stages))
     if method[0] == "auto":   # which arms auto ran (shares of its measured rounds)
-        ran = {arm: n - arms.get(arm, 0.0) for arm, n in auto_arm_rounds(server.metrics_url).items()}
-        spent = {arm: s - arm_seconds.get(arm, 0.0) for arm, s in auto_arm_rounds(server.metrics_url, ARM_SECONDS).items()}
+        now = auto_arms(server.metrics_url)
+        ran = {arm: n - arms["rounds"].get(arm, 0.0) for arm, n in now["rounds"].items()}
+        spent = {arm: t - arms["seconds"].get(arm, 0.0) for arm, t in now["seconds"].items()}
         total = sum(ran.values())
         entry["auto_arms"] = {arm: n / total for arm, n in ran.items() if n > 0} if total else {}
         # what a round of each arm cost (as auto measures it: from the previous round's end) and its share of the time

@@ -77,16 +77,20 @@ def scrape_metrics(metrics_url: str, names) -> dict[str, float]:
     return values
 
 
-def auto_arm_rounds(metrics_url: str, family: str = "ddtree_auto_arm_rounds_total") -> dict[str, float]:
-    """Mode auto's batch rounds per arm (ddtree_auto_arm_rounds_total{arm=...}; or another per-arm family, e.g.
-    ddtree_auto_arm_seconds_total), summed over instances."""
+AUTO_ARM_FAMILIES = {"rounds": "ddtree_auto_arm_rounds_total", "seconds": "ddtree_auto_arm_seconds_total"}
+
+
+def auto_arms(metrics_url: str) -> dict[str, dict[str, float]]:
+    """Mode auto's per-arm counters from one scrape, summed over instances: {"rounds": {arm: batch rounds it ran},
+    "seconds": {arm: time charged to them}} (ddtree_auto_arm_rounds_total / _seconds_total{arm=...})."""
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    rounds: dict[str, float] = {}
+    counters: dict[str, dict[str, float]] = {key: {} for key in AUTO_ARM_FAMILIES}
     for line in text.splitlines():
-        if line.startswith(family + "{") and 'arm="' in line:
-            arm = line.split('arm="', 1)[1].split('"', 1)[0]
-            rounds[arm] = rounds.get(arm, 0.0) + float(line.rsplit(" ", 1)[1])
-    return rounds
+        for key, family in AUTO_ARM_FAMILIES.items():
+            if line.startswith(family + "{") and 'arm="' in line:
+                arm = line.split('arm="', 1)[1].split('"', 1)[0]
+                counters[key][arm] = counters[key].get(arm, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
 
 
 def triton_stages(metrics_url: str) -> dict:
