@@ -57,6 +57,7 @@ DENSE_DRAFTERS = {
                        sliding_window=None, heads=(4, 2, 32)),
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
+VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-treeattn")
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -93,15 +94,16 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     floor_bytes = weight_bytes(target)
     # the engine's static forward (CUDA graphs on CUDA) is what it serves batch 1 with; the dynamic forward is
     # measured beside it to show what the graphs buy
-    forwards, errors = args.forwards.split(","), {}
+    forwards, errors, variants = args.forwards.split(","), {}, set(args.variants.split(","))
     verify = {forward: measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                       static=forward == "static", profile=(16, 64))
               for forward in forwards}
-    if hasattr(target, "uses_paths") and target.uses_paths(17, torch.device(args.device)):
+    if "static-masked" in variants and hasattr(target, "uses_paths") and target.uses_paths(17, torch.device(args.device)):
         # small hybrid trees went through the paths form (fla): the ancestor-masked form beside it, for comparison
         with mock.patch.object(qwen3_5, "PATHS_MAX_ROWS", 0):
             verify["static-masked"] = measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                                      static=True, profile=(16, 64))
+    if "static-flapaths" in variants and hasattr(target, "uses_paths") and target.uses_paths(17, torch.device(args.device)):
         # the paths form through fla's kernel per request (a state copy per path; at most FLA_PATHS_MAX_ROWS rows)
         # instead of ours (ddtree.models.tree_kernel, the default), for comparison
         try:
@@ -112,7 +114,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         except Exception as exc:   # a diagnostic variant: its failure must not cost the run's other measurements
             errors["static-flapaths"] = f"{type(exc).__name__}: {exc}"
             print(f"fla paths variant failed: {errors['static-flapaths']}", flush=True)
-    if args.device.startswith("cuda") and fused.enabled():
+    if "static-uncompiled" in variants and args.device.startswith("cuda") and fused.enabled():
         # the same static forward with the elementwise chains uncompiled (ddtree.models.fused), for comparison
         with mock.patch.dict(os.environ, {"DDTREE_COMPILE": "0"}):
             verify["static-uncompiled"] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
@@ -121,6 +123,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # the same static forward with every attention call through PyTorch's SDPA (the `ar` step too), and with the
         # trees' too through our split-KV kernel (by default only `ar` steps take it), for comparison
         for form, rows in (("static-sdpa", "0"), ("static-treeattn", "128")):
+            if form not in variants:
+                continue
             with mock.patch.dict(os.environ, {"DDTREE_ATTENTION_KERNEL": rows}):
                 verify[form] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
                                               args.prompt_len, args.repeats, static=True, profile=(16,))
@@ -214,6 +218,22 @@ def table(result: dict) -> str:
                               "per round): the drafter's layers run 5 times a round, the target's 64 (27B)", "",
                               "| kernel | per round | ms per round |", "|---|---|---|"]
                     lines += [f"| `{k}` | {n} | {ms:.3f} |" for k, n, ms in e["round_kernels"]]
+                if e.get("programs"):
+                    lines += ["", f"{shape}, {forward} {name}: the static programs of a round, each replayed alone (span: "
+                              "its first kernel's start to its last one's end; span less device time is idle inside "
+                              "the graph)", "", "| program | calls per round | kernels | device ms | span ms | idle |",
+                              "|---|---|---|---|---|---|"]
+                    lines += [f"| {' '.join(p['key'])} | {p['calls_per_round']:.2f} | {p.get('kernels', '-')} | "
+                              f"{p.get('device_ms', float('nan')):.3f} | {p.get('span_ms', float('nan')):.3f} | "
+                              f"{1 - p.get('device_ms', float('nan')) / p.get('span_ms', float('nan')):.0%} |"
+                              for p in e["programs"]]
+                tail = e.get("draft_tail")
+                if tail and "error" not in tail:
+                    lines += ["", f"{shape}, {forward} {name}: the draft stage's eager tail (lm_head over 15 depths, "
+                              f"top-k or argmax, read to the host): {tail['kernels']} kernels, {tail['device_ms']:.3f} ms "
+                              f"of device time in a span of {tail.get('span_ms', float('nan')):.3f} ms", "",
+                              "| kernel | per call | ms per call |", "|---|---|---|"]
+                    lines += [f"| `{k}` | {n} | {ms:.3f} |" for k, n, ms in tail["top"]]
         if r.get("batched"):
             sizes = list(next(iter(r["batched"].values())))
             lines += ["", f"{shape}: R concurrent requests, whole rounds (static forwards): ms per round / tokens per s",
@@ -286,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--forwards", default="dynamic,static", help="static alone skips the dynamic forward (slow)")
     parser.add_argument("--batches", default="1,2,4,8", help="concurrent requests of the batched-round table ('' skips it)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="the static forward's comparison forms to measure beside it (comma-separated)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ from ddtree.models.kernels import chain_gdn_kernel  # noqa: E402
 from ddtree.models.qwen3_5 import HybridConfig, HybridTarget  # noqa: E402
 from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
-from ddtree.tree import build_tree, compile_tree, top_log_probs  # noqa: E402
+from ddtree.tree import build_tree, compile_tree, top_ids, top_log_probs  # noqa: E402
 from ddtree.tree.compile import VerifyBatch  # noqa: E402
 from perf.common import ROOT, header, write_results  # noqa: E402
 
@@ -155,7 +155,7 @@ def without_all(profile: dict) -> dict:
     return {k: v for k, v in profile.items() if k != "all"}
 
 
-def kernels_per_round(whole: dict, prefill: dict, rounds: int, top: int = 20) -> list[list]:
+def kernels_per_round(whole: dict, prefill: dict, rounds: int, top: int | None = 20) -> list[list]:
     """The kernels of a request's decoding rounds (a whole request's less its prefill's), per round: [name, calls,
     ms] of the `top` by time. Where a round's device time goes stage by stage: the drafter's kernels run 5 times a
     round (its layers), the target's 64 (27B), its lm_head's once, each in both stages."""
@@ -244,7 +244,34 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
         return {"device_profile_error": whole.get("error") or prefill.get("error")}
     device_ms = (whole["device_ms"] - prefill["device_ms"]) / rounds
     return {"device_ms": device_ms, "gpu_idle_share": max(0.0, 1.0 - device_ms / round_ms),
-            "round_kernels": kernels_per_round(whole, prefill, rounds)}
+            "round_kernels": kernels_per_round(whole, prefill, rounds),
+            "round_kernels_all": kernels_per_round(whole, prefill, rounds, top=None)}
+
+
+def program_profiles(engine: Engine, keys: list[tuple], rounds: int) -> list[dict]:
+    """Each static program a method's measured rounds ran (CUDA graphs), replayed alone: calls per round, its kernels,
+    their device time and the GPU span of one replay (span less device time: idle gaps inside the graph, which no
+    host work can cause). A replay repeats the program's last writes (cache rows, states), which the next request's
+    prefill resets."""
+    rows = []
+    for key in dict.fromkeys(keys):
+        program = engine.graphs.programs.get(key)
+        if program is None or not program.graph:
+            continue
+        p = without_all(kernel_profile(program.graph.replay))
+        rows.append({"key": list(map(str, key)), "calls_per_round": keys.count(key) / rounds, **p})
+    return rows
+
+
+@torch.inference_mode()
+def draft_tail_profile(engine: Engine, mode: str, budget: int) -> dict:
+    """The draft stage after the drafter's program (eager): the lm_head over a block's depths and the top-k (a
+    tree's) or argmax (a chain's) with its read to the host, on random drafter outputs of one request."""
+    hidden = torch.randn(1, engine.drafter.block_size - 1, engine.target.config.hidden_size, device=engine.device,
+                         dtype=engine.target.lm_head.weight.dtype)
+    if mode == "dflash":
+        return without_all(kernel_profile(lambda: top_ids(engine.draft_logits(hidden, []))))
+    return without_all(kernel_profile(lambda: top_log_probs(engine.draft_logits(hidden, []), budget)))
 
 
 @torch.inference_mode()
@@ -272,7 +299,12 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
         before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits")}
         parts_before = list(engine.stage_times.commit_parts)
-        engine.generate_ids(prompt, params)
+        ran, run = [], engine.graphs.run
+        engine.graphs.run = lambda key, program: (ran.append(key), run(key, program))[1]   # the programs it runs
+        try:
+            engine.generate_ids(prompt, params)
+        finally:
+            engine.graphs.run = run
         t = engine.stage_times
         n = t.batch_rounds - before["batch_rounds"]
         entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
@@ -287,6 +319,9 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         entry["rounds"] = n
         if device.startswith("cuda") and static_forward != "off":
             entry.update(round_device_time(engine, prompt, params, n, entry["round_ms"]))
+            entry["programs"] = program_profiles(engine, ran, n)
+            if mode != "ar":
+                entry["draft_tail"] = draft_tail_profile(engine, mode, budget)
         name = mode if mode != "ddtree" else f"ddtree-{budget}"
         results[name] = entry
         print(f"{name}: {entry}", flush=True)

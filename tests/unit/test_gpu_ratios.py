@@ -50,3 +50,21 @@ def test_kernels_per_round_subtract_the_prefill():
     whole = {"all": {"gemm": (130.0, 26.0), "topk": (12.0, 0.6), "prefill_only": (1.0, 5.0)}}
     prefill = {"all": {"gemm": (10.0, 2.0), "prefill_only": (1.0, 5.0)}}
     assert kernels_per_round(whole, prefill, rounds=12) == [["gemm", 10.0, 2.0], ["topk", 1.0, 0.05]]
+
+
+def test_program_profiles_count_calls_per_round_and_skip_uncaptured(monkeypatch):
+    from types import SimpleNamespace
+
+    from perf import hybrid_verify
+
+    replays = []
+    monkeypatch.setattr(hybrid_verify, "kernel_profile",
+                        lambda fn: (fn(), {"device_ms": 1.0, "span_ms": 1.25, "kernels": 7, "top": [], "all": {}})[1])
+    captured = SimpleNamespace(graph=SimpleNamespace(replay=lambda: replays.append("verify")))
+    programs = {("verify", 1): captured, ("commit", 16): SimpleNamespace(graph=False), ("draft", 1): SimpleNamespace(graph=None)}
+    engine = SimpleNamespace(graphs=SimpleNamespace(programs=programs))
+    keys = [("verify", 1), ("commit", 16), ("verify", 1), ("draft", 1), ("verify", 1), ("verify", 1)]
+    rows = hybrid_verify.program_profiles(engine, keys, rounds=2)
+    assert rows == [{"key": ["verify", "1"], "calls_per_round": 2.0, "device_ms": 1.0, "span_ms": 1.25, "kernels": 7,
+                     "top": []}]
+    assert replays == ["verify"]    # replayed once, under the (faked) profiler; the eager and uncaptured ones not at all
