@@ -364,19 +364,19 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             fused.gdn_gates_into(b, a, self.decay_rate(self.A_log), self.dt_bias, beta, g)
             o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees)
         else:
-            beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
-            o = self._sequences(mixed, g, beta, segments, slot, layouts, stashes)
+            o = self._sequences(mixed, b, a, segments, slot, layouts, stashes)
         o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
         return self.out_proj(o.reshape(n, hv * dv))
 
-    def _sequences(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment], slot: int,
+    def _sequences(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, segments: list[Segment], slot: int,
                    layouts: list[TreeLayout], stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
         """A batch of `ar` steps in one pass (`_steps`; a lone step too where our kernel runs them in place), else each
-        sequence from its own committed state (`_core`)."""
+        sequence from its own committed state (`_core`). b, a: the gates' raw projections [n, hv]."""
         one_pool = len({id(seg.cache.gdn_pool) for seg in segments}) == 1
         several = len(segments) > 1 or steps_gdn_kernel(mixed.device) is not None
         if several and mixed.shape[0] == len(segments) and all(s is None for s in stashes) and one_pool:
-            return self._steps(mixed, g, beta, segments, slot)
+            return self._steps(mixed, b, a, segments, slot)
+        beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
         outputs, row = [], 0
         for seg, layout, stash in zip(segments, layouts, stashes):
             rows = slice(row, row + seg.length)
@@ -421,13 +421,14 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         q, k, v = self._heads(qkv)
         return trees.kernel(q, k, v, g, beta, trees.tokens, trees.first, trees.last, pool.state[:, slot], trees.path_state)
 
-    def _steps(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, segments: list[Segment],
+    def _steps(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, segments: list[Segment],
                slot: int) -> torch.Tensor:
         """One committed token for each of R sequences at GDN layer `slot`: on CUDA with our kernel, one conv that
         reads the committed windows from the pool (their shifted windows written back by one copy) and one call that
-        reads and writes each state in place (steps_in_place); else their states gathered from the pool, one conv and
-        (on CUDA) one fla call for all, the new states scattered back. Per sequence the same values as `_core`
-        computes for it alone (the torch recurrence runs per sequence; the kernels' programs are per sequence)."""
+        computes the gates from b, a and reads and writes each state in place (steps_in_place); else their states
+        gathered from the pool, one conv and (on CUDA) one fla call for all, the new states scattered back. Per
+        sequence the same values as `_core` computes for it alone (the torch recurrence runs per sequence; the kernels'
+        programs are per sequence)."""
         pool = segments[0].cache.gdn_pool
         slots = segments[0].cache.slot_index if len(segments) == 1 else torch.cat([s.cache.slot_index for s in segments])
         in_place = steps_gdn_kernel(mixed.device)
@@ -435,7 +436,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             conv, shifted = fused.conv_steps_pooled(mixed, pool.conv[:, slot], slots, self.conv_weight(self.conv1d.weight))
             pool.conv[:, slot].index_copy_(0, slots, shifted)
             q, k, v = self._heads(conv)
-            return in_place(q, k, v, g, beta, pool.state[:, slot], slots)
+            return in_place(q, k, v, b, a, self.decay_rate(self.A_log), self.dt_bias, pool.state[:, slot], slots)
+        beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32
         conv_states, states = pool.gather(slot, slots)
         conv, shifted = fused.conv_steps(mixed, conv_states, self.conv_weight(self.conv1d.weight))
         q, k, v = self._heads(conv)

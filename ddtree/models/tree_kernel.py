@@ -32,9 +32,19 @@ BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
 
 
 @triton.jit
+def _softplus(x):
+    """log(1 + exp(x)) in float32 as torch's softplus computes it (x past 20: x), log1p by Goldberg's correction
+    (log(u) * y / (u - 1) with u = 1 + y is accurate where u rounds: exp(x) far below 1)."""
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    return tl.where(x > 20.0, x, tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0))))
+
+
+@triton.jit
 def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_first, path_last, tokens, scale, eps,
-                  qk_row, v_row, gate_row, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr):
+                  qk_row, v_row, gate_row, decay, dt_bias, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
+                  GATED: tl.constexpr):
     i_v, i_path, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     if STEPS:   # one token per sequence (row i_path), its new state written over the old one
@@ -58,8 +68,14 @@ def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_fi
         b_q = tl.load(q + node * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + node * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + node * v_row + i_hv * V + cols_v, mask=in_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + node * gate_row + i_hv).to(tl.float32)
-        b_beta = tl.load(beta + node * gate_row + i_hv).to(tl.float32)
+        if GATED:   # g, beta hold the raw projections a, b: the gates as fused.gdn_gates computes them
+            raw_b = tl.load(beta + node * gate_row + i_hv)
+            b_beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32)   # rounded as torch's, in b's dtype
+            b_a = tl.load(g + node * gate_row + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+            b_g = tl.load(decay + i_hv) * _softplus(b_a)
+        else:
+            b_g = tl.load(g + node * gate_row + i_hv).to(tl.float32)
+            b_beta = tl.load(beta + node * gate_row + i_hv).to(tl.float32)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + eps) * scale
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + eps)
         state = state * tl.exp(b_g)
@@ -84,7 +100,8 @@ def tree_paths_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 def batched_tree_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        tokens: torch.Tensor, path_first: torch.Tensor, path_last: torch.Tensor, states: torch.Tensor,
                        path_state: torch.Tensor, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS,
-                       num_stages: int = NUM_STAGES, steps: bool = False) -> torch.Tensor:
+                       num_stages: int = NUM_STAGES, steps: bool = False,
+                       gates: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """o [N, HV, dv] in v's dtype of every node covered by a path (others 0).
 
     q, k # [N, H, dk] raw; v # [N, HV, dv]; g # [N, HV] log decay; beta # [N, HV]: the rows of every tree of the
@@ -94,7 +111,8 @@ def batched_tree_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     tokens[first:last] (first == last: a padding path); states # [B, HV, dk, dv] float32, any stride between its B
     states (a pool's layer view); path_state # [S] long: the state each path starts from. steps: one token per path,
     row s of path s (tokens, path_first, path_last unused), its final state written over the state it started from
-    (steps_in_place).
+    (steps_in_place). gates: (decay_rate, dt_bias) # [HV] each, g and beta then being the raw projections a and b
+    (fused.gdn_gates computed in the kernel).
     """
     n, h, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -106,22 +124,26 @@ def batched_tree_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         q = q.contiguous()
     if beta.stride(0) != g.stride(0):
         g, beta = g.contiguous(), beta.contiguous()
-    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    # steps write every row; a tree's rows outside its paths (a static forward's padding) must read as zeros
+    o = (torch.empty if steps else torch.zeros)(v.shape, dtype=v.dtype, device=v.device)
+    decay, dt_bias = gates if gates is not None else (g, beta)   # unread without gates
     grid = (triton.cdiv(dv, block_v), n if steps else path_first.shape[0], hv)
     _paths_kernel[grid](q, k, v, g, beta, o, states, states.stride(0), path_state, path_first, path_last, tokens,
-                        dk**-0.5, L2_EPS, q.stride(0), v.stride(0), g.stride(0),
+                        dk**-0.5, L2_EPS, q.stride(0), v.stride(0), g.stride(0), decay, dt_bias,
                         H=h, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, STAGES=num_stages,
-                        STEPS=steps, num_warps=num_warps)
+                        STEPS=steps, GATED=gates is not None, num_warps=num_warps)
     return o
 
 
-def steps_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One committed token for each of R sequences (batched_tree_paths' q..beta with N = R rows), sequence r from
+def steps_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                   decay_rate: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One committed token for each of R sequences (batched_tree_paths' q, k, v with N = R rows), sequence r from
     states[slots[r]] (a recurrent pool's layer view), its new state written there in place: o [R, HV, dv]. An `ar`
     step without the gather of the states before fla's kernel and the scatter after it (two copies of 3 MiB per
-    request and GDN layer at Qwen3.6-27B dims). The slots must differ (each program owns its block of its state)."""
-    return batched_tree_paths(q, k, v, g, beta, slots, slots, slots, states, slots, steps=True)
+    request and GDN layer at Qwen3.6-27B dims), and with its gates computed in the kernel from the raw projections
+    b, a # [R, HV] (fused.gdn_gates with decay_rate, dt_bias # [HV]: two elementwise kernels less per GDN layer).
+    The slots must differ (each program owns its block of its state)."""
+    return batched_tree_paths(q, k, v, a, b, slots, slots, slots, states, slots, steps=True, gates=(decay_rate, dt_bias))
 
 
 def _rows_apart(t: torch.Tensor) -> torch.Tensor:

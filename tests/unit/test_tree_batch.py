@@ -96,20 +96,25 @@ def depth(parents: list[int], node: int) -> int:
 
 def test_steps_in_place_equal_the_recurrence_and_write_only_their_slots():
     """`ar` steps through our kernel (tree_kernel.steps_in_place): each sequence's one token from its slot's state,
-    the output equal to the recurrence (fla's interface in torch) and the new state written over that slot's, the
-    other slots untouched. q, k, v are column slices of one conv output, read where they lie (no copies)."""
+    the gates computed in the kernel from the raw projections, the output equal to the recurrence (fla's interface in
+    torch) on fused.gdn_gates' gates and the new state written over that slot's, the other slots untouched. q, k, v
+    (and b, a) are column slices of one output, read where they lie (no copies)."""
+    from ddtree.models import fused
+
     kernels = tree_kernel_module()
     gen = torch.Generator().manual_seed(3)
     h, hv, dk, dv, slots = 2, 4, 16, 32, torch.tensor([3, 0, 4])
     r = slots.shape[0]
-    conv = torch.randn(r, 2 * h * dk + hv * dv, generator=gen)
-    q, k, v = conv.split([h * dk, h * dk, hv * dv], dim=1)
+    conv = torch.randn(r, 2 * h * dk + hv * dv + 2 * hv, generator=gen)
+    q, k, v, b, a = conv.split([h * dk, h * dk, hv * dv, hv, hv], dim=1)
     q, k, v = q.reshape(r, h, dk), k.reshape(r, h, dk), v.reshape(r, hv, dv)
-    assert not q.is_contiguous() and not v.is_contiguous()
-    g, beta = -torch.rand(r, hv, generator=gen), torch.rand(r, hv, generator=gen)
+    assert not q.is_contiguous() and not v.is_contiguous() and not b.is_contiguous()
+    a = a * 12   # softplus far from 0 on both sides (its small-value branch included)
+    decay_rate, dt_bias = -torch.rand(hv, generator=gen) * 4, torch.randn(hv, generator=gen)
+    beta, g = fused.gdn_gates.eager(b, a, decay_rate, dt_bias)
     pool = torch.randn(6, hv, dk, dv, generator=gen)
     before = pool.clone()
-    o = kernels.steps_in_place(q, k, v, g, beta, pool, slots)
+    o = kernels.steps_in_place(q, k, v, b, a, decay_rate, dt_bias, pool, slots)
     want, finals = reference_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
                                        initial_state=before[slots], output_final_state=True)
     torch.testing.assert_close(o, want[:, 0], rtol=1e-5, atol=1e-5)
