@@ -248,6 +248,15 @@ def table(result: dict) -> str:
         for forward, v in r["verify"].items():
             cells = " | ".join(f"{v['budgets'][b]['verify_ms']:.2f}" if b in v["budgets"] else "-" for b in budgets)
             lines.append(f"| {forward} | {v['ar_step_ms']:.2f} | {cells} |")
+        lines += ["", f"{shape}: the same forwards' captured graphs replayed alone (ms; no host work: the GPU's own time "
+                  "per forward, idle gaps between kernels included)", "",
+                  "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+                  "|---|---|" + "---|" * len(budgets)]
+        for forward, v in r["verify"].items():
+            cells = " | ".join(f"{v['budgets'][b].get('replay_ms', float('nan')):.2f}" if b in v["budgets"] else "-"
+                               for b in budgets)
+            lines.append(f"| {forward} | {v.get('ar_replay_ms', float('nan')):.2f} | {cells} |")
+        lines.append("")
         for forward, v in r["verify"].items():
             for name, p in v.get("profile", {}).items():
                 if "error" in p:

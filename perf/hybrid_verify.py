@@ -86,6 +86,7 @@ def random_drafter(spec: dict, target: torch.nn.Module, dtype: torch.dtype, devi
     for name, p in drafter.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)        # plain RMSNorm in the drafter (weights start at 1)
+    drafter.fuse_projections()       # as from_pretrained serves it
     drafter.rotary = type(drafter.rotary)(drafter.config.head_dim, drafter.config.rope_theta)
     return drafter.eval()
 
@@ -180,17 +181,30 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
     model(ids, torch.arange(prompt_len, device=device), cache, 0, causal)
     cache.compact(0, list(range(prompt_len)))
     runner = StaticTarget(model, [], GraphPool(torch.device(device), capture=True)) if static else None
+    ran = []   # the static programs run, by key: their graphs are replayed alone below (no host work at all)
     if runner is not None:
+        run = runner.graphs.run
+        runner.graphs.run = lambda key, program: (ran.append(key), run(key, program))[1]
+
         def verify(batch, parents):
             return runner(cache, prompt_len, batch.input_ids, batch.positions, parents)
-    else:
+
+    def replay_ms() -> float:
+        """The last static program's graph replayed alone (median ms; NaN where none was captured)."""
+        program = runner.graphs.programs.get(ran[-1]) if runner is not None and ran else None
+        if program is None or not program.graph:
+            return float("nan")
+        return statistics.median(timed(program.graph.replay, device, repeats + 1)[1:])
+
+    if runner is None:
         def verify(batch, parents):
             return model(batch.input_ids, batch.positions, cache, prompt_len, batch.visibility)
     root = ids[-1:]
     step = VerifyBatch(root.cpu() if static else root, torch.tensor([prompt_len], device="cpu" if static else device),
                        torch.ones(1, 1, dtype=torch.bool, device=device))
     ar = timed(lambda: verify(step, [-1]), device, repeats + 1)[1:]
-    results = {"forward": "static" if static else "dynamic", "ar_step_ms": statistics.median(ar), "budgets": {}}
+    results = {"forward": "static" if static else "dynamic", "ar_step_ms": statistics.median(ar),
+               "ar_replay_ms": replay_ms(), "budgets": {}}
     cuda = device.startswith("cuda")
     if cuda and profile:
         results["profile"] = {"ar": without_all(kernel_profile(lambda: verify(step, [-1])))}
@@ -207,7 +221,7 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
             base = torch.cuda.memory_allocated()
         times = timed(lambda: verify(batch, tree.parents), device, repeats + 1)[1:]
         entry = {"num_nodes": tree.num_nodes + 1, "verify_ms": statistics.median(times),
-                 "verify_over_ar": statistics.median(times) / results["ar_step_ms"]}
+                 "verify_over_ar": statistics.median(times) / results["ar_step_ms"], "replay_ms": replay_ms()}
         if cuda and budget in profile:
             results["profile"][f"ddtree-{budget}"] = without_all(kernel_profile(lambda: verify(batch, tree.parents)))
         if device.startswith("cuda"):

@@ -20,7 +20,8 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.dense import KVPool
-from ddtree.models.layers import GatedMLP, RMSNorm, Rotary, attend
+from ddtree.models.kernels import draft_attention_kernel
+from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, attend
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ class DFlashConfig:
         )
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(FusedProjections, nn.Module):
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, c: DFlashConfig, window: int | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -87,10 +90,27 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context rows' k (normed, rotated) and v; fused (serving): one GEMM over the k/v rows of the q/k/v weight."""
+        proj = getattr(self, "fused_proj", None)
+        if proj is None:
+            k, v = self.k_proj(x), self.v_proj(x)
+        else:
+            q_out = self.fused_sizes[0]
+            k, v = F.linear(x, proj.weight[q_out:], None if proj.bias is None else proj.bias[q_out:]).split(
+                self.fused_sizes[1:], dim=-1)
+        return self._key(k, rope), v.view(x.shape[0], self.num_kv_heads, self.head_dim)
+
+    def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block rows' q and k (normed, rotated) and v (one GEMM where fused)."""
         n = x.shape[0]
-        k = fused.rms_norm_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), self.k_norm.weight,
-                                  self.k_norm.eps, *rope)
-        return k, self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = fused.rms_norm_rotary(q.view(n, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, *rope)
+        return q, self._key(k, rope), v.view(n, self.num_kv_heads, self.head_dim)
+
+    def _key(self, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return fused.rms_norm_rotary(k.view(k.shape[0], self.num_kv_heads, self.head_dim), self.k_norm.weight,
+                                     self.k_norm.eps, *rope)
 
 
 class DraftLayer(nn.Module):
@@ -126,6 +146,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def fuse_projections(self) -> None:
+        """Serve each layer's q/k/v as one GEMM and gate/up as one (from_pretrained; training keeps the published
+        modules): at a block's 16 rows each projection is a weight-streaming GEMM, and k/v (~10 MB each at 27B dims)
+        ran at half the bus's speed alone."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @property
     def block_size(self) -> int:
@@ -191,22 +219,43 @@ class DFlashDrafter(nn.Module):
     def forward_pooled(self, pool: KVPool, slots: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
                        context: int, block_embeds: torch.Tensor) -> torch.Tensor:
         """Blocks whose contexts are pool rows: slots, lengths  # [R] long (device); positions  # [R, b]; keys
-        0..context-1 of each slot are gathered and those >= its length masked. No host reads (static forwards)."""
+        0..context-1 of each slot are gathered and those >= its length masked. No host reads (static forwards).
+
+        Where our split-KV attention kernel runs (CUDA; draft_attention_kernel) and the pool has room for a block past
+        the context bucket, each layer writes the blocks' K/V into the pool after their contexts (rows lengths ..
+        lengths + b - 1, free until the next context write, which overwrites them) and the kernel reads everything in
+        place: no gather of the contexts, no concatenation, one program per (request, K/V head, key slice)."""
+        b = positions.shape[1]
+        kernel = draft_attention_kernel(block_embeds.device)
+        if kernel is not None and context + b <= pool.k.shape[2]:
+            keys = context + b
+            key_pos = torch.arange(keys, device=positions.device)
+            seen = (key_pos[None, None, :] < (lengths[:, None, None] + b)).expand(positions.shape[0], b, keys)   # [R, b, E]
+            masks = {w: seen if w is None else seen & ((positions[:, :, None] - key_pos) < w)
+                     for w in set(self.config.sliding_windows)}
+            return self._forward_layers(block_embeds, positions, in_place=(kernel, pool, slots, keys, masks))
         masks = {w: self._packed_mask(w, lengths, positions, context) for w in set(self.config.sliding_windows)}
         return self._forward_layers(block_embeds, positions, pooled=(pool, slots, context, masks))
 
     def _forward_layers(self, block_embeds: torch.Tensor, positions: torch.Tensor, caches: list[DraftCache] | None = None,
-                        pooled: tuple | None = None) -> torch.Tensor:
+                        pooled: tuple | None = None, in_place: tuple | None = None) -> torch.Tensor:
         r, b, _ = block_embeds.shape
         rope = self.rotary(positions.flatten(), block_embeds.dtype)
         h = block_embeds.reshape(r * b, -1)
+        if in_place is not None:
+            kernel, pool, slots, keys, masks = in_place
+            write_slots, write_pos = slots[:, None].expand(r, b).flatten(), positions.flatten()
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = fused.rms_norm_rotary(attn.q_proj(x).view(r * b, attn.num_heads, attn.head_dim), attn.q_norm.weight,
-                                      attn.q_norm.eps, *rope)
-            k_block, v_block = attn.project_kv(x, rope)
-            if pooled is not None:
+            q, k_block, v_block = attn.project_qkv(x, rope)
+            if in_place is not None:   # the blocks' K/V after their contexts, all read where they lie
+                pool.k[i, write_slots, write_pos] = k_block
+                pool.v[i, write_slots, write_pos] = v_block
+                out = kernel(q.view(r, b, attn.num_heads, attn.head_dim), pool.k[i], pool.v[i], slots, keys,
+                             masks[attn.window], attn.head_dim**-0.5)                                # [R, b, heads, d]
+                h = h + attn.o_proj(out.reshape(r * b, -1))
+            elif pooled is not None:
                 pool, slots, context, masks = pooled
                 keys = torch.cat([pool.k[i, slots, :context], k_block.view(r, b, *k_block.shape[1:])], dim=1)
                 values = torch.cat([pool.v[i, slots, :context], v_block.view(r, b, *v_block.shape[1:])], dim=1)
@@ -262,6 +311,7 @@ class DFlashDrafter(nn.Module):
             model = cls(config)
         state = {k.removeprefix("model."): v for k, v in load_state_dict(path, desc="loading drafter").items()}
         assign_weights(model, state, path)
+        model.fuse_projections()
         model.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         logger.info("drafter %s: %d layers, block %d, taps %s, mask id %d", Path(path).name,
                     config.num_hidden_layers, config.block_size, list(config.target_layer_ids), config.mask_token_id)

@@ -80,6 +80,15 @@ def attention_kernel_rows() -> int:
     return min(int(value), ATTENTION_KERNEL_MAX_ROWS) if value.strip() else 0
 
 
+def draft_attention_kernel(device: torch.device) -> Callable | None:
+    """Our split-KV masked attention for the drafter's pooled blocks (DFlashDrafter.forward_pooled: the static pass)
+    on CUDA, or None (contexts gathered, SDPA): DDTREE_DRAFT_ATTENTION_KERNEL=0 turns it off. A 16-row block against
+    its context is the shape our kernel won by 3.5x at the target (perf/results/attention_h200_ours.md)."""
+    if device.type != "cuda" or os.environ.get("DDTREE_DRAFT_ATTENTION_KERNEL", "1") in ("", "0"):
+        return None
+    return _attention_kernel()
+
+
 @functools.cache
 def _attention_kernel() -> Callable:
     from ddtree.models.attention_kernel import masked_attention
@@ -142,5 +151,5 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                   use_qk_l2norm_in_kernel=True)
 
 
-__all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "gdn_chain_fla", "gdn_sequences_fla", "step_gdn_kernel",
-           "steps_gdn_kernel", "tree_gdn_kernel"]
+__all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "draft_attention_kernel", "gdn_chain_fla",
+           "gdn_sequences_fla", "step_gdn_kernel", "steps_gdn_kernel", "tree_gdn_kernel"]

@@ -75,3 +75,40 @@ def test_attention_kernel_rows_reads_its_setting(monkeypatch):
     for value, rows in (("0", 0), ("", 0), ("17", 17), ("4096", 128)):
         monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", value)
         assert attention_kernel_rows() == rows
+
+
+def test_drafter_blocks_attend_in_place_through_the_kernel(tmp_path, monkeypatch):
+    """The drafter's pooled pass with our kernel (DFlashDrafter.forward_pooled on CUDA; here Triton's interpreter):
+    each block's K/V written after its context in the pool and read there with the contexts, sliding windows that
+    cut, padding keys past each context masked: the blocks' hidden states those of the gathered SDPA pass. A context
+    bucket with no room for a block after it keeps the gathered pass."""
+    from ddtree.models import dflash
+    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
+
+    taps = [1, 16, 31, 46, 61]
+    write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
+                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = dflash.DFlashDrafter.from_pretrained(tmp_path / "d")
+    gen = torch.Generator().manual_seed(8)
+    lengths = [3, 21, 9]
+    contexts = [torch.randn(n, HIDDEN * len(taps), generator=gen) for n in lengths]
+    blocks = torch.randn(len(lengths), BLOCK, HIDDEN, generator=gen)
+    kernel, calls = attention_kernel_module().masked_attention, []
+    outputs = {}
+    with torch.no_grad():
+        for name, make in (("gathered", lambda device: None),
+                           ("kernel", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))):
+            monkeypatch.setattr(dflash, "draft_attention_kernel", make)
+            caches = drafter.new_caches(len(lengths), 64)
+            drafter.add_contexts(caches, contexts)
+            slots = torch.tensor([c.slot for c in caches])
+            starts = torch.tensor(lengths)
+            positions = starts[:, None] + torch.arange(BLOCK)
+            outputs[name] = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 32, blocks)
+    assert calls == [(len(lengths), BLOCK, 4, 16)] * 5
+    torch.testing.assert_close(outputs["kernel"], outputs["gathered"], rtol=1e-5, atol=1e-5)
+    calls.clear()   # 64 - 16 < 56: no room for a block after the bucket, the gathered pass
+    with torch.no_grad():
+        full = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 56, blocks)
+    assert not calls
+    torch.testing.assert_close(full, outputs["gathered"], rtol=1e-5, atol=1e-5)
