@@ -118,7 +118,7 @@ def expected_tokens(weights: np.ndarray, budget: int) -> float:
 
 DEFAULT_ARMS = "ar,dflash,ddtree-4,ddtree-8,ddtree-16,ddtree-32,ddtree-64,policy"
 MIN_SAMPLES = 2          # rounds each arm is tried before its estimate is trusted
-REPROBE_EVERY = 128      # then an arm is tried again after this many rounds x its round time / the best arm's
+REPROBE_EVERY = 256      # then an arm is tried again after this many rounds x its probe's time / the best arm's round
 DECAY = 0.9              # weight of an arm's past rounds against its newest one
 PRUNE = 0.8              # a tree below this fraction of a lighter arm (fewer draft nodes) rules out larger trees
 PRUNE_ACROSS = 0.95      # an arm below this fraction of a lighter arm at a smaller batch is not tried at larger ones
@@ -176,6 +176,7 @@ class ArmSelector:
         self.misses: dict[tuple[int, Arm], int] = defaultdict(int)        # re-probes since the arm last led
         self.probing: dict[int, tuple[Arm, float]] = {}                   # bucket -> (arm re-probed, best's rate)
         self.rounds: dict[int, int] = defaultdict(int)
+        self.catch_up: dict[tuple[int, Arm], float] = defaultdict(float)   # seconds of the arm's last catch-up round
         # (bucket, arms) -> (round to recompute at, pruned, the arms left, whether each of those was explored)
         self._eligible: dict[tuple, tuple[int, set[Arm], tuple[Arm, ...], bool]] = {}
         self._capped: dict[int | None, tuple[Arm, ...]] = {}       # max_budget -> the arms choose considers
@@ -294,10 +295,17 @@ class ArmSelector:
                         "%s)", self.label(b), arm.name, ", ".join(f"{a.name} {self.rate(b, a):.1f}" for a in arms))
 
     def reprobe_interval(self, bucket: int, arm: Arm, best: Arm) -> float:
-        """Rounds between re-probes of a non-leading arm: reprobe_every x its round time / the best arm's (so each
-        re-probe costs the same time), doubled for every re-probe since it last led (a clearly losing arm's
-        probes fade out: their share of the time goes to 0 instead of staying at 1/reprobe_every per arm)."""
-        slowdown = max(1.0, self.round_seconds(bucket, arm) / max(self.round_seconds(bucket, best), 1e-9))
+        """Rounds between re-probes of a non-leading arm: reprobe_every x the probe's time / the best arm's round
+        (so each re-probe costs the same share of the time), doubled for every re-probe since it last led (a
+        clearly losing arm's probes fade out: their share of the time goes to 0 instead of staying at
+        1/reprobe_every per arm). A probe's time is its arm's round and the catch-up it causes: a drafting arm probed
+        among `ar` rounds first ingests the features committed since it last drafted (its own catch-up round); `ar`
+        probed among drafting rounds makes the leader catch up after it. On 2 CPU cores at one stream, with `ar`
+        leading, probes with their catch-ups took 12% of `auto`'s time (perf/results/concurrency_cpu_turns_arms.md)."""
+        probe = self.round_seconds(bucket, arm)
+        if (arm.mode == "ar") != (best.mode == "ar"):
+            probe += self.catch_up[(bucket, best if arm.mode == "ar" else arm)]
+        slowdown = max(1.0, probe / max(self.round_seconds(bucket, best), 1e-9))
         return self.reprobe_every * slowdown * 2 ** self.misses[(bucket, arm)]
 
     def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float, drafted: bool = True) -> Arm:
@@ -312,8 +320,9 @@ class ArmSelector:
             arm, self.catching_up = AR, False
         b = self.bucket(num_seqs)
         key = (b, arm)
-        if self.catching_up:   # not measured: the same arm runs again next round (choose), and that round counts
+        if self.catching_up:   # not its measure: the same arm runs again next round (choose), and that round counts
             self.catching_up, self.repeat = False, key
+            self.catch_up[key] = seconds   # what a probe among `ar` rounds costs on top (reprobe_interval)
             return arm
         probed, best_rate = self.probing.pop(b, (None, 0.0))
         if probed == arm and seconds > 0 and tokens / seconds > best_rate:

@@ -26,7 +26,7 @@ def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
                   sq_r, sq_q, sq_h, sk_s, sk_n, sk_h, sv_s, sv_n, sv_h, sm_r, sm_q,
                   reqs, rows_q, keys, split, scale,
                   KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  M_BLOCKS: tl.constexpr):
+                  M_BLOCKS: tl.constexpr, PRECISION: tl.constexpr):
     i_split, i_b = tl.program_id(0), tl.program_id(1)
     r = i_b // (KVH * M_BLOCKS)
     i_kvh = (i_b // M_BLOCKS) % KVH
@@ -49,7 +49,7 @@ def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
         col_ok = cols < end
         k_tile = tl.load(k + slot * sk_s + cols[None, :] * sk_n + i_kvh * sk_h + cols_d[:, None], mask=col_ok[None, :],
                          other=0.0)                                                           # [D, BLOCK_N]
-        s = tl.dot(q_tile, k_tile) * scale
+        s = tl.dot(q_tile, k_tile, input_precision=PRECISION) * scale
         seen = tl.load(mask + r * sm_r + qi[:, None] * sm_q + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                        other=0)
         s = tl.where(seen != 0, s, float("-inf"))
@@ -59,7 +59,7 @@ def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
         v_tile = tl.load(v + slot * sv_s + cols[:, None] * sv_n + i_kvh * sv_h + cols_d[None, :], mask=col_ok[:, None],
                          other=0.0)                                                           # [BLOCK_N, D]
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
         m_i = m_new
     seen_any = l_i > 0
     lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
@@ -114,7 +114,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     _split_kernel[(splits, programs)](
         q, k, v, mask, slots, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(1), r, rows_q, keys, split, scale,
-        KVH=kvh, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks, num_warps=8 if d * block_m >= 16384 else 4)
+        KVH=kvh, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks,
+        # float32 inputs multiply in float32 (tl.dot's default rounds them to TF32: ~1e-3 off SDPA, which a float32
+        # engine's static forward, tested against its dynamic one, must not be); bf16 and fp16 are unaffected
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if d * block_m >= 16384 else 4)
     out = torch.empty(r, rows_q, heads, d, dtype=q.dtype, device=q.device)
     _join_kernel[(r * rows_q * heads,)](o_part, lse_part, out, splits, r * rows_q * heads, D=d,
                                         BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)

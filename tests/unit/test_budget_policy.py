@@ -81,15 +81,15 @@ def test_policy_arm_is_exact(tiny_models, tmp_path, cost):
 
 
 def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: int,
-         round_seconds: dict[str, float] | None = None) -> dict[str, int]:
+         round_seconds: dict[str, float] | None = None, catch_up_seconds: float = 0.0) -> dict[str, int]:
     """Run the selector against arms of fixed true rates (tokens per second) and round times; how often each arm
     was chosen for one of `rounds` measured rounds (a drafting arm's catch-up round after `ar` rounds is run again, measured, so
-    it is not counted: test_a_drafting_round_after_ar_rounds_is_not_its_measure)."""
+    it is not counted: test_a_drafting_round_after_ar_rounds_is_not_its_measure; it takes catch_up_seconds)."""
     chosen: dict[str, int] = {}
     while sum(chosen.values()) < rounds:
         arm = selector.choose(num_seqs)
         if selector.catching_up:
-            selector.record(num_seqs, arm, tokens=0, seconds=1.0)   # not recorded: the next round repeats the arm
+            selector.record(num_seqs, arm, tokens=0, seconds=catch_up_seconds)   # the next round repeats the arm
             continue
         chosen[arm.name] = chosen.get(arm.name, 0) + 1
         seconds = (round_seconds or {}).get(arm.name, 1.0)
@@ -112,6 +112,21 @@ def test_slow_arms_are_reprobed_less_often_and_losing_probes_back_off():
     assert abs(chosen["dflash"] - expected) <= 2, (chosen, expected)
     assert 2 < chosen["ddtree-16"] < chosen["dflash"]
     assert chosen["ar"] > 4000 - 30
+
+
+def test_a_probe_s_catch_up_counts_in_its_cost():
+    """A drafting arm probed among `ar` rounds first catches up (ingests the features committed since it last
+    drafted): with that round costing 9x a steady one, its probes come 10x less often (each probe's time, catch-up
+    included, the same share of the run), so they cost what probes without a catch-up cost."""
+    def probes(catch_up: float) -> tuple[int, float]:
+        selector = ArmSelector(parse_arms("ar,dflash"), min_samples=2, reprobe_every=16)
+        chosen = play(selector, {"ar": 100.0, "dflash": 50.0}, num_seqs=1, rounds=3000, catch_up_seconds=catch_up)
+        return chosen["dflash"], selector.reprobe_interval(0, Arm("dflash"), Arm("ar")) / 2 ** selector.misses[(0, Arm("dflash"))]
+
+    cheap, cheap_interval = probes(0.0)
+    costly, costly_interval = probes(9.0)
+    assert cheap_interval == 16 and costly_interval == pytest.approx(160)
+    assert costly < cheap, (costly, cheap)
 
 
 def test_a_reprobe_that_wins_resets_the_backoff():
@@ -314,11 +329,11 @@ def _policy_share(credit_skipped_rounds: bool) -> float:
 def test_policy_rounds_in_which_nobody_drafted_count_as_ar():
     """The policy is judged by the rounds in which it drafted: its skipped rounds are `ar` rounds. Mixed into its
     rate they let it win although every round in which it drafts loses (the control: the same play without the
-    crediting runs the policy in a third of the rounds, with it under 1%)."""
+    crediting runs the policy in a fifth of the rounds, with it under 1%)."""
     selector = ArmSelector(parse_arms("ar,policy"))
     assert selector.record(1, Arm("policy"), tokens=1, seconds=1.0, drafted=False) == Arm("ar")
     assert selector.samples[(0, Arm("ar"))] == 1 and selector.samples[(0, Arm("policy"))] == 0
     assert selector.record(1, Arm("policy"), tokens=1, seconds=1.0, drafted=True) == Arm("policy")
     assert ArmSelector(parse_arms("policy")).record(1, Arm("policy"), 1, 1.0, drafted=False) == Arm("policy")  # no ar arm
-    assert _policy_share(credit_skipped_rounds=False) > 0.25
+    assert _policy_share(credit_skipped_rounds=False) > 0.15
     assert _policy_share(credit_skipped_rounds=True) < 0.05
