@@ -126,6 +126,7 @@ UCB = 0.2                # optimism bonus of an arm measured in n rounds: rate x
 PRUNE_EVERY = 8          # rounds of a bucket between recomputations of the arms it rules out
 LOG_AFTER = 16           # a bucket's new leading arm is logged once it has led this many choices in a row
 MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
+MAX_GAP = 4.0            # an arm measured at 1/g of the leader's rate waits up to g x longer between re-probes
 
 
 class Arm(NamedTuple):
@@ -296,7 +297,8 @@ class ArmSelector:
 
     def reprobe_interval(self, bucket: int, arm: Arm, best: Arm) -> float:
         """Rounds between re-probes of a non-leading arm: reprobe_every x the probe's time / the best arm's round
-        (so each re-probe costs the same share of the time), doubled for every re-probe since it last led (a
+        (so each re-probe costs the same share of the time) x its gap to the leader's rate (`gap`: the further below,
+        the less likely a probe finds it ahead), doubled for every re-probe since it last led (a
         clearly losing arm's probes fade out: their share of the time goes to 0 instead of staying at
         1/reprobe_every per arm). A probe's time is its arm's round and the catch-up it causes: a drafting arm probed
         among `ar` rounds first ingests the features committed since it last drafted (its own catch-up round); `ar`
@@ -306,7 +308,14 @@ class ArmSelector:
         if (arm.mode == "ar") != (best.mode == "ar"):
             probe += self.catch_up[(bucket, best if arm.mode == "ar" else arm)]
         slowdown = max(1.0, probe / max(self.round_seconds(bucket, best), 1e-9))
-        return self.reprobe_every * slowdown * 2 ** self.misses[(bucket, arm)]
+        return self.reprobe_every * slowdown * self.gap(bucket, arm, best) * 2 ** self.misses[(bucket, arm)]
+
+    def gap(self, bucket: int, arm: Arm, best: Arm) -> float:
+        """How far below the leader an arm measures, as the factor its re-probes wait longer: the leader's rate / the
+        arm's, 1 to MAX_GAP. An arm at half the leader's rate needs its rate doubled to matter, which a few rounds
+        rarely bring; one just below the leader may overtake it on the next probe, and is probed as often as before."""
+        rate = self.rate(bucket, arm)
+        return min(MAX_GAP, max(1.0, self.rate(bucket, best) / rate)) if rate > 0 else MAX_GAP
 
     def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float, drafted: bool = True) -> Arm:
         """Account a round of `arm`; returns the arm it is credited to. A round of the policy arm in which no `auto`

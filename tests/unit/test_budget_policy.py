@@ -98,20 +98,32 @@ def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: 
 
 
 def test_slow_arms_are_reprobed_less_often_and_losing_probes_back_off():
-    """An arm whose rounds take 4x as long is tried again 4x less often (its probes cost the same time), and every
-    probe that does not win doubles the wait (up to 2**MAX_BACKOFF): intervals 16, 32, ..., 512 rounds."""
+    """An arm whose rounds take 4x as long is tried again 4x less often (its probes cost the same time), one at
+    half the leader's rate 2x less often (the gap), and every probe that does not win doubles the wait (up to
+    2**MAX_BACKOFF): intervals 32, 64, ..., 1024 rounds."""
     from ddtree.budget import MAX_BACKOFF
 
     selector = ArmSelector(parse_arms("ar,dflash,ddtree-16"), min_samples=2, reprobe_every=16)
-    chosen = play(selector, {"ar": 100.0, "dflash": 50.0, "ddtree-16": 50.0}, num_seqs=4, rounds=4000,
+    chosen = play(selector, {"ar": 100.0, "dflash": 50.0, "ddtree-16": 50.0}, num_seqs=4, rounds=8000,
                   round_seconds={"ar": 0.1, "dflash": 0.1, "ddtree-16": 0.4})
-    # dflash: 2 exploration rounds, then probes after 16, 32, 64, 128, 256, 512, 512, ... rounds
-    expected, gap, elapsed = 2, 16, 0
-    while elapsed + gap < 4000:
-        elapsed, expected, gap = elapsed + gap, expected + 1, min(2 * gap, 16 * 2**MAX_BACKOFF)
+    # dflash: 2 exploration rounds, then probes after 32, 64, 128, 256, 512, 1024, 1024, ... rounds
+    expected, gap, elapsed = 2, 32, 0
+    while elapsed + gap < 8000:
+        elapsed, expected, gap = elapsed + gap, expected + 1, min(2 * gap, 32 * 2**MAX_BACKOFF)
     assert abs(chosen["dflash"] - expected) <= 2, (chosen, expected)
     assert 2 < chosen["ddtree-16"] < chosen["dflash"]
-    assert chosen["ar"] > 4000 - 30
+    assert chosen["ar"] > 8000 - 30
+
+
+def test_arms_far_below_the_leader_are_reprobed_less_often():
+    """Of two arms with rounds as long as the leader's, the one at a quarter of its rate is probed about 4x less often
+    than the one at 95% (MAX_GAP caps the factor: an arm at a tenth waits no longer than one at a quarter)."""
+    def probes(rate: float) -> int:
+        selector = ArmSelector(parse_arms("ar,dflash"), min_samples=2, reprobe_every=8)
+        return play(selector, {"ar": 100.0, "dflash": rate}, num_seqs=1, rounds=6000)["dflash"] - 2
+
+    close, far, farther = probes(95.0), probes(25.0), probes(10.0)
+    assert 3 * far <= close <= 5 * far and farther == far, (close, far, farther)
 
 
 def test_a_probe_s_catch_up_counts_in_its_cost():
@@ -125,7 +137,7 @@ def test_a_probe_s_catch_up_counts_in_its_cost():
 
     cheap, cheap_interval = probes(0.0)
     costly, costly_interval = probes(9.0)
-    assert cheap_interval == 16 and costly_interval == pytest.approx(160)
+    assert cheap_interval == pytest.approx(16 * 2) and costly_interval == pytest.approx(160 * 2)   # x 2: dflash at half ar's rate
     assert costly < cheap, (costly, cheap)
 
 
@@ -139,7 +151,7 @@ def test_a_reprobe_that_wins_resets_the_backoff():
     play(selector, {"ar": 100.0, "ddtree-16": 50.0}, num_seqs=1, rounds=300)
     assert selector.misses[(0, Arm("ddtree", 16))] >= 3
     chosen = play(selector, {"ar": 100.0, "ddtree-16": 300.0}, num_seqs=1, rounds=1000)
-    assert chosen["ddtree-16"] >= 1000 - 8 * 2**MAX_BACKOFF - 3
+    assert chosen["ddtree-16"] >= 1000 - 8 * 2 * 2**MAX_BACKOFF - 3   # a probe waits <= reprobe_every x gap x backoff
     assert selector.misses[(0, Arm("ddtree", 16))] == 0
 
 
