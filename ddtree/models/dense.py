@@ -138,6 +138,7 @@ class PackedAttention:
     end: int                   # E: keys gathered per segment
     in_order: bool = False     # rows are R x Q in request order (a static forward): q_index, out_index are identities
     fixed_slot: int | None = None   # one request in this cache slot (a program made for it): its K/V read as views
+    kernel: object = False     # our attention kernel or None (SDPA), looked up by the forward's first layer (False: not yet)
 
     @classmethod
     def plan(cls, caches: list[KVCache], segments: list[Segment]) -> "PackedAttention | None":
@@ -191,7 +192,9 @@ class PackedAttention:
         pool_v[self.write_slot, self.write_pos] = v
         r, q_len = self.q_index.shape
         d = q.shape[-1]
-        kernel = attention_kernel(q.device) if q_len <= attention_kernel_rows() and d & (d - 1) == 0 else None
+        if self.kernel is False:   # once per forward: every layer has the same rows and head dim
+            self.kernel = attention_kernel(q.device) if q_len <= attention_kernel_rows() and d & (d - 1) == 0 else None
+        kernel = self.kernel
         if kernel is not None:   # ours: the keys read in the pool at each request's slot, split over programs
             queries = q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]     # [R, Q, heads, d]
             out = kernel(queries, pool_k, pool_v, self.slots, self.end, self.mask[:, 0], scale)
