@@ -76,25 +76,22 @@ def variants(scale: float):
     def nomask(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
-    def ours(q, k, v, mask):   # the engine's layouts: queries [R, Q, H, d], K/V as a pool [slots, E, KVH, d]
-        from ddtree.models.attention_kernel import masked_attention
-        slots = torch.arange(q.shape[0], device=q.device)
-        out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), slots, k.shape[2], mask, scale)
-        return out.transpose(1, 2)
+    def ours_with(programs: int | None = None):
+        """Our kernel with its keys split for about `programs` programs (None: the engine's TARGET_PROGRAMS)."""
+        split = {} if programs is None else {"target_programs": programs}
 
-    def ours_with(programs: int):
-        def fn(q, k, v, mask):
+        def ours(q, k, v, mask):   # the engine's layouts: queries [R, Q, H, d], K/V as a pool [slots, E, KVH, d]
             from ddtree.models.attention_kernel import masked_attention
             slots = torch.arange(q.shape[0], device=q.device)
             out = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), slots, k.shape[2], mask,
-                                   scale, target_programs=programs)
+                                   scale, **split)
             return out.transpose(1, 2)
-        return fn
+        return ours
 
     def none(q, k, v, mask):
         return q
 
-    return {"sdpa": sdpa, "ours": ours, "sdpa-efficient": efficient, "flex": flexed, "sdpa-nomask": nomask,
+    return {"sdpa": sdpa, "ours": ours_with(), "sdpa-efficient": efficient, "flex": flexed, "sdpa-nomask": nomask,
             "ours-66": ours_with(66), "ours-132": ours_with(132), "ours-528": ours_with(528), "none": none}
 
 

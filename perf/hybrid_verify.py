@@ -18,6 +18,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -183,8 +184,7 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
     runner = StaticTarget(model, [], GraphPool(torch.device(device), capture=True)) if static else None
     ran = []   # the static programs run, by key: their graphs are replayed alone below (no host work at all)
     if runner is not None:
-        run = runner.graphs.run
-        runner.graphs.run = lambda key, program: (ran.append(key), run(key, program))[1]
+        ran, _ = record_programs(runner.graphs)   # the runner is this function's own: never stopped
 
         def verify(batch, parents):
             return runner(cache, prompt_len, batch.input_ids, batch.positions, parents)
@@ -262,6 +262,16 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
             "round_kernels_all": kernels_per_round(whole, prefill, rounds, top=None)}
 
 
+def record_programs(graphs) -> tuple[list[tuple], Callable[[], None]]:
+    """(the keys of the static programs `graphs` runs from now on, in order; a call that stops recording)."""
+    ran, run = [], graphs.run
+    graphs.run = lambda key, program: (ran.append(key), run(key, program))[1]
+
+    def stop() -> None:
+        graphs.run = run
+    return ran, stop
+
+
 def program_profiles(engine: Engine, keys: list[tuple], rounds: int) -> list[dict]:
     """Each static program a method's measured rounds ran (CUDA graphs), replayed alone: calls per round, its kernels,
     their device time and the GPU span of one replay (span less device time: idle gaps inside the graph, which no
@@ -313,12 +323,11 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
         before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits")}
         parts_before = list(engine.stage_times.commit_parts)
-        ran, run = [], engine.graphs.run
-        engine.graphs.run = lambda key, program: (ran.append(key), run(key, program))[1]   # the programs it runs
+        ran, stop = record_programs(engine.graphs)   # the programs the measured request runs
         try:
             engine.generate_ids(prompt, params)
         finally:
-            engine.graphs.run = run
+            stop()
         t = engine.stage_times
         n = t.batch_rounds - before["batch_rounds"]
         entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
