@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ddtree.models.layers import linear
+
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor copied to `device` without waiting for the device's queued work: on CUDA through pinned memory
@@ -53,4 +55,4 @@ class TargetModel(nn.Module):
         """Logits of the wanted rows and the concatenated taps, in the order of tap_layers."""
         tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else None
         h = x if logit_rows is None else x[logit_rows]
-        return self.lm_head(self.norm(h)), tapped
+        return linear(self.norm(h), self.lm_head), tapped

@@ -18,7 +18,18 @@ from torch import nn
 from ddtree.models import fused
 from ddtree.models.base import TargetModel, to_device
 from ddtree.models.kernels import attention_kernel, attention_kernel_rows
-from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, apply_rotary, attend
+from ddtree.models.layers import (
+    FusedProjections,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    attend,
+    deferred_add_norm,
+    eager_add_norm,
+    linear,
+    one_row_gemv,
+)
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -261,7 +272,7 @@ class Attention(FusedProjections, nn.Module):
         else:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attend_segments(q, k, v, [seg.cache for seg in segments], segments, layer, self.head_dim**-0.5, packed)
-        return self.o_proj(out.reshape(n, -1))
+        return linear(out.reshape(n, -1), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -277,9 +288,11 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output not yet added to it): each residual add runs in the chain of
         the norm after it. pending: the previous layer's MLP output (None: x is whole)."""
-        x, h = self.input_layernorm.add_norm(x, pending)
-        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rope, segments, layer, packed))
-        return x, self.mlp(h)
+        add_norm = deferred_add_norm if one_row_gemv(x) else eager_add_norm   # one row: in the next GEMV's prologue
+        x, h = add_norm(self.input_layernorm, x, pending)
+        x, h = add_norm(self.post_attention_layernorm, x(), self.self_attn(h, rope, segments, layer, packed))
+        out = self.mlp(h)
+        return x(), out
 
 
 class DenseTarget(TargetModel):

@@ -47,6 +47,11 @@ def enabled() -> bool:
     return os.environ.get("DDTREE_COMPILE", "1") not in ("0", "", "off")
 
 
+def in_static() -> bool:
+    """Whether a static forward's body is running (its kernels go into a CUDA graph: launches cost nothing per call)."""
+    return getattr(_here, "on", False)
+
+
 @contextlib.contextmanager
 def static():
     """Within: the chains compile (for CUDA tensors); a static forward's body runs in here."""
@@ -226,5 +231,5 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 __all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_steps_pooled",
            "conv_windows", "conv_windows_into", "conv_windows_pooled_into", "enabled", "fused", "gated_rms_norm",
-           "gdn_gates", "gdn_gates_into", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window", "sigmoid_gate",
+           "gdn_gates", "gdn_gates_into", "in_static", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window", "sigmoid_gate",
            "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

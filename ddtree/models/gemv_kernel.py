@@ -1,13 +1,26 @@
-"""A few rows times a weight matrix on the GPU (Triton): the decode step's matrix-vector products.
+"""One row times a weight matrix on the GPU (Triton): the decode step's matrix-vector products, each with the small
+elementwise chain before it done in its prologue.
 
 At batch 1 a decode step is weight streaming: each Linear reads its whole weight once for one row of input. cuBLAS
-picks a GEMM kernel for these (nvjet on the H200) that streams at ~4.0 TB/s on the big projections and ~3.4 TB/s on
-the 6144 x 5120 output projections (perf/results/gpu_ratios_h200_draftkernel.md). This kernel is the plain form:
-each program owns BLOCK_N output columns, walks the reduction dimension in BLOCK_K steps, multiplies in float32
-and rounds once (as cuBLAS does for bf16); the launch configuration is chosen per weight shape by
-perf/gemv_bench.py's measurements (CONFIGS).
+picks GEMM kernels for these (nvjet on the H200) that stream at 3.1-4.2 TB/s; this kernel streams them at 3.7-4.6
+(a 27B step's Linears 12.08 ms against 13.02, the floor at copy bandwidth 12.09: perf/results/gemv_h200.md). Each
+program owns BLOCK_N output columns, walks the reduction dimension in BLOCK_K steps, multiplies in float32 and
+rounds once (as cuBLAS does for bf16). The launch configuration is chosen per weight shape from those measurements
+(CONFIGS).
 
-    linear_rows(x, weight)   # x [M, K] (M <= MAX_ROWS), weight [N, K] -> [M, N] in x's dtype
+Every program also computes the Linear's input from what the layer had before it (PROLOGUES), so the chain's own
+kernel (and its write and read of the input) goes away; the input is a few KB, read from L2 by each program:
+- "add_norm": rmsnorm(x + a) * p, p the float32 scale of Qwen3.5's zero-centered norm (1 + weight); the program
+  that owns the first columns writes x + a to `residual` (the next layer's residual stream);
+- "add_norm_plain": rmsnorm(x + a) rounded, times the weight p (Qwen3's RMSNorm);
+- "silu_mul": silu(x) * a (a gated MLP's gate and up);
+- "sigmoid_gate": x * sigmoid(a), a [groups, group] with its own group stride (gated attention's output gate);
+- "gated_norm": per group of `group` columns rmsnorm(x) * p (p [group]), times silu(a) (Gated DeltaNet's output).
+Each rounds where the eager chain (ddtree.models.fused) rounds to the model's dtype, so a bf16 forward through
+them reads the inputs the unfused forward computes.
+
+    linear_rows(x, weight)                                   # x [1, K], weight [N, K] -> [1, N] in x's dtype
+    linear_rows(x, weight, prologue="silu_mul", a=up)
 """
 
 from __future__ import annotations
@@ -16,40 +29,102 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K); others use DEFAULT
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K); others use DEFAULT (within 2% of the best on every 27B shape)
 DEFAULT = (8, 512, 4, 3)
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (5120, 6144): (8, 512, 8, 3), (16480, 5120): (32, 512, 4, 3), (5120, 17408): (8, 512, 8, 4),
+    (34816, 5120): (32, 256, 8, 3), (14336, 5120): (16, 256, 4, 3), (248320, 5120): (16, 1024, 8, 3),
+}
+PROLOGUES = {None: 0, "add_norm": 1, "add_norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
+
+
+@triton.jit
+def _silu(v):
+    return v / (1.0 + tl.exp(-v))
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 a_ptr, stride_am, stride_ag, p_ptr, res_ptr, stride_rm, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, HAS_A: tl.constexpr,
+                 GROUP: tl.constexpr):
     pid = tl.program_id(0)
+    row = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    for m in tl.static_range(ROWS):
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    x_row = x_ptr + row * stride_xm
+    a_row = a_ptr + row * stride_am
+    rstd = 0.0
+    if PRO == 1 or PRO == 2:   # the norm's statistic over the whole row first (and x + a written once)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
             k_ok = k < K
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
-        tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+            s = tl.load(x_row + k, mask=k_ok, other=0.0)
+            if HAS_A:
+                s = (s.to(tl.float32) + tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+                if pid == 0:
+                    tl.store(res_ptr + row * stride_rm + k, s, mask=k_ok)
+            s = s.to(tl.float32)
+            sq += s * s
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        v = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        if PRO == 1 or PRO == 2:
+            if HAS_A:
+                v = (v + tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            if PRO == 1:
+                v = (v * rstd * p).to(dtype).to(tl.float32)
+            else:
+                v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
+        elif PRO == 3:
+            u = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+            v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
+        elif PRO == 4:
+            g = tl.load(a_row + (k // GROUP) * stride_ag + k % GROUP, mask=k_ok, other=0.0).to(tl.float32)
+            v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
+            z = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+            v2 = tl.reshape(v, [BLOCK_K // GROUP, GROUP])
+            r = 1.0 / tl.sqrt(tl.sum(v2 * v2, axis=1) / GROUP + eps)
+            v = tl.reshape((v2 * r[:, None]).to(dtype).to(tl.float32), [BLOCK_K])
+            p = tl.load(p_ptr + k % GROUP).to(tl.float32)
+            v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * v[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + row * stride_om + offs_n, y.to(dtype), mask=n_ok)
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T -> [M, N], M <= MAX_ROWS; weight contiguous in K."""
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
+                prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
+                eps: float = 0.0, group: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring); weight, x and a contiguous
+    in K (sigmoid_gate: a [M, K // group, group], contiguous in its last dim). The add_norm prologues with `a` write
+    x + a into `residual` [M, K]."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
+    mode = PROLOGUES[prologue]
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k), DEFAULT)
+    if mode == 5:
+        assert k % group == 0 and group & (group - 1) == 0, (k, group)
+        block_k = max(block_k, group)
+    if mode in (1, 2) and a is not None:
+        assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
+    if a is not None:
+        assert a.shape[0] == m and a.stride(-1) == 1, (a.shape, a.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                                              ROWS=m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                              num_warps=warps, num_stages=stages)
+    _gemv_kernel[(triton.cdiv(n, block_n), m)](
+        x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
+        x if p is None else p, x if residual is None else residual, 0 if residual is None else residual.stride(0), eps,
+        BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, HAS_A=a is not None, GROUP=group,
+        num_warps=warps, num_stages=stages)
     return out

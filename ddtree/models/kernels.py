@@ -58,6 +58,22 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
     return _tree_kernel()
 
 
+def gemv_kernel(device: torch.device) -> Callable | None:
+    """Our one-row matrix-vector product (ddtree.models.gemv_kernel.linear_rows) on CUDA, or None (cuBLAS through
+    F.linear): DDTREE_GEMV_KERNEL=0 turns it off. On the H200 a 27B step's Linears took 12.08 ms through it against
+    13.02 through cuBLASLt (the floor at copy bandwidth 12.09; perf/results/gemv_h200.md)."""
+    if device.type != "cuda" or os.environ.get("DDTREE_GEMV_KERNEL", "1") in ("", "0"):
+        return None
+    return _gemv_kernel()
+
+
+@functools.cache
+def _gemv_kernel() -> Callable:
+    from ddtree.models.gemv_kernel import linear_rows
+    logger.info("one-row Linears in static forwards use ddtree.models.gemv_kernel")
+    return linear_rows
+
+
 # query rows per request our attention kernel takes at most (trees); longer ones (prompts) go through PyTorch's SDPA
 ATTENTION_KERNEL_MAX_ROWS = 128
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models import fused
+from ddtree.models import fused, kernels
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +26,10 @@ class RMSNorm(nn.Module):
         """(x + h, norm(x + h)) in one chain; h None: (x, norm(x))."""
         return (x, self(x)) if h is None else fused.add_rms_norm(x, h, self.weight, self.eps)
 
+    def prologue(self) -> tuple[str, torch.Tensor]:
+        """This norm as a GEMV prologue (ddtree.models.gemv_kernel) and its parameter."""
+        return "add_norm_plain", self.weight
+
 
 class Derived:
     """A tensor computed from a parameter and kept until the parameter changes (new storage or an in-place write):
@@ -38,6 +43,115 @@ class Derived:
         if key != self.key:
             self.value, self.key = self.fn(param), key
         return self.value
+
+
+def one_row_gemv(x: torch.Tensor) -> bool:
+    """Whether a Linear over x goes through our GEMV kernel: one row, in a static forward (an `ar` step at batch 1,
+    captured in a CUDA graph), where the kernel runs (CUDA; ddtree.models.kernels.gemv_kernel)."""
+    return len(x.shape) == 2 and x.shape[0] == 1 and fused.in_static() and kernels.gemv_kernel(x.device) is not None
+
+
+class Prologue:
+    """A Linear's input not computed yet: the elementwise chain before it (KIND, a ddtree.models.gemv_kernel
+    prologue) over x and its operands. linear() computes it in the GEMV's prologue where the row goes through our
+    kernel, else eagerly (eager(): the fused.* chain the unfused forward runs)."""
+    KIND = ""
+
+    def __init__(self, x: torch.Tensor, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
+                 eps: float = 0.0, group: int = 1) -> None:
+        self.x, self.a, self.p, self.eps, self.group = x, a, p, eps, group
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+
+    def eager(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def kernel_args(self) -> dict:
+        return {"prologue": self.KIND, "a": self.a, "p": self.p, "eps": self.eps, "group": self.group}
+
+
+class NormedRows(Prologue):
+    """norm(x + h) (h None: norm(x)), the residual add and the norm of a layer's input; after the Linear that reads
+    it, .residual is x + h (the residual stream)."""
+
+    def __init__(self, norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None) -> None:
+        kind, p = norm.prologue()
+        super().__init__(x, h, p, norm.eps)
+        self.KIND, self.norm, self.residual = kind, norm, None
+
+    def eager(self) -> torch.Tensor:
+        self.residual, y = self.norm.add_norm(self.x, self.a)
+        return y
+
+    def kernel_args(self) -> dict:
+        self.residual = self.x if self.a is None else torch.empty_like(self.x)
+        return {**super().kernel_args(), "residual": None if self.a is None else self.residual}
+
+
+    def residual_stream(self) -> torch.Tensor:
+        if self.residual is None:   # no Linear read it
+            self.eager()
+        return self.residual
+
+
+def eager_add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None
+                   ) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    """A layer's input: (the residual stream x + h, to call once the input is read; norm(x + h))."""
+    x, y = norm.add_norm(x, h)
+    return (lambda: x), y
+
+
+def deferred_add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None
+                      ) -> tuple[Callable[[], torch.Tensor], NormedRows]:
+    """eager_add_norm with the add and the norm left to the prologue of the GEMV that reads the input (one row)."""
+    rows = NormedRows(norm, x, h)
+    return rows.residual_stream, rows
+
+
+class SiluMul(Prologue):
+    KIND = "silu_mul"
+
+    def eager(self) -> torch.Tensor:
+        return fused.silu_mul(self.x, self.a)
+
+
+class SigmoidGated(Prologue):
+    """x [n, K] * sigmoid(gate), gate [n, K // d, d] (a strided view)."""
+    KIND = "sigmoid_gate"
+
+    def __init__(self, x: torch.Tensor, gate: torch.Tensor) -> None:
+        super().__init__(x, gate, group=gate.shape[-1])
+
+    def eager(self) -> torch.Tensor:
+        return fused.sigmoid_gate(self.x, self.a.reshape(self.x.shape[0], -1))
+
+
+class GatedNormed(Prologue):
+    """norm(o, z) over each group of `group` columns (a GatedRMSNorm with .weight and .eps): o, z  # [n, K]."""
+    KIND = "gated_norm"
+
+    def __init__(self, norm: nn.Module, o: torch.Tensor, z: torch.Tensor, group: int) -> None:
+        super().__init__(o, z, norm.weight, norm.eps, group)
+        self.norm = norm
+
+    def eager(self) -> torch.Tensor:
+        n = self.x.shape[0]
+        return self.norm(self.x.reshape(-1, self.group), self.a.reshape(-1, self.group)).reshape(n, -1)
+
+
+def linear(x: torch.Tensor | Prologue, module: nn.Linear) -> torch.Tensor:
+    """module(x), x a tensor or a Prologue; one row in a static forward on CUDA (an `ar` step at batch 1) through our
+    GEMV kernel with the prologue in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8% slower on the
+    H200, and each prologue is a kernel less)."""
+    if module.bias is None and one_row_gemv(x):
+        kernel = kernels.gemv_kernel(x.device)
+        if isinstance(x, Prologue):
+            return kernel(x.x.contiguous(), module.weight, **x.kernel_args())
+        return kernel(x.contiguous(), module.weight)
+    return module(x.eager() if isinstance(x, Prologue) else x)
+
+
+def materialize(x: torch.Tensor | Prologue) -> torch.Tensor:
+    return x.eager() if isinstance(x, Prologue) else x
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -70,8 +184,9 @@ class FusedProjections:
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         fused = getattr(self, "fused_proj", None)
         if fused is None:
+            x = materialize(x)
             return tuple(getattr(self, name)(x) for name in self.PROJECTIONS)
-        return fused(x).split(self.fused_sizes, dim=-1)
+        return linear(x, fused).split(self.fused_sizes, dim=-1)
 
 
 class GatedMLP(FusedProjections, nn.Module):
@@ -85,7 +200,7 @@ class GatedMLP(FusedProjections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x)
-        return self.down_proj(fused.silu_mul(gate, up))
+        return linear(SiluMul(gate, up), self.down_proj)
 
 
 class Rotary(nn.Module):

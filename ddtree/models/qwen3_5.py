@@ -40,7 +40,18 @@ from ddtree.models.gdn import (
     tree_paths,
 )
 from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_sequences_fla, step_gdn_kernel, steps_gdn_kernel, tree_gdn_kernel
-from ddtree.models.layers import Derived, FusedProjections, GatedMLP, Rotary
+from ddtree.models.layers import (
+    Derived,
+    FusedProjections,
+    GatedMLP,
+    GatedNormed,
+    Rotary,
+    SigmoidGated,
+    deferred_add_norm,
+    eager_add_norm,
+    linear,
+    one_row_gemv,
+)
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -175,6 +186,10 @@ class ZeroCenteredRMSNorm(nn.Module):
     def add_norm(self, x: torch.Tensor, h: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, norm(x + h)) in one chain; h None: (x, norm(x))."""
         return (x, self(x)) if h is None else fused.add_zero_centered_rms_norm(x, h, self.scale(self.weight), self.eps)
+
+    def prologue(self) -> tuple[str, torch.Tensor]:
+        """This norm as a GEMV prologue (ddtree.models.gemv_kernel) and its parameter (the float32 scale)."""
+        return "add_norm", self.scale(self.weight)
 
 
 class GatedRMSNorm(nn.Module):
@@ -320,8 +335,7 @@ class GatedAttention(FusedProjections, nn.Module):
                                                     self.k_norm.scale(self.k_norm.weight), self.k_norm.eps, *rope)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = attend_segments(q, k, v, [seg.cache.kv for seg in segments], segments, slot, self.head_dim**-0.5, packed)
-        out = fused.sigmoid_gate(out.reshape(n, -1), gate.reshape(n, -1))
-        return self.o_proj(out)
+        return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj)
 
 
 def value_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,8 +379,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees)
         else:
             o = self._sequences(mixed, b, a, segments, slot, layouts, stashes)
-        o = self.norm(o.reshape(n * hv, dv).to(x.dtype), z.reshape(n * hv, dv))
-        return self.out_proj(o.reshape(n, hv * dv))
+        return linear(GatedNormed(self.norm, o.reshape(n, hv * dv).to(x.dtype), z, dv), self.out_proj)
 
     def _sequences(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, segments: list[Segment], slot: int,
                    layouts: list[TreeLayout], stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
@@ -608,16 +621,18 @@ class HybridTarget(TargetModel):
         taps, wanted = {}, set(tap_layers or ())
         attn_slot = gdn_slot = 0
         pending = None   # the last MLP's output, added to x in the next norm's chain
+        add_norm = deferred_add_norm if one_row_gemv(x) else eager_add_norm   # one row: in the next GEMV's prologue
         for i, layer in enumerate(self.layers):
-            x, h = layer.input_layernorm.add_norm(x, pending)
+            x, h = add_norm(layer.input_layernorm, x, pending)
             if layer.kind == "full_attention":
                 h = layer.self_attn(h, rope, segments, attn_slot, plan.packed)
                 attn_slot += 1
             else:
                 h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes, trees)
                 gdn_slot += 1
-            x, h = layer.post_attention_layernorm.add_norm(x, h)
+            x, h = add_norm(layer.post_attention_layernorm, x(), h)
             pending = layer.mlp(h)
+            x = x()
             if i in wanted:
                 x, pending = x + pending, None
                 taps[i] = x

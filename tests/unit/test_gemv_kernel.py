@@ -1,0 +1,94 @@
+"""Our one-row GEMV (ddtree.models.gemv_kernel) against F.linear on the CPU through Triton's interpreter (compiled on
+a GPU machine), and engines whose static forwards send their one-row Linears through it decode what they decode
+through F.linear."""
+
+from __future__ import annotations
+
+import importlib
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree.sampling_params import SamplingParams
+from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+from tests.unit.test_batching import run_together
+
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter runs our kernel on the CPU)")
+
+
+def gemv_module():
+    tree_kernel_module()   # the interpreter's scalar-index patch
+    return importlib.import_module("ddtree.models.gemv_kernel")
+
+
+@pytest.mark.parametrize("n, k, config", [(37, 300, (8, 128, 4, 3)), (64, 512, (16, 256, 4, 2)),
+                                          (10, 1030, (4, 512, 8, 4)), (5, 64, None)])
+def test_linear_rows_equals_f_linear(n, k, config):
+    gen = torch.Generator().manual_seed(n * k)
+    x = torch.randn(4, 2 * k, generator=gen)[:1, ::2].contiguous()
+    w = torch.randn(n, k, generator=gen)
+    torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def prologue_cases(gen: torch.Generator, k: int, group: int):
+    """(prologue, x, kernel keyword arguments, the Linear's input as the unfused forward computes it (the eager
+    chain), the residual stream the chain leaves or None) for one row of width k."""
+    from ddtree.models import fused
+
+    x, a = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
+    scale, weight = 1.0 + 0.1 * torch.randn(k, generator=gen), torch.randn(group, generator=gen)
+    gate = torch.randn(1, k // group, 2 * group, generator=gen)[..., group:]      # a strided view, as the attention's
+    empty = torch.empty_like(x)
+    return [
+        ("add_norm", x, dict(a=a, p=scale, eps=1e-6, residual=empty), *fused.add_zero_centered_rms_norm(x, a, scale, 1e-6)[::-1]),
+        ("add_norm", x, dict(p=scale, eps=1e-6), fused.zero_centered_rms_norm(x, scale, 1e-6), None),
+        ("add_norm_plain", x, dict(a=a, p=scale, eps=1e-5, residual=empty.clone()),
+         *fused.add_rms_norm(x, a, scale, 1e-5)[::-1]),
+        ("silu_mul", x, dict(a=a), fused.silu_mul(x, a), None),
+        ("sigmoid_gate", x, dict(a=gate, group=group), fused.sigmoid_gate(x, gate.reshape(1, -1)), None),
+        ("gated_norm", x, dict(a=a, p=weight, eps=1e-6, group=group),
+         fused.gated_rms_norm(x.reshape(-1, group), a.reshape(-1, group), weight, 1e-6).reshape(1, -1), None),
+    ]
+
+
+@pytest.mark.parametrize("k, config", [(512, (8, 128, 4, 3)), (1000, (16, 256, 4, 2))])
+def test_prologues_equal_their_eager_chains(k, config):
+    """Each prologue's Linear == the Linear of the eager chain's output; add_norm with `a` writes x + a."""
+    gen = torch.Generator().manual_seed(k)
+    w = torch.randn(23, k, generator=gen)
+    for prologue, x, kwargs, chained, residual in prologue_cases(gen, k, 8):
+        got = gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
+        torch.testing.assert_close(got, F.linear(chained, w), rtol=1e-4, atol=1e-4, msg=prologue)
+        if residual is not None:
+            torch.testing.assert_close(kwargs["residual"], residual, msg=prologue)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_engines_with_one_row_linears_through_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path,
+                                                                                          monkeypatch):
+    """Greedy `ar` and `ddtree` requests with every one-row Linear of the static forwards (the `ar` steps', at
+    batch 1) through our kernel: the tokens of F.linear's engine."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.models import layers
+    from tests.unit.test_batching import make_hybrid
+
+    if kind == "dense":
+        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+    else:
+        target, drafter = make_hybrid(tmp_path)
+    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), dtype="float32", max_model_len=128,
+                          max_num_seqs=1, static_forward="on")
+    vocab = Engine(config).target.config.vocab_size
+    rng = random.Random(3)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))],
+             SamplingParams(max_tokens=5, mode=mode, tree_budget=6, ignore_eos=True)) for mode in ("ar", "ddtree")]
+    expected = [run_together(Engine(config), [job]) for job in jobs]
+    kernel, calls = gemv_module().linear_rows, []
+    monkeypatch.setattr(layers.kernels, "gemv_kernel",
+                        lambda device: lambda x, w, **k: calls.append((x.shape[0], k.get("prologue"))) or kernel(x, w, **k))
+    assert [run_together(Engine(config), [job]) for job in jobs] == expected
+    want = {"add_norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"add_norm_plain", None, "silu_mul"}
+    assert {rows for rows, _ in calls} == {1} and {p for _, p in calls} == want, set(calls)
