@@ -32,33 +32,38 @@ def test_linear_rows_equals_f_linear(n, k, config):
     torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def prologue_cases(gen: torch.Generator, k: int, group: int):
-    """(prologue, x, kernel keyword arguments, the Linear's input as the unfused forward computes it (the eager
-    chain), the residual stream the chain leaves or None) for one row of width k."""
+def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """x [1, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
+    it (the eager chain, rounding to dtype where the prologue rounds), the residual stream it leaves or None)."""
     from ddtree.models import fused
 
-    x, a = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
-    scale, weight = 1.0 + 0.1 * torch.randn(k, generator=gen), torch.randn(group, generator=gen)
-    gate = torch.randn(1, k // group, 2 * group, generator=gen)[..., group:]      # a strided view, as the attention's
-    empty = torch.empty_like(x)
-    return [
-        ("add_norm", x, dict(a=a, p=scale, eps=1e-6, residual=empty), *fused.add_zero_centered_rms_norm(x, a, scale, 1e-6)[::-1]),
-        ("add_norm", x, dict(p=scale, eps=1e-6), fused.zero_centered_rms_norm(x, scale, 1e-6), None),
-        ("add_norm_plain", x, dict(a=a, p=scale, eps=1e-5, residual=empty.clone()),
-         *fused.add_rms_norm(x, a, scale, 1e-5)[::-1]),
-        ("silu_mul", x, dict(a=a), fused.silu_mul(x, a), None),
-        ("sigmoid_gate", x, dict(a=gate, group=group), fused.sigmoid_gate(x, gate.reshape(1, -1)), None),
-        ("gated_norm", x, dict(a=a, p=weight, eps=1e-6, group=group),
-         fused.gated_rms_norm(x.reshape(-1, group), a.reshape(-1, group), weight, 1e-6).reshape(1, -1), None),
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dt)
+
+    x, a = rand(1, k), rand(1, k)
+    scale, weight, group_weight = 1.0 + 0.1 * rand(k, dt=torch.float32), rand(k), rand(group)
+    gate = rand(1, k // group, 2 * group)[..., group:]      # a strided view, as the attention's output gate
+    return x, [
+        ("add_norm", dict(a=a, p=scale, eps=1e-6, residual=torch.empty_like(x)),
+         *fused.add_zero_centered_rms_norm.eager(x, a, scale, 1e-6)[::-1]),
+        ("add_norm", dict(p=scale, eps=1e-6), fused.zero_centered_rms_norm.eager(x, scale, 1e-6), None),
+        ("add_norm_plain", dict(a=a, p=weight, eps=1e-5, residual=torch.empty_like(x)),
+         *fused.add_rms_norm.eager(x, a, weight, 1e-5)[::-1]),
+        ("silu_mul", dict(a=a), fused.silu_mul.eager(x, a), None),
+        ("sigmoid_gate", dict(a=gate, group=group), fused.sigmoid_gate.eager(x, gate.reshape(1, -1)), None),
+        ("gated_norm", dict(a=a, p=group_weight, eps=1e-6, group=group),
+         fused.gated_rms_norm.eager(x.reshape(-1, group), a.reshape(-1, group), group_weight, 1e-6).reshape(1, -1), None),
     ]
 
 
 @pytest.mark.parametrize("k, config", [(512, (8, 128, 4, 3)), (1000, (16, 256, 4, 2))])
 def test_prologues_equal_their_eager_chains(k, config):
     """Each prologue's Linear == the Linear of the eager chain's output; add_norm with `a` writes x + a."""
-    gen = torch.Generator().manual_seed(k)
-    w = torch.randn(23, k, generator=gen)
-    for prologue, x, kwargs, chained, residual in prologue_cases(gen, k, 8):
+    w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
+    x, cases = prologue_cases(k, 8, seed=k)
+    for prologue, kwargs, chained, residual in cases:
         got = gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
         torch.testing.assert_close(got, F.linear(chained, w), rtol=1e-4, atol=1e-4, msg=prologue)
         if residual is not None:

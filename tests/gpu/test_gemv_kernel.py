@@ -1,0 +1,66 @@
+"""Our one-row GEMV with its prologues (ddtree.models.gemv_kernel) compiled on the GPU against the eager chains and
+F.linear, in float32 and bf16, inside a CUDA graph too; and engines with it against engines without
+(DDTREE_GEMV_KERNEL). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.unit.test_gemv_kernel import prologue_cases
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
+def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k):
+    """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
+    rounds): to float32 rounding in float32, to a bf16 ulp or two of the output's scale in bf16; the residual
+    stream written exactly."""
+    from ddtree.models.gemv_kernel import linear_rows
+
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k**0.5).to("cuda", dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    x, cases = prologue_cases(k, 8 if k % 128 else 128, seed=n + k, device="cuda", dtype=dtype)
+    with torch.inference_mode():
+        for prologue, kwargs, chained, residual in cases:
+            want = F.linear(chained, w).float()
+            got = linear_rows(x, w, prologue=prologue, **kwargs).float()
+            scale = want.abs().max().clamp(min=1.0)
+            assert (got - want).abs().max() <= tolerance * scale, f"{prologue} {dtype} {n}x{k}"
+            if residual is not None:
+                assert torch.equal(kwargs["residual"], residual), prologue
+
+
+def test_gemv_replays_from_a_cuda_graph():
+    from ddtree.models.gemv_kernel import linear_rows
+
+    x, w = torch.randn(1, 4096, device="cuda"), torch.randn(1000, 4096, device="cuda")
+    linear_rows(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_rows(x, w)
+    x.copy_(torch.randn(1, 4096, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with one-row Linears through our GEMV == through cuBLAS."""
+    from ddtree.config import EngineConfig
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens
+    from tests.unit.oracle import make_tiny_hybrid
+
+    if family == "hybrid":
+        root, _ = make_tiny_hybrid(tmp_path)
+        target, drafter = root / "target", root / "dflash"
+    else:
+        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64,
+                          device="cuda")
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", config,
+                                      [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=6)
