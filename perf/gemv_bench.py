@@ -5,8 +5,8 @@ served, and the lm_head) in forward order, each with its own weights, timed as o
 rows. Variants:
 - cublaslt: F.linear as the engine runs it (PyTorch's default BLAS backend, cuBLASLt);
 - cublas: the same with torch.backends.cuda.preferred_blas_library("cublas") (the legacy API's GEMV kernels);
-- ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (each shape's
-  configurations timed first on that shape's weights alone).
+- ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (one row) or DOT_GRID
+  (several: tl.dot tiles) (each shape's configurations timed first on that shape's weights alone).
 Also: bytes-read bandwidth (a sum over 4 GiB) and copy bandwidth (read + written), measured in the same run.
 
     python perf/gemv_bench.py --name gemv_h200
@@ -31,6 +31,9 @@ from perf.tree_kernel_bench import graph_ms  # noqa: E402
 
 CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
                if bn * bk <= 16384]
+# several rows: tl.dot tiles (BLOCK_N, BLOCK_K, warps, stages)
+DOT_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
+            if bn * bk <= 16384]
 
 
 def read_bandwidth(gib: float = 4.0) -> float:
@@ -56,7 +59,7 @@ def best_configs(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
         x = torch.randn(rows, shape[1], device="cuda", dtype=group[0].dtype)
         base = graph_ms(lambda: [F.linear(x, w) for w in group], repeats)
         times = {}
-        for config in CONFIG_GRID:
+        for config in (CONFIG_GRID if rows == 1 else DOT_GRID):
             try:
                 times[config] = graph_ms(lambda: [linear_rows(x, w, config) for w in group], repeats)
             except Exception as exc:   # a configuration the compiler refuses (registers, shared memory)
@@ -121,7 +124,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen36-27b")
-    parser.add_argument("--rows", default="1", help="comma-separated input row counts (at most gemv_kernel.MAX_ROWS)")
+    parser.add_argument("--rows", default="1,17,65", help="comma-separated input row counts (at most gemv_kernel.MAX_ROWS)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")

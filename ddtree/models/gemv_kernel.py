@@ -35,6 +35,10 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (5120, 6144): (8, 512, 8, 3), (16480, 5120): (32, 512, 4, 3), (5120, 17408): (8, 512, 8, 4),
     (34816, 5120): (32, 256, 8, 3), (14336, 5120): (16, 256, 4, 3), (248320, 5120): (16, 1024, 8, 3),
 }
+# rows 2..MAX_ROWS: all rows in one tile through tl.dot (the weights still read once)
+MAX_ROWS = 128
+DOT_DEFAULT = (32, 128, 4, 3)
+DOT_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 PROLOGUES = {None: 0, "add_norm": 1, "add_norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
 
 
@@ -44,75 +48,92 @@ def _silu(v):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  a_ptr, stride_am, stride_ag, p_ptr, res_ptr, stride_rm, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, HAS_A: tl.constexpr,
-                 GROUP: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+                 HAS_A: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+    """out[M, N] = prologue(x, a, p)[M, K] @ w[N, K].T. DOT: all M rows (<= BLOCK_M) through tl.dot; else one row
+    (BLOCK_M 1) multiplied elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end."""
     pid = tl.program_id(0)
-    row = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + row * stride_xm
-    a_row = a_ptr + row * stride_am
-    rstd = 0.0
-    if PRO == 1 or PRO == 2:   # the norm's statistic over the whole row first (and x + a written once)
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    a_rows = a_ptr + offs_m[:, None] * stride_am
+    rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if PRO == 1 or PRO == 2:   # the norm's statistic over each whole row first (and x + a written once)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
-            k_ok = k < K
-            s = tl.load(x_row + k, mask=k_ok, other=0.0)
+            ok = m_ok[:, None] & (k < K)[None, :]
+            s = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
             if HAS_A:
-                s = (s.to(tl.float32) + tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+                s = (s.to(tl.float32) + tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dtype)
                 if pid == 0:
-                    tl.store(res_ptr + row * stride_rm + k, s, mask=k_ok)
+                    tl.store(res_ptr + offs_m[:, None] * stride_rm + k[None, :], s, mask=ok)
             s = s.to(tl.float32)
             sq += s * s
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1, keep_dims=True) / K + eps)
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
-        v = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        ok = m_ok[:, None] & k_ok[None, :]
+        v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
         if PRO == 1 or PRO == 2:
             if HAS_A:
-                v = (v + tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-            p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                v = (v + tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             if PRO == 1:
                 v = (v * rstd * p).to(dtype).to(tl.float32)
             else:
                 v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
         elif PRO == 3:
-            u = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
             v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
         elif PRO == 4:
-            g = tl.load(a_row + (k // GROUP) * stride_ag + k % GROUP, mask=k_ok, other=0.0).to(tl.float32)
+            g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
             v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
-            z = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
-            v2 = tl.reshape(v, [BLOCK_K // GROUP, GROUP])
-            r = 1.0 / tl.sqrt(tl.sum(v2 * v2, axis=1) / GROUP + eps)
-            v = tl.reshape((v2 * r[:, None]).to(dtype).to(tl.float32), [BLOCK_K])
-            p = tl.load(p_ptr + k % GROUP).to(tl.float32)
+            z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+            v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
+            r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
+            v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
+            p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
             v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * v[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + row * stride_om + offs_n, y.to(dtype), mask=n_ok)
+        if DOT:
+            if IEEE:
+                acc = tl.dot(v.to(w.dtype), tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(v.to(w.dtype), tl.trans(w), acc)
+        else:
+            acc += w.to(tl.float32) * v
+    if DOT:
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        y = tl.sum(acc, axis=1)
+        tl.store(out_ptr + offs_n, y.to(dtype), mask=n_ok)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring); weight, x and a contiguous
+    """prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS (module docstring); weight, x and a contiguous
     in K (sigmoid_gate: a [M, K // group, group], contiguous in its last dim). The add_norm prologues with `a` write
     x + a into `residual` [M, K]."""
     m, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride(), weight.shape)
+    assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
     mode = PROLOGUES[prologue]
-    block_n, block_k, warps, stages = config or CONFIGS.get((n, k), DEFAULT)
+    dot = m > 1
+    block_n, block_k, warps, stages = config or (DOT_CONFIGS if dot else CONFIGS).get((n, k), DOT_DEFAULT if dot else DEFAULT)
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)
         block_k = max(block_k, group)
@@ -121,10 +142,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     if a is not None:
         assert a.shape[0] == m and a.stride(-1) == 1, (a.shape, a.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _gemv_kernel[(triton.cdiv(n, block_n), m)](
-        x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
         x if p is None else p, x if residual is None else residual, 0 if residual is None else residual.stride(0), eps,
-        BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, HAS_A=a is not None, GROUP=group,
-        num_warps=warps, num_stages=stages)
+        BLOCK_M=max(16, triton.next_power_of_2(m)) if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode,
+        HAS_A=a is not None, GROUP=group, DOT=dot, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out

@@ -23,17 +23,20 @@ def gemv_module():
     return importlib.import_module("ddtree.models.gemv_kernel")
 
 
-@pytest.mark.parametrize("n, k, config", [(37, 300, (8, 128, 4, 3)), (64, 512, (16, 256, 4, 2)),
-                                          (10, 1030, (4, 512, 8, 4)), (5, 64, None)])
-def test_linear_rows_equals_f_linear(n, k, config):
+@pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 3)), (1, 64, 512, (16, 256, 4, 2)),
+                                             (1, 10, 1030, (4, 512, 8, 4)), (1, 5, 64, None), (3, 37, 300, (16, 64, 4, 3)),
+                                             (17, 70, 520, (32, 128, 4, 2)), (5, 5, 64, None)])
+def test_linear_rows_equals_f_linear(m, n, k, config):
+    """One row (elementwise products) and several (tl.dot, float32 multiplied in float32), partial tiles."""
     gen = torch.Generator().manual_seed(n * k)
-    x = torch.randn(4, 2 * k, generator=gen)[:1, ::2].contiguous()
+    x = torch.randn(m, 2 * k, generator=gen)[:, ::2].contiguous()
     w = torch.randn(n, k, generator=gen)
     torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """x [1, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
+def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   rows: int = 1):
+    """x [rows, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
     it (the eager chain, rounding to dtype where the prologue rounds), the residual stream it leaves or None)."""
     from ddtree.models import fused
 
@@ -42,9 +45,9 @@ def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: to
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=dt)
 
-    x, a = rand(1, k), rand(1, k)
+    x, a = rand(rows, k), rand(rows, k)
     scale, weight, group_weight = 1.0 + 0.1 * rand(k, dt=torch.float32), rand(k), rand(group)
-    gate = rand(1, k // group, 2 * group)[..., group:]      # a strided view, as the attention's output gate
+    gate = rand(rows, k // group, 2 * group)[..., group:]      # a strided view, as the attention's output gate
     return x, [
         ("add_norm", dict(a=a, p=scale, eps=1e-6, residual=torch.empty_like(x)),
          *fused.add_zero_centered_rms_norm.eager(x, a, scale, 1e-6)[::-1]),
@@ -52,17 +55,18 @@ def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: to
         ("add_norm_plain", dict(a=a, p=weight, eps=1e-5, residual=torch.empty_like(x)),
          *fused.add_rms_norm.eager(x, a, weight, 1e-5)[::-1]),
         ("silu_mul", dict(a=a), fused.silu_mul.eager(x, a), None),
-        ("sigmoid_gate", dict(a=gate, group=group), fused.sigmoid_gate.eager(x, gate.reshape(1, -1)), None),
+        ("sigmoid_gate", dict(a=gate, group=group), fused.sigmoid_gate.eager(x, gate.reshape(rows, -1)), None),
         ("gated_norm", dict(a=a, p=group_weight, eps=1e-6, group=group),
-         fused.gated_rms_norm.eager(x.reshape(-1, group), a.reshape(-1, group), group_weight, 1e-6).reshape(1, -1), None),
+         fused.gated_rms_norm.eager(x.reshape(-1, group), a.reshape(-1, group), group_weight, 1e-6).reshape(rows, -1), None),
     ]
 
 
-@pytest.mark.parametrize("k, config", [(512, (8, 128, 4, 3)), (1000, (16, 256, 4, 2))])
-def test_prologues_equal_their_eager_chains(k, config):
+@pytest.mark.parametrize("rows, k, config", [(1, 512, (8, 128, 4, 3)), (1, 1000, (16, 256, 4, 2)),
+                                             (5, 1000, (16, 128, 4, 2)), (17, 256, (32, 64, 4, 3))])
+def test_prologues_equal_their_eager_chains(rows, k, config):
     """Each prologue's Linear == the Linear of the eager chain's output; add_norm with `a` writes x + a."""
     w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
-    x, cases = prologue_cases(k, 8, seed=k)
+    x, cases = prologue_cases(k, 8, seed=k, rows=rows)
     for prologue, kwargs, chained, residual in cases:
         got = gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
         torch.testing.assert_close(got, F.linear(chained, w), rtol=1e-4, atol=1e-4, msg=prologue)
