@@ -6,7 +6,10 @@ rows. Variants:
 - cublaslt: F.linear as the engine runs it (PyTorch's default BLAS backend, cuBLASLt);
 - cublas: the same with torch.backends.cuda.preferred_blas_library("cublas") (the legacy API's GEMV kernels);
 - ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (one row) or DOT_GRID
-  (several: tl.dot tiles) (each shape's configurations timed first on that shape's weights alone).
+  (several: tl.dot tiles) (each shape's configurations timed first on that shape's weights alone);
+- ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: add + norm,
+  silu * up, gated norm, sigmoid gate), each (shape, prologue) at its own best configuration. Not comparable with
+  the GEMMs alone: it does the chains' work too.
 Also: bytes-read bandwidth (a sum over 4 GiB) and copy bandwidth (read + written), measured in the same run.
 
     python perf/gemv_bench.py --name gemv_h200
@@ -29,7 +32,7 @@ from perf.common import ROOT, header, write_results  # noqa: E402
 from perf.hybrid_verify import copy_bandwidth, random_target, timed  # noqa: E402
 from perf.tree_kernel_bench import graph_ms  # noqa: E402
 
-CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))
+CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (3, 4))
                if bn * bk <= 16384]
 # several rows: tl.dot tiles (BLOCK_N, BLOCK_K, warps, stages)
 DOT_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
@@ -43,60 +46,98 @@ def read_bandwidth(gib: float = 4.0) -> float:
     return src.numel() * src.element_size() / (statistics.median(times) / 1e3)
 
 
-def linears(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+def linears(model: torch.nn.Module) -> list[tuple[torch.Tensor, str | None, int]]:
+    """Every Linear's weight in forward order with the prologue the engine's one-row forward gives it (the chain
+    before it: ddtree.models.layers.Prologue) and its group width."""
+    c, out = model.config, []
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        if name.endswith("fused_proj"):
+            kind, group = "add_norm", 1
+        elif name.endswith("down_proj"):
+            kind, group = "silu_mul", 1
+        elif name.endswith("out_proj"):
+            kind, group = "gated_norm", c.linear_value_head_dim
+        elif name.endswith("o_proj"):
+            kind, group = "sigmoid_gate", c.head_dim
+        else:
+            kind, group = None, 1
+        out.append((m.weight, kind, group))
+    return out
 
 
-def best_configs(weights: list[torch.Tensor], rows: int, repeats: int) -> dict:
+def prologue_inputs(kind: str | None, rows: int, k: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, device="cuda", dtype=dt)
+
+    x = rand(rows, k)
+    if kind is None:
+        return x, {}
+    if kind == "add_norm":
+        return x, dict(prologue=kind, a=rand(rows, k), p=1.0 + 0.1 * rand(k, dt=torch.float32), eps=1e-6,
+                       residual=torch.empty_like(x))
+    if kind == "silu_mul":
+        return x, dict(prologue=kind, a=rand(rows, k))
+    if kind == "gated_norm":
+        return x, dict(prologue=kind, a=rand(rows, k), p=rand(group), eps=1e-6, group=group)
+    return x, dict(prologue=kind, a=rand(rows, k // group, 2 * group)[..., group:], group=group)
+
+
+def best_configs(weights: list[tuple[torch.Tensor, str | None, int]], rows: int, repeats: int) -> dict:
+    """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue at their best
+    configurations (up to 16 of the shape's weights in one graph)."""
     from ddtree.models.gemv_kernel import linear_rows
 
-    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for w in weights:
-        by_shape.setdefault(tuple(w.shape), []).append(w)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for w, kind, group in weights:
+        groups.setdefault((*w.shape, kind, group), []).append(w)
     chosen = {}
-    for shape, group in by_shape.items():
-        group = group[:16]
-        x = torch.randn(rows, shape[1], device="cuda", dtype=group[0].dtype)
-        base = graph_ms(lambda: [F.linear(x, w) for w in group], repeats)
-        times = {}
-        for config in (CONFIG_GRID if rows == 1 else DOT_GRID):
-            try:
-                times[config] = graph_ms(lambda: [linear_rows(x, w, config) for w in group], repeats)
-            except Exception as exc:   # a configuration the compiler refuses (registers, shared memory)
-                print(f"{shape} {config}: {exc!r:.120}", flush=True)
-        best = min(times, key=times.get)
-        gbytes = sum(w.numel() * w.element_size() for w in group) / 1e9
-        chosen[shape] = {"config": list(best), "ms": times[best], "cublaslt_ms": base, "weights": len(group),
-                         "ours_tb_per_s": gbytes / times[best], "cublaslt_tb_per_s": gbytes / base,
-                         "top5": sorted(([list(c), t] for c, t in times.items()), key=lambda ct: ct[1])[:5]}
-        print(f"{shape}: cublaslt {base:.3f} ms ({gbytes / base:.2f} TB/s), ours {times[best]:.3f} "
-              f"({gbytes / times[best]:.2f} TB/s) with {best}", flush=True)
+    for (n, k, kind, group), ws in groups.items():
+        ws = ws[:16]
+        x, kwargs = prologue_inputs(kind, rows, k, group, ws[0].dtype)
+        gbytes = sum(w.numel() * w.element_size() for w in ws) / 1e9
+        entry = {"weights": len(ws), "cublaslt_ms": graph_ms(lambda: [F.linear(x, w) for w in ws], repeats)}
+        for variant, kw in (("plain", {}), ("prologue", kwargs)) if kind else (("plain", {}),):
+            times = {}
+            for config in (CONFIG_GRID if rows == 1 else DOT_GRID):
+                try:
+                    times[config] = graph_ms(lambda: [linear_rows(x, w, config, **kw) for w in ws], repeats)
+                except Exception as exc:   # a configuration the compiler refuses (registers, shared memory)
+                    print(f"{n}x{k} {kind} {config}: {exc!r:.120}", flush=True)
+            best = min(times, key=times.get)
+            entry[variant] = {"config": list(best), "ms": times[best], "tb_per_s": gbytes / times[best],
+                              "top3": sorted(([list(c), t] for c, t in times.items()), key=lambda ct: ct[1])[:3]}
+        entry["cublaslt_tb_per_s"] = gbytes / entry["cublaslt_ms"]
+        chosen[(n, k, kind, group)] = entry
+        print(f"{rows} rows {n}x{k} {kind}: cublaslt {entry['cublaslt_ms']:.3f} ms, "
+              + ", ".join(f"{v} {entry[v]['ms']:.3f} ({entry[v]['tb_per_s']:.2f} TB/s) {tuple(entry[v]['config'])}"
+                          for v in ("plain", "prologue") if v in entry), flush=True)
     return chosen
 
 
-def whole_step(weights: list[torch.Tensor], rows: int, chosen: dict, repeats: int) -> dict:
+def whole_step(weights: list[tuple[torch.Tensor, str | None, int]], rows: int, chosen: dict, repeats: int) -> dict:
+    """Every Linear of a step in one graph: cuBLASLt, ours plain, ours with the engine's prologues."""
     from ddtree.models.gemv_kernel import linear_rows
 
-    xs = {k: torch.randn(rows, k, device="cuda", dtype=weights[0].dtype) for k in {w.shape[1] for w in weights}}
-    out = {}
-    out["cublaslt"] = graph_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], repeats)
+    inputs = {key: prologue_inputs(key[2], rows, key[1], key[3], weights[0][0].dtype) for key in chosen}
+    plan = [(w, *inputs[(*w.shape, kind, group)], chosen[(*w.shape, kind, group)]) for w, kind, group in weights]
+    out = {"cublaslt": graph_ms(lambda: [F.linear(x, w) for w, x, _, _ in plan], repeats)}
     before = torch.backends.cuda.preferred_blas_library()
     try:
         torch.backends.cuda.preferred_blas_library("cublas")
-        out["cublas"] = graph_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], repeats)
+        out["cublas"] = graph_ms(lambda: [F.linear(x, w) for w, x, _, _ in plan], repeats)
     finally:
         torch.backends.cuda.preferred_blas_library(before)
-    configs = [tuple(chosen[tuple(w.shape)]["config"]) for w in weights]
-    out["ours"] = graph_ms(lambda: [linear_rows(xs[w.shape[1]], w, c) for w, c in zip(weights, configs)], repeats)
-    # agreement with cuBLAS on one weight of each shape
+    out["ours"] = graph_ms(lambda: [linear_rows(x, w, tuple(e["plain"]["config"])) for w, x, _, e in plan], repeats)
+    out["ours_prologues"] = graph_ms(lambda: [linear_rows(x, w, tuple(e.get("prologue", e["plain"])["config"]), **kw)
+                                              for w, x, kw, e in plan], repeats)
     diffs = {}
-    for shape in chosen:
-        w = next(w for w in weights if tuple(w.shape) == shape)
-        x = xs[shape[1]]
+    for (n, k, kind, group), (x, _) in inputs.items():   # agreement with cuBLAS, plain, one weight of each shape
+        w = next(w for w, *_ in weights if tuple(w.shape) == (n, k))
         ref = F.linear(x.float(), w.float())
-        diffs[f"{shape[0]}x{shape[1]}"] = {
-            "ours": (linear_rows(x, w, tuple(chosen[shape]["config"])).float() - ref).abs().max().item(),
-            "cublaslt": (F.linear(x, w).float() - ref).abs().max().item()}
+        diffs[f"{n}x{k}"] = {"ours": (linear_rows(x, w).float() - ref).abs().max().item(),
+                             "cublaslt": (F.linear(x, w).float() - ref).abs().max().item()}
     out["max_abs_diff_vs_fp32"] = diffs
     return out
 
@@ -107,17 +148,22 @@ def table(result: dict) -> str:
              f" TB/s (read + written); a step's Linear weights {gb:.2f} GB (floor at copy bandwidth "
              f"{gb / result['copy_bytes_per_s'] * 1e12:.2f} ms)\n",
              "Every Linear of a step in one CUDA graph replay, ms (/ floor at copy bandwidth)\n",
-             "| rows | cublaslt | cublas | ours |", "|---|---|---|---|"]
+             "| rows | cublaslt | cublas | ours | ours with the prologues |", "|---|---|---|---|---|"]
     floor = gb / result["copy_bytes_per_s"] * 1e12
+    variants = ("cublaslt", "cublas", "ours", "ours_prologues")
     for rows, step in result["steps"].items():
-        lines.append(f"| {rows} | " + " | ".join(f"{step[v]:.3f} ({step[v] / floor:.3f})" for v in ("cublaslt", "cublas", "ours")) + " |")
-    lines += ["", "Per weight shape (up to 16 of its weights in one graph), best configuration of ours "
-              "(BLOCK_N, BLOCK_K, warps, stages)\n",
-              "| rows | N x K | weights | cublaslt ms | TB/s | ours ms | TB/s | config |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(f"| {rows} | " + " | ".join(f"{step[v]:.3f} ({step[v] / floor:.3f})" for v in variants) + " |")
+    lines += ["", "Per weight shape and prologue (up to 16 of its weights in one graph), ms (TB/s), best configuration "
+              "of ours (BLOCK_N, BLOCK_K, warps, stages)\n",
+              "| rows | N x K | prologue | weights | cublaslt | ours | config | ours with the prologue | config |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for rows, shapes in result["shapes"].items():
-        for shape, s in shapes.items():
-            lines.append(f"| {rows} | {shape} | {s['weights']} | {s['cublaslt_ms']:.3f} | {s['cublaslt_tb_per_s']:.2f} | "
-                         f"{s['ms']:.3f} | {s['ours_tb_per_s']:.2f} | {tuple(s['config'])} |")
+        for key, s in shapes.items():
+            pro = s.get("prologue")
+            lines.append(f"| {rows} | {key.rsplit(' ', 1)[0]} | {key.rsplit(' ', 1)[1]} | {s['weights']} | "
+                         f"{s['cublaslt_ms']:.3f} ({s['cublaslt_tb_per_s']:.2f}) | "
+                         f"{s['plain']['ms']:.3f} ({s['plain']['tb_per_s']:.2f}) | {tuple(s['plain']['config'])} | "
+                         + (f"{pro['ms']:.3f} ({pro['tb_per_s']:.2f}) | {tuple(pro['config'])} |" if pro else "- | - |"))
     return "\n".join(lines)
 
 
@@ -135,13 +181,13 @@ def main(argv: list[str] | None = None) -> dict:
     model = random_target(args.shape, torch.bfloat16, "cuda")
     weights = linears(model)
     result = {"header": header(), "shape": args.shape, "repeats": args.repeats,
-              "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+              "weight_bytes": sum(w.numel() * w.element_size() for w, _, _ in weights),
               "read_bytes_per_s": read_bandwidth(), "copy_bytes_per_s": copy_bandwidth("cuda"),
               "shapes": {}, "steps": {}}
     print(f"read {result['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
         chosen = best_configs(weights, rows, args.repeats)
-        result["shapes"][rows] = {f"{n}x{k}": v for (n, k), v in chosen.items()}
+        result["shapes"][rows] = {f"{n}x{k} {kind}": v for (n, k, kind, _), v in chosen.items()}
         result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats)
         print(f"rows {rows}: {result['steps'][rows]}", flush=True)
     write_results(Path(args.out), args.name, result, table(result))

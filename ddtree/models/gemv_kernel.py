@@ -29,16 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K); others use DEFAULT (within 2% of the best on every 27B shape)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K, prologue); others use DEFAULT (one row: within 2% of the best
+# plain configuration on every 27B shape)
 DEFAULT = (8, 512, 4, 3)
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (5120, 6144): (8, 512, 8, 3), (16480, 5120): (32, 512, 4, 3), (5120, 17408): (8, 512, 8, 4),
-    (34816, 5120): (32, 256, 8, 3), (14336, 5120): (16, 256, 4, 3), (248320, 5120): (16, 1024, 8, 3),
+CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {
+    (5120, 6144, None): (8, 512, 8, 3), (16480, 5120, None): (32, 512, 4, 3), (5120, 17408, None): (8, 512, 8, 4),
+    (34816, 5120, None): (32, 256, 8, 3), (14336, 5120, None): (16, 256, 4, 3), (248320, 5120, None): (16, 1024, 8, 3),
 }
 # rows 2..MAX_ROWS: all rows in one tile through tl.dot (the weights still read once)
 MAX_ROWS = 128
 DOT_DEFAULT = (32, 128, 4, 3)
-DOT_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+DOT_CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {}
+NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
 PROLOGUES = {None: 0, "add_norm": 1, "add_norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
 
 
@@ -51,7 +53,7 @@ def _silu(v):
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  a_ptr, stride_am, stride_ag, p_ptr, res_ptr, stride_rm, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 HAS_A: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr):
+                 HAS_A: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, NORM_K: tl.constexpr):
     """out[M, N] = prologue(x, a, p)[M, K] @ w[N, K].T. DOT: all M rows (<= BLOCK_M) through tl.dot; else one row
     (BLOCK_M 1) multiplied elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end."""
     pid = tl.program_id(0)
@@ -64,10 +66,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     a_rows = a_ptr + offs_m[:, None] * stride_am
     rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-    if PRO == 1 or PRO == 2:   # the norm's statistic over each whole row first (and x + a written once)
-        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
+    if PRO == 1 or PRO == 2:   # the norm's statistic over each whole row first (one load at a row's usual widths)
+        sq = tl.zeros([BLOCK_M, NORM_K], dtype=tl.float32)
+        for k0 in range(0, K, NORM_K):
+            k = k0 + tl.arange(0, NORM_K)
             ok = m_ok[:, None] & (k < K)[None, :]
             s = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
             if HAS_A:
@@ -133,7 +135,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
     mode = PROLOGUES[prologue]
     dot = m > 1
-    block_n, block_k, warps, stages = config or (DOT_CONFIGS if dot else CONFIGS).get((n, k), DOT_DEFAULT if dot else DEFAULT)
+    configs = DOT_CONFIGS if dot else CONFIGS
+    block_n, block_k, warps, stages = config or configs.get((n, k, prologue), configs.get((n, k, None), DOT_DEFAULT if dot else DEFAULT))
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)
         block_k = max(block_k, group)
@@ -147,5 +150,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
         x if p is None else p, x if residual is None else residual, 0 if residual is None else residual.stride(0), eps,
         BLOCK_M=max(16, triton.next_power_of_2(m)) if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode,
-        HAS_A=a is not None, GROUP=group, DOT=dot, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        HAS_A=a is not None, GROUP=group, DOT=dot, IEEE=x.dtype == torch.float32,
+        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS // max(16, m) if dot else NORM_ELEMENTS)),
+        num_warps=warps, num_stages=stages)
     return out
