@@ -5,8 +5,8 @@ served, and the lm_head) in forward order, each with its own weights, timed as o
 rows. Variants:
 - cublaslt: F.linear as the engine runs it (PyTorch's default BLAS backend, cuBLASLt);
 - cublas: the same with torch.backends.cuda.preferred_blas_library("cublas") (the legacy API's GEMV kernels);
-- ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (one row) or DOT_GRID
-  (several: tl.dot tiles) (each shape's configurations timed first on that shape's weights alone);
+- ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (each shape's
+  configurations timed first on that shape's weights alone);
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: add + norm,
   silu * up, gated norm, sigmoid gate), each (shape, prologue) at its own best configuration. Not comparable with
   the GEMMs alone: it does the chains' work too.
@@ -34,9 +34,6 @@ from perf.tree_kernel_bench import graph_ms  # noqa: E402
 
 CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (3, 4))
                if bn * bk <= 16384]
-# several rows: tl.dot tiles (BLOCK_N, BLOCK_K, warps, stages)
-DOT_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4))
-            if bn * bk <= 16384]
 
 
 def read_bandwidth(gib: float = 4.0) -> float:
@@ -100,7 +97,7 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int]], rows: int,
         entry = {"weights": len(ws), "cublaslt_ms": graph_ms(lambda: [F.linear(x, w) for w in ws], repeats)}
         for variant, kw in (("plain", {}), ("prologue", kwargs)) if kind else (("plain", {}),):
             times = {}
-            for config in (CONFIG_GRID if rows == 1 else DOT_GRID):
+            for config in CONFIG_GRID:
                 try:
                     times[config] = graph_ms(lambda: [linear_rows(x, w, config, **kw) for w in ws], repeats)
                 except Exception as exc:   # a configuration the compiler refuses (registers, shared memory)
@@ -170,7 +167,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen36-27b")
-    parser.add_argument("--rows", default="1,17,65", help="comma-separated input row counts (at most gemv_kernel.MAX_ROWS)")
+    parser.add_argument("--rows", default="1", help="input rows (the kernel takes one)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")

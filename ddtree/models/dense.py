@@ -28,7 +28,7 @@ from ddtree.models.layers import (
     deferred_add_norm,
     eager_add_norm,
     linear,
-    one_row_gemv,
+    through_gemv,
 )
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
@@ -288,7 +288,7 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output not yet added to it): each residual add runs in the chain of
         the norm after it. pending: the previous layer's MLP output (None: x is whole)."""
-        add_norm = deferred_add_norm if one_row_gemv(x) else eager_add_norm   # one row: in the next GEMV's prologue
+        add_norm = deferred_add_norm if through_gemv(x) else eager_add_norm   # in the next GEMV's prologue
         x, h = add_norm(self.input_layernorm, x, pending)
         x, h = add_norm(self.post_attention_layernorm, x(), self.self_attn(h, rope, segments, layer, packed))
         out = self.mlp(h)

@@ -29,17 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K, prologue); others use DEFAULT (one row: within 2% of the best
-# plain configuration on every 27B shape)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K, prologue), the best measured on the H200 for the 27B shapes
+# (perf/results/gemv_h200.md, gemv_h200_prologues.md); others use (N, K, None)'s, else DEFAULT (within 2% of the
+# best plain configuration on every 27B shape)
 DEFAULT = (8, 512, 4, 3)
 CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {
     (5120, 6144, None): (8, 512, 8, 3), (16480, 5120, None): (32, 512, 4, 3), (5120, 17408, None): (8, 512, 8, 4),
-    (34816, 5120, None): (32, 256, 8, 3), (14336, 5120, None): (16, 256, 4, 3), (248320, 5120, None): (16, 1024, 8, 3),
+    (34816, 5120, None): (32, 256, 8, 3), (14336, 5120, None): (16, 256, 4, 3), (248320, 5120, None): (8, 1024, 8, 3),
+    (5120, 6144, "gated_norm"): (16, 512, 4, 3), (5120, 6144, "sigmoid_gate"): (8, 512, 8, 3),
+    (16480, 5120, "add_norm"): (32, 512, 4, 3), (34816, 5120, "add_norm"): (32, 256, 8, 4),
+    (14336, 5120, "add_norm"): (32, 512, 4, 4), (5120, 17408, "silu_mul"): (8, 512, 4, 3),
 }
-# rows 2..MAX_ROWS: all rows in one tile through tl.dot (the weights still read once)
-MAX_ROWS = 128
-DOT_DEFAULT = (32, 128, 4, 3)
-DOT_CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {}
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
 PROLOGUES = {None: 0, "add_norm": 1, "add_norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
 
@@ -53,9 +53,9 @@ def _silu(v):
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  a_ptr, stride_am, stride_ag, p_ptr, res_ptr, stride_rm, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 HAS_A: tl.constexpr, GROUP: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, NORM_K: tl.constexpr):
-    """out[M, N] = prologue(x, a, p)[M, K] @ w[N, K].T. DOT: all M rows (<= BLOCK_M) through tl.dot; else one row
-    (BLOCK_M 1) multiplied elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end."""
+                 HAS_A: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr):
+    """out[1, N] = prologue(x, a, p)[1, K] @ w[N, K].T: the row (BLOCK_M 1, kept two-dimensional) multiplied
+    elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -79,10 +79,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
             s = s.to(tl.float32)
             sq += s * s
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1, keep_dims=True) / K + eps)
-    if DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
@@ -110,33 +107,22 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
             p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
             v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT:
-            if IEEE:
-                acc = tl.dot(v.to(w.dtype), tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(v.to(w.dtype), tl.trans(w), acc)
-        else:
-            acc += w.to(tl.float32) * v
-    if DOT:
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        y = tl.sum(acc, axis=1)
-        tl.store(out_ptr + offs_n, y.to(dtype), mask=n_ok)
+        acc += w.to(tl.float32) * v
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + offs_n, y.to(dtype), mask=n_ok)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype, M <= MAX_ROWS (module docstring); weight, x and a contiguous
+    """prologue(x, a, p) [1, K] @ weight[N, K].T -> [1, N] in x's dtype (module docstring); weight, x and a contiguous
     in K (sigmoid_gate: a [M, K // group, group], contiguous in its last dim). The add_norm prologues with `a` write
     x + a into `residual` [M, K]."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
+    assert m == 1 and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
     mode = PROLOGUES[prologue]
-    dot = m > 1
-    configs = DOT_CONFIGS if dot else CONFIGS
-    block_n, block_k, warps, stages = config or configs.get((n, k, prologue), configs.get((n, k, None), DOT_DEFAULT if dot else DEFAULT))
+    block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)
         block_k = max(block_k, group)
@@ -149,8 +135,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
         x if p is None else p, x if residual is None else residual, 0 if residual is None else residual.stride(0), eps,
-        BLOCK_M=max(16, triton.next_power_of_2(m)) if dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode,
-        HAS_A=a is not None, GROUP=group, DOT=dot, IEEE=x.dtype == torch.float32,
-        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS // max(16, m) if dot else NORM_ELEMENTS)),
+        BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, HAS_A=a is not None, GROUP=group,
+        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS)),
         num_warps=warps, num_stages=stages)
     return out

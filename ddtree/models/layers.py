@@ -45,9 +45,9 @@ class Derived:
         return self.value
 
 
-def one_row_gemv(x: torch.Tensor) -> bool:
-    """Whether a Linear over x goes through our GEMV kernel: one row, in a static forward (an `ar` step at batch 1,
-    captured in a CUDA graph), where the kernel runs (CUDA; ddtree.models.kernels.gemv_kernel)."""
+def through_gemv(x: torch.Tensor) -> bool:
+    """Whether a Linear over x goes through our GEMV kernel: one row (an `ar` step at batch 1) in a static forward
+    (captured in a CUDA graph), where the kernel runs (CUDA; ddtree.models.kernels.gemv_kernel)."""
     return len(x.shape) == 2 and x.shape[0] == 1 and fused.in_static() and kernels.gemv_kernel(x.device) is not None
 
 
@@ -102,7 +102,7 @@ def eager_add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None
 
 def deferred_add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None
                       ) -> tuple[Callable[[], torch.Tensor], NormedRows]:
-    """eager_add_norm with the add and the norm left to the prologue of the GEMV that reads the input (one row)."""
+    """eager_add_norm with the add and the norm left to the prologue of the GEMV that reads the input."""
     rows = NormedRows(norm, x, h)
     return rows.residual_stream, rows
 
@@ -139,10 +139,10 @@ class GatedNormed(Prologue):
 
 
 def linear(x: torch.Tensor | Prologue, module: nn.Linear) -> torch.Tensor:
-    """module(x), x a tensor or a Prologue; one row in a static forward on CUDA (an `ar` step at batch 1) through our
-    GEMV kernel with the prologue in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8% slower on the
+    """module(x), x a tensor or a Prologue; one row in a static forward on CUDA (through_gemv) through our GEMV
+    kernel with the prologue in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8% slower on the
     H200, and each prologue is a kernel less)."""
-    if module.bias is None and one_row_gemv(x):
+    if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
         if isinstance(x, Prologue):
             return kernel(x.x.contiguous(), module.weight, **x.kernel_args())

@@ -50,7 +50,7 @@ from ddtree.models.layers import (
     deferred_add_norm,
     eager_add_norm,
     linear,
-    one_row_gemv,
+    through_gemv,
 )
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_theta
 
@@ -621,7 +621,7 @@ class HybridTarget(TargetModel):
         taps, wanted = {}, set(tap_layers or ())
         attn_slot = gdn_slot = 0
         pending = None   # the last MLP's output, added to x in the next norm's chain
-        add_norm = deferred_add_norm if one_row_gemv(x) else eager_add_norm   # one row: in the next GEMV's prologue
+        add_norm = deferred_add_norm if through_gemv(x) else eager_add_norm   # in the next GEMV's prologue
         for i, layer in enumerate(self.layers):
             x, h = add_norm(layer.input_layernorm, x, pending)
             if layer.kind == "full_attention":

@@ -24,10 +24,9 @@ def gemv_module():
 
 
 @pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 3)), (1, 64, 512, (16, 256, 4, 2)),
-                                             (1, 10, 1030, (4, 512, 8, 4)), (1, 5, 64, None), (3, 37, 300, (16, 64, 4, 3)),
-                                             (17, 70, 520, (32, 128, 4, 2)), (5, 5, 64, None)])
+                                             (1, 10, 1030, (4, 512, 8, 4)), (1, 5, 64, None)])
 def test_linear_rows_equals_f_linear(m, n, k, config):
-    """One row (elementwise products) and several (tl.dot, float32 multiplied in float32), partial tiles."""
+    """Partial tiles in both dimensions."""
     gen = torch.Generator().manual_seed(n * k)
     x = torch.randn(m, 2 * k, generator=gen)[:, ::2].contiguous()
     w = torch.randn(n, k, generator=gen)
@@ -61,8 +60,7 @@ def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: to
     ]
 
 
-@pytest.mark.parametrize("rows, k, config", [(1, 512, (8, 128, 4, 3)), (1, 1000, (16, 256, 4, 2)),
-                                             (5, 1000, (16, 128, 4, 2)), (17, 256, (32, 64, 4, 3))])
+@pytest.mark.parametrize("rows, k, config", [(1, 512, (8, 128, 4, 3)), (1, 1000, (16, 256, 4, 2))])
 def test_prologues_equal_their_eager_chains(rows, k, config):
     """Each prologue's Linear == the Linear of the eager chain's output; add_norm with `a` writes x + a."""
     w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
@@ -101,3 +99,4 @@ def test_engines_with_one_row_linears_through_the_kernel_decode_what_they_decode
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
     want = {"add_norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"add_norm_plain", None, "silu_mul"}
     assert {rows for rows, _ in calls} == {1} and {p for _, p in calls} == want, set(calls)
+
