@@ -118,6 +118,19 @@ def steps_gdn_kernel(device: torch.device) -> Callable | None:
     return None if tree_gdn_kernel(device) is None else _steps_kernel()
 
 
+def conv_steps_kernel(device: torch.device) -> Callable | None:
+    """Our kernel for an `ar` step's conv (ddtree.models.tree_kernel.conv_steps_in_place: each window read and
+    shifted in place in the recurrent pool, one kernel for what was the compiled conv's two and a copy) where our
+    steps kernel runs (steps_gdn_kernel), else None."""
+    return None if steps_gdn_kernel(device) is None else _conv_steps_kernel()
+
+
+@functools.cache
+def _conv_steps_kernel() -> Callable:
+    from ddtree.models.tree_kernel import conv_steps_in_place
+    return conv_steps_in_place
+
+
 @functools.cache
 def _tree_kernel() -> Callable:
     from ddtree.models.tree_kernel import batched_tree_paths
@@ -168,5 +181,5 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                   use_qk_l2norm_in_kernel=True)
 
 
-__all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "draft_attention_kernel", "gdn_chain_fla",
-           "gdn_sequences_fla", "step_gdn_kernel", "steps_gdn_kernel", "tree_gdn_kernel"]
+__all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "draft_attention_kernel",
+           "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "step_gdn_kernel", "steps_gdn_kernel", "tree_gdn_kernel"]

@@ -39,7 +39,15 @@ from ddtree.models.gdn import (
     replay_path,
     tree_paths,
 )
-from ddtree.models.kernels import chain_gdn_kernel, gdn_chain_fla, gdn_sequences_fla, step_gdn_kernel, steps_gdn_kernel, tree_gdn_kernel
+from ddtree.models.kernels import (
+    chain_gdn_kernel,
+    conv_steps_kernel,
+    gdn_chain_fla,
+    gdn_sequences_fla,
+    step_gdn_kernel,
+    steps_gdn_kernel,
+    tree_gdn_kernel,
+)
 from ddtree.models.layers import (
     Derived,
     FusedProjections,
@@ -436,8 +444,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
 
     def _steps(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, segments: list[Segment],
                slot: int) -> torch.Tensor:
-        """One committed token for each of R sequences at GDN layer `slot`: on CUDA with our kernel, one conv that
-        reads the committed windows from the pool (their shifted windows written back by one copy) and one call that
+        """One committed token for each of R sequences at GDN layer `slot`: on CUDA with our kernels, one conv that
+        reads the committed windows from the pool and shifts them there (conv_steps_kernel) and one call that
         computes the gates from b, a and reads and writes each state in place (steps_in_place); else their states
         gathered from the pool, one conv and (on CUDA) one fla call for all, the new states scattered back. Per
         sequence the same values as `_core` computes for it alone (the torch recurrence runs per sequence; the kernels'
@@ -446,8 +454,12 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         slots = segments[0].cache.slot_index if len(segments) == 1 else torch.cat([s.cache.slot_index for s in segments])
         in_place = steps_gdn_kernel(mixed.device)
         if in_place is not None:
-            conv, shifted = fused.conv_steps_pooled(mixed, pool.conv[:, slot], slots, self.conv_weight(self.conv1d.weight))
-            pool.conv[:, slot].index_copy_(0, slots, shifted)
+            conv_in_place = conv_steps_kernel(mixed.device)
+            if conv_in_place is not None:
+                conv = conv_in_place(mixed, pool.conv[:, slot], slots, self.conv_weight(self.conv1d.weight))
+            else:
+                conv, shifted = fused.conv_steps_pooled(mixed, pool.conv[:, slot], slots, self.conv_weight(self.conv1d.weight))
+                pool.conv[:, slot].index_copy_(0, slots, shifted)
             q, k, v = self._heads(conv)
             return in_place(q, k, v, b, a, self.decay_rate(self.A_log), self.dt_bias, pool.state[:, slot], slots)
         beta, g = fused.gdn_gates(b, a, self.decay_rate(self.A_log), self.dt_bias)   # [n, hv]; g float32

@@ -146,10 +146,45 @@ def steps_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.T
     return batched_tree_paths(q, k, v, a, b, slots, slots, slots, states, slots, steps=True, gates=(decay_rate, dt_bias))
 
 
+@triton.jit
+def _conv_steps_kernel(x, pool, slots, weight, out, C, x_row, pool_slot, pool_channel, weight_row,
+                       KW: tl.constexpr, BLOCK_C: tl.constexpr):
+    i_c, r = tl.program_id(0), tl.program_id(1)
+    c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    window = pool + tl.load(slots + r).to(tl.int64) * pool_slot + c.to(tl.int64) * pool_channel
+    x_c = tl.load(x + r * x_row + c, mask=ok, other=0.0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(KW - 1):   # the last KW - 1 committed inputs, each moved one place down as it is read
+        w_j = tl.load(window + j + 1, mask=ok, other=0.0)
+        acc += w_j.to(tl.float32) * tl.load(weight + c * weight_row + j, mask=ok, other=0.0).to(tl.float32)
+        tl.store(window + j, w_j, mask=ok)
+    acc += x_c.to(tl.float32) * tl.load(weight + c * weight_row + KW - 1, mask=ok, other=0.0).to(tl.float32)
+    tl.store(window + KW - 1, x_c.to(pool.dtype.element_ty), mask=ok)
+    tl.store(out + r * C + c, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=ok)
+
+
+def conv_steps_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                        block_c: int = 256) -> torch.Tensor:
+    """The causal conv + SiLU of one committed input per sequence, its window read from and shifted in place in a
+    recurrent pool's layer view: fused.conv_steps_pooled and the copy of its shifted windows back into the pool, as
+    one kernel. x # [R, C] (rows any stride apart); conv_pool # [S, C, K] (the pool dtype); slots # [R] long, all
+    different; weight # [C, K]. Returns the conv output [R, C] in x's dtype, summed in float32."""
+    r, c = x.shape
+    kw = conv_pool.shape[2]
+    assert conv_pool.shape[1] == c and conv_pool.stride(2) == 1 and weight.shape == (c, kw) and weight.stride(1) == 1
+    x = _rows_apart(x)
+    out = torch.empty(r, c, dtype=x.dtype, device=x.device)
+    _conv_steps_kernel[(triton.cdiv(c, block_c), r)](x, conv_pool, slots, weight, out, c, x.stride(0),
+                                                     conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
+                                                     KW=kw, BLOCK_C=block_c)
+    return out
+
+
 def _rows_apart(t: torch.Tensor) -> torch.Tensor:
     """t itself where each row's elements are contiguous (rows any stride apart), else a contiguous copy."""
     inner = t[0] if t.shape[0] else t
     return t if inner.is_contiguous() else t.contiguous()
 
 
-__all__ = ["batched_tree_paths", "steps_in_place", "tree_paths_recurrence"]
+__all__ = ["batched_tree_paths", "conv_steps_in_place", "steps_in_place", "tree_paths_recurrence"]

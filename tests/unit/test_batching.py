@@ -179,7 +179,8 @@ def test_trees_of_a_batch_through_our_paths_kernel_equal_alone(engines, monkeypa
 def test_ar_steps_in_place_through_our_kernel_equal_alone(engines, monkeypatch):
     """Hybrid targets where our kernel runs `ar` steps (CUDA; here Triton's interpreter): a round's steps, a lone one
     too, read the committed windows and states from the pool and write them back in place (GatedDeltaNet._steps,
-    tree_kernel.steps_in_place); each request decodes what it decodes alone on the torch recurrence."""
+    tree_kernel.conv_steps_in_place and steps_in_place); each request decodes what it decodes alone on the torch
+    recurrence."""
     kind, batched, single, vocab = engines
     if not kind.startswith("hybrid"):
         pytest.skip("a hybrid target's path")
@@ -190,9 +191,12 @@ def test_ar_steps_in_place_through_our_kernel_equal_alone(engines, monkeypatch):
              SamplingParams(max_tokens=rng.randint(6, 12), mode="ar", ignore_eos=True)) for _ in range(5)]
     expected = [single.generate_ids(prompt, params).output_ids for prompt, params in jobs]
     in_place, calls = tree_kernel_module().steps_in_place, []
+    conv_in_place, conv_calls = tree_kernel_module().conv_steps_in_place, []
     monkeypatch.setattr(qwen3_5, "steps_gdn_kernel",
                         lambda device: lambda q, *a: calls.append(q.shape[0]) or in_place(q, *a))
+    monkeypatch.setattr(qwen3_5, "conv_steps_kernel",
+                        lambda device: lambda x, *a: conv_calls.append(x.shape[0]) or conv_in_place(x, *a))
     together = run_together(batched, jobs, arrive_every=1)
-    assert calls and max(calls) >= 4 and min(calls) == 1, sorted(set(calls))
+    assert calls and max(calls) >= 4 and min(calls) == 1 and conv_calls == calls, sorted(set(calls))
     for i, (prompt, params) in enumerate(jobs):
         assert together[f"r{i}"] == expected[i], f"{kind} request {i}"

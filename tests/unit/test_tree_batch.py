@@ -123,6 +123,25 @@ def test_steps_in_place_equal_the_recurrence_and_write_only_their_slots():
     assert torch.equal(pool[others], before[others])
 
 
+def test_conv_steps_in_place_equal_the_compiled_conv_and_its_copy():
+    """An `ar` step's conv through our kernel (tree_kernel.conv_steps_in_place): the output of fused.conv_steps_pooled,
+    and each slot's window shifted in place as its index_copy writes it, other slots untouched; x a column slice."""
+    from ddtree.models import fused
+
+    kernels = tree_kernel_module()
+    gen = torch.Generator().manual_seed(5)
+    c, kw, slots = 300, 4, torch.tensor([3, 0, 4])
+    x = torch.randn(3, c + 7, generator=gen)[:, 7:]
+    layers = torch.randn(6, 2, c, kw, generator=gen)          # a pool's [slots, layers, C, K], layer 1's view
+    weight = torch.randn(c, kw, generator=gen)
+    want, shifted = fused.conv_steps_pooled.eager(x, layers[:, 1], slots, weight)
+    expected = layers.clone()
+    expected[:, 1].index_copy_(0, slots, shifted)
+    got = kernels.conv_steps_in_place(x, layers[:, 1], slots, weight, block_c=128)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layers, expected)
+
+
 def test_the_paths_kernel_reads_strided_rows_as_contiguous_ones():
     """The paths kernel reads q, k, v as column slices of the conv's output (row stride conv_dim) and gives what it
     gives for contiguous copies of them."""
