@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K, prologue), the best measured on the H200 for the 27B shapes
-# (perf/results/gemv_h200.md, gemv_h200_prologues.md); others use (N, K, None)'s, else DEFAULT (within 2% of the
+# (perf/results/gemv_h200.md, gemv_h200_prologues_partial.log); others use (N, K, None)'s, else DEFAULT (within 2% of the
 # best plain configuration on every 27B shape)
 DEFAULT = (8, 512, 4, 3)
 CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {

@@ -62,7 +62,7 @@ def gemv_kernel(device: torch.device) -> Callable | None:
     """Our one-row matrix products with the chain before each in their prologue (ddtree.models.gemv_kernel.linear_rows)
     on CUDA, or None (cuBLAS through F.linear, the chains apart): DDTREE_GEMV_KERNEL=0 turns it off. On the H200 a
     27B step's Linears took 12.13 ms through it plain and 12.73 with the chains in it, against 13.03 through
-    cuBLASLt without them (the floor at copy bandwidth 12.09; perf/results/gemv_h200_prologues.md)."""
+    cuBLASLt without them (the floor at copy bandwidth 12.09; perf/results/gemv_h200_prologues_partial.log)."""
     if device.type != "cuda" or os.environ.get("DDTREE_GEMV_KERNEL", "1") in ("", "0"):
         return None
     return _gemv_kernel()

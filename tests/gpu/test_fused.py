@@ -73,16 +73,7 @@ def test_compiled_chains_are_captured_in_a_graph():
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_engine_with_compiled_chains_decodes_what_eager_decodes(family, tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with the chains compiled == with DDTREE_COMPILE=0."""
-    from ddtree.config import EngineConfig
-    from tests.gpu.switches import assert_switch_keeps_greedy_tokens
-    from tests.unit.oracle import make_tiny_hybrid
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
-    if family == "hybrid":
-        root, _ = make_tiny_hybrid(tmp_path)
-        target, drafter = root / "target", root / "dflash"
-    else:
-        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
-    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64,
-                          device="cuda")
-    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_COMPILE", config,
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_COMPILE", tiny_config(family, tiny_models, tmp_path),
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16), ("ddtree", 64)], seed=5)

@@ -51,16 +51,7 @@ def test_gemv_replays_from_a_cuda_graph():
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with one-row Linears through our GEMV == through cuBLAS."""
-    from ddtree.config import EngineConfig
-    from tests.gpu.switches import assert_switch_keeps_greedy_tokens
-    from tests.unit.oracle import make_tiny_hybrid
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
-    if family == "hybrid":
-        root, _ = make_tiny_hybrid(tmp_path)
-        target, drafter = root / "target", root / "dflash"
-    else:
-        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
-    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64,
-                          device="cuda")
-    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", config,
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", tiny_config(family, tiny_models, tmp_path),
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=6)

@@ -39,17 +39,11 @@ def test_masked_attention_equals_sdpa(rows, keys, programs):
 def test_engines_attending_through_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
     """Greedy `ar` and `ddtree` requests, alone and four at once, with every packed attention call of the target
     through our kernel (few programs: the interpreter is slow) decode what the engine decodes with SDPA."""
-    from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.models import dense
-    from tests.unit.test_batching import make_hybrid
+    from tests.unit.test_batching import static_cpu_config
 
-    if kind == "dense":
-        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
-    else:
-        target, drafter = make_hybrid(tmp_path)
-    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), dtype="float32", max_model_len=128,
-                          max_num_seqs=4, static_forward="on")
+    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=4)
     vocab = Engine(config).target.config.vocab_size
     rng = random.Random(7)
     jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 20))],

@@ -55,6 +55,17 @@ def engines(request, tiny_models, tmp_path_factory):
     return request.param, make(16), make(1), vocab
 
 
+def static_cpu_config(kind: str, tiny_models, tmp_path, max_num_seqs: int) -> EngineConfig:
+    """A float32 engine config with static forwards (run eagerly on the CPU) of the tiny dense qwen3 target or a
+    tiny hybrid one (made under tmp_path), with its drafter."""
+    if kind == "dense":
+        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+    else:
+        target, drafter = make_hybrid(tmp_path)
+    return EngineConfig(target_path=str(target), drafter_path=str(drafter), dtype="float32", max_model_len=128,
+                        max_num_seqs=max_num_seqs, static_forward="on")
+
+
 def workload(vocab: int, count: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     jobs = []

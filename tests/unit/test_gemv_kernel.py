@@ -77,17 +77,11 @@ def test_engines_with_one_row_linears_through_the_kernel_decode_what_they_decode
                                                                                           monkeypatch):
     """Greedy `ar` and `ddtree` requests with every one-row Linear of the static forwards (the `ar` steps', at
     batch 1) through our kernel: the tokens of F.linear's engine."""
-    from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.models import layers
-    from tests.unit.test_batching import make_hybrid
+    from tests.unit.test_batching import static_cpu_config
 
-    if kind == "dense":
-        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
-    else:
-        target, drafter = make_hybrid(tmp_path)
-    config = EngineConfig(target_path=str(target), drafter_path=str(drafter), dtype="float32", max_model_len=128,
-                          max_num_seqs=1, static_forward="on")
+    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=1)
     vocab = Engine(config).target.config.vocab_size
     rng = random.Random(3)
     jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))],
