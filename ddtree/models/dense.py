@@ -290,7 +290,8 @@ class DecoderLayer(nn.Module):
         the norm after it. pending: the previous layer's MLP output (None: x is whole)."""
         add_norm = deferred_add_norm if through_gemv(x) else eager_add_norm   # in the next GEMV's prologue
         x, h = add_norm(self.input_layernorm, x, pending)
-        x, h = add_norm(self.post_attention_layernorm, x(), self.self_attn(h, rope, segments, layer, packed))
+        h = self.self_attn(h, rope, segments, layer, packed)
+        x, h = add_norm(self.post_attention_layernorm, x(), h)   # x(): the residual stream, once h was read
         out = self.mlp(h)
         return x(), out
 

@@ -86,7 +86,6 @@ class NormedRows(Prologue):
         self.residual = self.x if self.a is None else torch.empty_like(self.x)
         return {**super().kernel_args(), "residual": None if self.a is None else self.residual}
 
-
     def residual_stream(self) -> torch.Tensor:
         if self.residual is None:   # no Linear read it
             self.eager()
