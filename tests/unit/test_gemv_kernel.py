@@ -90,7 +90,10 @@ def test_engines_with_one_row_linears_through_the_kernel_decode_what_they_decode
     kernel, calls = gemv_module().linear_rows, []
     monkeypatch.setattr(layers.kernels, "gemv_kernel",
                         lambda device: lambda x, w, **k: calls.append((x.shape[0], k.get("prologue"))) or kernel(x, w, **k))
+    eager_norms, eager = [], layers.NormedRows.eager   # a deferred add + norm computed beside the GEMV (read too early)
+    monkeypatch.setattr(layers.NormedRows, "eager", lambda self: eager_norms.append(self) or eager(self))
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
+    assert not eager_norms
     want = {"add_norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"add_norm_plain", None, "silu_mul"}
     assert {rows for rows, _ in calls} == {1} and {p for _, p in calls} == want, set(calls)
 
