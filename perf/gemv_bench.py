@@ -7,9 +7,10 @@ rows. Variants:
 - cublas: the same with torch.backends.cuda.preferred_blas_library("cublas") (the legacy API's GEMV kernels);
 - ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (each shape's
   configurations timed first on that shape's weights alone);
-- ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: add + norm,
-  silu * up, gated norm, sigmoid gate), each (shape, prologue) at its own best configuration. Not comparable with
-  the GEMMs alone: it does the chains' work too.
+- ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
+  gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
+  (shape, prologue) at its own best configuration. Not comparable with the GEMMs alone: it does the chains' work
+  too.
 Also: bytes-read bandwidth (a sum over 4 GiB) and copy bandwidth (read + written), measured in the same run.
 
     python perf/gemv_bench.py --name gemv_h200
@@ -43,15 +44,16 @@ def read_bandwidth(gib: float = 4.0) -> float:
     return src.numel() * src.element_size() / (statistics.median(times) / 1e3)
 
 
-def linears(model: torch.nn.Module) -> list[tuple[torch.Tensor, str | None, int]]:
-    """Every Linear's weight in forward order with the prologue the engine's one-row forward gives it (the chain
-    before it: ddtree.models.layers.Prologue) and its group width."""
+def linears(model: torch.nn.Module) -> list[tuple[torch.Tensor, str | None, int, bool]]:
+    """Every Linear's weight in forward order with what the engine's one-row forward gives it: the prologue (the
+    chain before it: ddtree.models.layers.Prologue), its group width, and whether its epilogue adds the residual
+    stream (a layer's output projections and down projection)."""
     c, out = model.config, []
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear):
             continue
         if name.endswith("fused_proj"):
-            kind, group = "add_norm", 1
+            kind, group = "norm", 1
         elif name.endswith("down_proj"):
             kind, group = "silu_mul", 1
         elif name.endswith("out_proj"):
@@ -60,42 +62,42 @@ def linears(model: torch.nn.Module) -> list[tuple[torch.Tensor, str | None, int]
             kind, group = "sigmoid_gate", c.head_dim
         else:
             kind, group = None, 1
-        out.append((m.weight, kind, group))
+        out.append((m.weight, kind, group, name.endswith(("down_proj", "out_proj", "o_proj"))))
     return out
 
 
-def prologue_inputs(kind: str | None, rows: int, k: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add: bool, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, dict]:
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, device="cuda", dtype=dt)
 
-    x = rand(rows, k)
-    if kind is None:
-        return x, {}
-    if kind == "add_norm":
-        return x, dict(prologue=kind, a=rand(rows, k), p=1.0 + 0.1 * rand(k, dt=torch.float32), eps=1e-6,
-                       residual=torch.empty_like(x))
-    if kind == "silu_mul":
-        return x, dict(prologue=kind, a=rand(rows, k))
-    if kind == "gated_norm":
-        return x, dict(prologue=kind, a=rand(rows, k), p=rand(group), eps=1e-6, group=group)
-    return x, dict(prologue=kind, a=rand(rows, k // group, 2 * group)[..., group:], group=group)
+    x, kwargs = rand(rows, k), {"add": rand(rows, n)} if add else {}
+    if kind == "norm":
+        kwargs.update(prologue=kind, p=1.0 + 0.1 * rand(k, dt=torch.float32), eps=1e-6)
+    elif kind == "silu_mul":
+        kwargs.update(prologue=kind, a=rand(rows, k))
+    elif kind == "gated_norm":
+        kwargs.update(prologue=kind, a=rand(rows, k), p=rand(group), eps=1e-6, group=group)
+    elif kind == "sigmoid_gate":
+        kwargs.update(prologue=kind, a=rand(rows, k // group, 2 * group)[..., group:], group=group)
+    return x, kwargs
 
 
-def best_configs(weights: list[tuple[torch.Tensor, str | None, int]], rows: int, repeats: int) -> dict:
-    """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue at their best
-    configurations (up to 16 of the shape's weights in one graph)."""
+def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int) -> dict:
+    """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
+    where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph)."""
     from ddtree.models.gemv_kernel import linear_rows
 
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for w, kind, group in weights:
-        groups.setdefault((*w.shape, kind, group), []).append(w)
+    for w, kind, group, add in weights:
+        groups.setdefault((*w.shape, kind, group, add), []).append(w)
     chosen = {}
-    for (n, k, kind, group), ws in groups.items():
+    for (n, k, kind, group, add), ws in groups.items():
         ws = ws[:16]
-        x, kwargs = prologue_inputs(kind, rows, k, group, ws[0].dtype)
+        x, kwargs = prologue_inputs(kind, rows, n, k, group, add, ws[0].dtype)
         gbytes = sum(w.numel() * w.element_size() for w in ws) / 1e9
         entry = {"weights": len(ws), "cublaslt_ms": graph_ms(lambda: [F.linear(x, w) for w in ws], repeats)}
-        for variant, kw in (("plain", {}), ("prologue", kwargs)) if kind else (("plain", {}),):
+        for variant, kw in (("plain", {}), ("prologue", kwargs)) if kwargs else (("plain", {}),):
             times = {}
             for config in CONFIG_GRID:
                 try:
@@ -106,19 +108,20 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int]], rows: int,
             entry[variant] = {"config": list(best), "ms": times[best], "tb_per_s": gbytes / times[best],
                               "top3": sorted(([list(c), t] for c, t in times.items()), key=lambda ct: ct[1])[:3]}
         entry["cublaslt_tb_per_s"] = gbytes / entry["cublaslt_ms"]
-        chosen[(n, k, kind, group)] = entry
+        chosen[(n, k, kind, group, add)] = entry
         print(f"{rows} rows {n}x{k} {kind}: cublaslt {entry['cublaslt_ms']:.3f} ms, "
               + ", ".join(f"{v} {entry[v]['ms']:.3f} ({entry[v]['tb_per_s']:.2f} TB/s) {tuple(entry[v]['config'])}"
                           for v in ("plain", "prologue") if v in entry), flush=True)
     return chosen
 
 
-def whole_step(weights: list[tuple[torch.Tensor, str | None, int]], rows: int, chosen: dict, repeats: int) -> dict:
+def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, chosen: dict, repeats: int) -> dict:
     """Every Linear of a step in one graph: cuBLASLt, ours plain, ours with the engine's prologues."""
     from ddtree.models.gemv_kernel import linear_rows
 
-    inputs = {key: prologue_inputs(key[2], rows, key[1], key[3], weights[0][0].dtype) for key in chosen}
-    plan = [(w, *inputs[(*w.shape, kind, group)], chosen[(*w.shape, kind, group)]) for w, kind, group in weights]
+    inputs = {key: prologue_inputs(key[2], rows, key[0], key[1], key[3], key[4], weights[0][0].dtype) for key in chosen}
+    plan = [(w, *inputs[(*w.shape, kind, group, add)], chosen[(*w.shape, kind, group, add)])
+            for w, kind, group, add in weights]
     out = {"cublaslt": graph_ms(lambda: [F.linear(x, w) for w, x, _, _ in plan], repeats)}
     before = torch.backends.cuda.preferred_blas_library()
     try:
@@ -130,7 +133,7 @@ def whole_step(weights: list[tuple[torch.Tensor, str | None, int]], rows: int, c
     out["ours_prologues"] = graph_ms(lambda: [linear_rows(x, w, tuple(e.get("prologue", e["plain"])["config"]), **kw)
                                               for w, x, kw, e in plan], repeats)
     diffs = {}
-    for (n, k, kind, group), (x, _) in inputs.items():   # agreement with cuBLAS, plain, one weight of each shape
+    for (n, k, kind, group, add), (x, _) in inputs.items():   # agreement with cuBLAS, plain, one weight of each shape
         w = next(w for w, *_ in weights if tuple(w.shape) == (n, k))
         ref = F.linear(x.float(), w.float())
         diffs[f"{n}x{k}"] = {"ours": (linear_rows(x, w).float() - ref).abs().max().item(),
@@ -178,13 +181,13 @@ def main(argv: list[str] | None = None) -> dict:
     model = random_target(args.shape, torch.bfloat16, "cuda")
     weights = linears(model)
     result = {"header": header(), "shape": args.shape, "repeats": args.repeats,
-              "weight_bytes": sum(w.numel() * w.element_size() for w, _, _ in weights),
+              "weight_bytes": sum(w.numel() * w.element_size() for w, *_ in weights),
               "read_bytes_per_s": read_bandwidth(), "copy_bytes_per_s": copy_bandwidth("cuda"),
               "shapes": {}, "steps": {}}
     print(f"read {result['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
         chosen = best_configs(weights, rows, args.repeats)
-        result["shapes"][rows] = {f"{n}x{k} {kind}": v for (n, k, kind, _), v in chosen.items()}
+        result["shapes"][rows] = {f"{n}x{k} {kind}{'+add' if add else ''}": v for (n, k, kind, _, add), v in chosen.items()}
         result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats)
         print(f"rows {rows}: {result['steps'][rows]}", flush=True)
     write_results(Path(args.out), args.name, result, table(result))

@@ -21,12 +21,11 @@ from ddtree.models.kernels import attention_kernel, attention_kernel_rows
 from ddtree.models.layers import (
     FusedProjections,
     GatedMLP,
+    NormedRows,
     RMSNorm,
     Rotary,
     apply_rotary,
     attend,
-    deferred_add_norm,
-    eager_add_norm,
     linear,
     through_gemv,
 )
@@ -259,8 +258,9 @@ class Attention(FusedProjections, nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
-                layer: int, packed: PackedAttention | None = None) -> torch.Tensor:
-        """Projections for all packed rows at once; attention in one padded call (packed) or per segment."""
+                layer: int, packed: PackedAttention | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Projections for all packed rows at once; attention in one padded call (packed) or per segment. The output
+        [plus the residual stream, added in o_proj's epilogue]."""
         n = x.shape[0]
         q, k, v = self.project(x)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -272,7 +272,7 @@ class Attention(FusedProjections, nn.Module):
         else:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = attend_segments(q, k, v, [seg.cache for seg in segments], segments, layer, self.head_dim**-0.5, packed)
-        return linear(out.reshape(n, -1), self.o_proj)
+        return linear(out.reshape(n, -1), self.o_proj, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -288,12 +288,13 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output not yet added to it): each residual add runs in the chain of
         the norm after it. pending: the previous layer's MLP output (None: x is whole)."""
-        add_norm = deferred_add_norm if through_gemv(x) else eager_add_norm   # in the next GEMV's prologue
-        x, h = add_norm(self.input_layernorm, x, pending)
-        h = self.self_attn(h, rope, segments, layer, packed)
-        x, h = add_norm(self.post_attention_layernorm, x(), h)   # x(): the residual stream, once h was read
-        out = self.mlp(h)
-        return x(), out
+        if through_gemv(x):   # one row (an `ar` step): each norm in the prologue of the GEMV that reads it, each
+            # residual add in the epilogue of the GEMV before it (ddtree.models.gemv_kernel); pending is then None
+            x = self.self_attn(NormedRows(self.input_layernorm, x), rope, segments, layer, packed, x)
+            return self.mlp(NormedRows(self.post_attention_layernorm, x), x), None
+        x, h = self.input_layernorm.add_norm(x, pending)
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, rope, segments, layer, packed))
+        return x, self.mlp(h)
 
 
 class DenseTarget(TargetModel):
@@ -337,7 +338,7 @@ class DenseTarget(TargetModel):
         for i, layer in enumerate(self.layers):
             x, pending = layer(x, pending, rope, segments, i, packed)
             if i in wanted:
-                x, pending = x + pending, None
+                x, pending = (x if pending is None else x + pending), None
                 taps[i] = x
         return self.outputs(x if pending is None else x + pending, taps, tap_layers, logit_rows)
 

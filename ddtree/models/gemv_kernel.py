@@ -10,17 +10,18 @@ rounds once (as cuBLAS does for bf16). The launch configuration is chosen per we
 
 Every program also computes the Linear's input from what the layer had before it (PROLOGUES), so the chain's own
 kernel (and its write and read of the input) goes away; the input is a few KB, read from L2 by each program:
-- "add_norm": rmsnorm(x + a) * p, p the float32 scale of Qwen3.5's zero-centered norm (1 + weight); the program
-  that owns the first columns writes x + a to `residual` (the next layer's residual stream);
-- "add_norm_plain": rmsnorm(x + a) rounded, times the weight p (Qwen3's RMSNorm);
+- "norm": rmsnorm(x) * p, p the float32 scale of Qwen3.5's zero-centered norm (1 + weight);
+- "norm_plain": rmsnorm(x) rounded, times the weight p (Qwen3's RMSNorm);
 - "silu_mul": silu(x) * a (a gated MLP's gate and up);
 - "sigmoid_gate": x * sigmoid(a), a [groups, group] with its own group stride (gated attention's output gate);
 - "gated_norm": per group of `group` columns rmsnorm(x) * p (p [group]), times silu(a) (Gated DeltaNet's output).
 Each rounds where the eager chain (ddtree.models.fused) rounds to the model's dtype, so a bf16 forward through
-them reads the inputs the unfused forward computes.
+them reads the inputs the unfused forward computes. And `add` adds the residual stream to the product in the
+epilogue (rounded as `add + F.linear(...)`), so a layer's residual add needs no kernel either: the next norm's
+prologue reads the stream whole.
 
     linear_rows(x, weight)                                   # x [1, K], weight [N, K] -> [1, N] in x's dtype
-    linear_rows(x, weight, prologue="silu_mul", a=up)
+    linear_rows(x, weight, prologue="silu_mul", a=up, add=residual)
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {
     (5120, 6144, None): (8, 512, 8, 3), (16480, 5120, None): (32, 512, 4, 3), (5120, 17408, None): (8, 512, 8, 4),
     (34816, 5120, None): (32, 256, 8, 3), (14336, 5120, None): (16, 256, 4, 3), (248320, 5120, None): (8, 1024, 8, 3),
     (5120, 6144, "gated_norm"): (16, 512, 4, 3), (5120, 6144, "sigmoid_gate"): (8, 512, 8, 3),
-    (16480, 5120, "add_norm"): (32, 512, 4, 3), (34816, 5120, "add_norm"): (32, 256, 8, 4),
-    (14336, 5120, "add_norm"): (32, 512, 4, 4), (5120, 17408, "silu_mul"): (8, 512, 4, 3),
+    (16480, 5120, "norm"): (32, 512, 4, 3), (34816, 5120, "norm"): (32, 256, 8, 4),
+    (14336, 5120, "norm"): (32, 512, 4, 4), (5120, 17408, "silu_mul"): (8, 512, 4, 3),
 }
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
-PROLOGUES = {None: 0, "add_norm": 1, "add_norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
+PROLOGUES = {None: 0, "norm": 1, "norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
 
 
 @triton.jit
@@ -51,9 +52,9 @@ def _silu(v):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 a_ptr, stride_am, stride_ag, p_ptr, res_ptr, stride_rm, eps,
+                 a_ptr, stride_am, stride_ag, p_ptr, add_ptr, stride_addm, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 HAS_A: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr):
+                 ADD: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr):
     """out[1, N] = prologue(x, a, p)[1, K] @ w[N, K].T: the row (BLOCK_M 1, kept two-dimensional) multiplied
     elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end."""
     pid = tl.program_id(0)
@@ -70,13 +71,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         sq = tl.zeros([BLOCK_M, NORM_K], dtype=tl.float32)
         for k0 in range(0, K, NORM_K):
             k = k0 + tl.arange(0, NORM_K)
-            ok = m_ok[:, None] & (k < K)[None, :]
-            s = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
-            if HAS_A:
-                s = (s.to(tl.float32) + tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dtype)
-                if pid == 0:
-                    tl.store(res_ptr + offs_m[:, None] * stride_rm + k[None, :], s, mask=ok)
-            s = s.to(tl.float32)
+            s = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
             sq += s * s
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1, keep_dims=True) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -86,8 +81,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         ok = m_ok[:, None] & k_ok[None, :]
         v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
         if PRO == 1 or PRO == 2:
-            if HAS_A:
-                v = (v + tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             if PRO == 1:
                 v = (v * rstd * p).to(dtype).to(tl.float32)
@@ -109,15 +102,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * v
     y = tl.sum(acc, axis=1)
+    if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
+        y = tl.load(add_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) + y.to(dtype).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(dtype), mask=n_ok)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
-                eps: float = 0.0, group: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """prologue(x, a, p) [1, K] @ weight[N, K].T -> [1, N] in x's dtype (module docstring); weight, x and a contiguous
-    in K (sigmoid_gate: a [M, K // group, group], contiguous in its last dim). The add_norm prologues with `a` write
-    x + a into `residual` [M, K]."""
+                eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None) -> torch.Tensor:
+    """[add +] prologue(x, a, p) [1, K] @ weight[N, K].T -> [1, N] in x's dtype (module docstring); weight, x, a and
+    add contiguous in their last dim (sigmoid_gate: a [1, K // group, group])."""
     m, k = x.shape
     n = weight.shape[0]
     assert m == 1 and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -126,16 +120,16 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)
         block_k = max(block_k, group)
-    if mode in (1, 2) and a is not None:
-        assert residual is not None and residual.shape == x.shape and residual.stride(1) == 1
+    if add is not None:
+        assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     if a is not None:
         assert a.shape[0] == m and a.stride(-1) == 1, (a.shape, a.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
-        x if p is None else p, x if residual is None else residual, 0 if residual is None else residual.stride(0), eps,
-        BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, HAS_A=a is not None, GROUP=group,
+        x if p is None else p, x if add is None else add, 0 if add is None else add.stride(0), eps,
+        BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, ADD=add is not None, GROUP=group,
         NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS)),
         num_warps=warps, num_stages=stages)
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +27,7 @@ class RMSNorm(nn.Module):
 
     def prologue(self) -> tuple[str, torch.Tensor]:
         """This norm as a GEMV prologue (ddtree.models.gemv_kernel) and its parameter."""
-        return "add_norm_plain", self.weight
+        return "norm_plain", self.weight
 
 
 class Derived:
@@ -70,40 +69,15 @@ class Prologue:
 
 
 class NormedRows(Prologue):
-    """norm(x + h) (h None: norm(x)), the residual add and the norm of a layer's input; after the Linear that reads
-    it, .residual is x + h (the residual stream)."""
+    """norm(x) of a layer's residual stream x (RMSNorm or Qwen3.5's zero-centered form: norm.prologue())."""
 
-    def __init__(self, norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None) -> None:
+    def __init__(self, norm: nn.Module, x: torch.Tensor) -> None:
         kind, p = norm.prologue()
-        super().__init__(x, h, p, norm.eps)
-        self.KIND, self.norm, self.residual = kind, norm, None
+        super().__init__(x, None, p, norm.eps)
+        self.KIND, self.norm = kind, norm
 
     def eager(self) -> torch.Tensor:
-        self.residual, y = self.norm.add_norm(self.x, self.a)
-        return y
-
-    def kernel_args(self) -> dict:
-        self.residual = self.x if self.a is None else torch.empty_like(self.x)
-        return {**super().kernel_args(), "residual": None if self.a is None else self.residual}
-
-    def residual_stream(self) -> torch.Tensor:
-        if self.residual is None:   # no Linear read it
-            self.eager()
-        return self.residual
-
-
-def eager_add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None
-                   ) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
-    """A layer's input: (the residual stream x + h, to call once the input is read; norm(x + h))."""
-    x, y = norm.add_norm(x, h)
-    return (lambda: x), y
-
-
-def deferred_add_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor | None
-                      ) -> tuple[Callable[[], torch.Tensor], NormedRows]:
-    """eager_add_norm with the add and the norm left to the prologue of the GEMV that reads the input."""
-    rows = NormedRows(norm, x, h)
-    return rows.residual_stream, rows
+        return self.norm(self.x)
 
 
 class SiluMul(Prologue):
@@ -137,16 +111,17 @@ class GatedNormed(Prologue):
         return self.norm(self.x.reshape(-1, self.group), self.a.reshape(-1, self.group)).reshape(n, -1)
 
 
-def linear(x: torch.Tensor | Prologue, module: nn.Linear) -> torch.Tensor:
-    """module(x), x a tensor or a Prologue; one row in a static forward on CUDA (through_gemv) through our GEMV
-    kernel with the prologue in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8% slower on the
-    H200, and each prologue is a kernel less)."""
+def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | None = None) -> torch.Tensor:
+    """[add +] module(x), x a tensor or a Prologue; one row in a static forward on CUDA (through_gemv) through our
+    GEMV kernel with the prologue and the add in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8%
+    slower on the H200, and each prologue or add is a kernel less)."""
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
         if isinstance(x, Prologue):
-            return kernel(x.x.contiguous(), module.weight, **x.kernel_args())
-        return kernel(x.contiguous(), module.weight)
-    return module(x.eager() if isinstance(x, Prologue) else x)
+            return kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add)
+        return kernel(x.contiguous(), module.weight, add=add)
+    out = module(x.eager() if isinstance(x, Prologue) else x)
+    return out if add is None else add + out
 
 
 def materialize(x: torch.Tensor | Prologue) -> torch.Tensor:
@@ -197,9 +172,10 @@ class GatedMLP(FusedProjections, nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Prologue, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output [plus the residual stream, added in the down projection's epilogue]."""
         gate, up = self.project(x)
-        return linear(SiluMul(gate, up), self.down_proj)
+        return linear(SiluMul(gate, up), self.down_proj, residual)
 
 
 class Rotary(nn.Module):

@@ -53,10 +53,9 @@ from ddtree.models.layers import (
     FusedProjections,
     GatedMLP,
     GatedNormed,
+    NormedRows,
     Rotary,
     SigmoidGated,
-    deferred_add_norm,
-    eager_add_norm,
     linear,
     through_gemv,
 )
@@ -197,7 +196,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def prologue(self) -> tuple[str, torch.Tensor]:
         """This norm as a GEMV prologue (ddtree.models.gemv_kernel) and its parameter (the float32 scale)."""
-        return "add_norm", self.scale(self.weight)
+        return "norm", self.scale(self.weight)
 
 
 class GatedRMSNorm(nn.Module):
@@ -333,7 +332,8 @@ class GatedAttention(FusedProjections, nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
-                slot: int, packed: PackedAttention | None = None) -> torch.Tensor:
+                slot: int, packed: PackedAttention | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's attention output [plus the residual stream, added in o_proj's epilogue]."""
         n = x.shape[0]
         q_gate, k, v = self.project(x)
         q, gate = q_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -343,7 +343,7 @@ class GatedAttention(FusedProjections, nn.Module):
                                                     self.k_norm.scale(self.k_norm.weight), self.k_norm.eps, *rope)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = attend_segments(q, k, v, [seg.cache.kv for seg in segments], segments, slot, self.head_dim**-0.5, packed)
-        return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj)
+        return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj, residual)
 
 
 def value_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -373,7 +373,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         self.conv_weight = Derived(lambda w: w.squeeze(1).to(fused.compute_dtype(w)))
 
     def forward(self, x: torch.Tensor, segments: list[Segment], slot: int, layouts: list[TreeLayout],
-                stashes: list[TreeStash | ReplayStash | None], trees: TreeBatch | None = None) -> torch.Tensor:
+                stashes: list[TreeStash | ReplayStash | None], trees: TreeBatch | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of several sequences, packed: the projections, gates, output norm and out_proj over all rows at once
         (each weight read once per forward, whatever the batch); the conv and the recurrence of a batch of `ar`
         steps (`_steps`) or of trees through our paths kernel (`_trees`) for all sequences at once, else per
@@ -387,7 +388,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees)
         else:
             o = self._sequences(mixed, b, a, segments, slot, layouts, stashes)
-        return linear(GatedNormed(self.norm, o.reshape(n, hv * dv).to(x.dtype), z, dv), self.out_proj)
+        return linear(GatedNormed(self.norm, o.reshape(n, hv * dv).to(x.dtype), z, dv), self.out_proj, residual)
 
     def _sequences(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, segments: list[Segment], slot: int,
                    layouts: list[TreeLayout], stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
@@ -633,20 +634,28 @@ class HybridTarget(TargetModel):
         taps, wanted = {}, set(tap_layers or ())
         attn_slot = gdn_slot = 0
         pending = None   # the last MLP's output, added to x in the next norm's chain
-        add_norm = deferred_add_norm if through_gemv(x) else eager_add_norm   # in the next GEMV's prologue
+        # one row (an `ar` step): each norm in the prologue of the GEMV that reads it, each residual add in the
+        # epilogue of the GEMV before it (ddtree.models.gemv_kernel), the stream x always whole
+        gemv = through_gemv(x)
         for i, layer in enumerate(self.layers):
-            x, h = add_norm(layer.input_layernorm, x, pending)
+            if gemv:
+                h = NormedRows(layer.input_layernorm, x)
+            else:
+                x, h = layer.input_layernorm.add_norm(x, pending)
+            residual = x if gemv else None   # added in the mixer's output projection
             if layer.kind == "full_attention":
-                h = layer.self_attn(h, rope, segments, attn_slot, plan.packed)
+                h = layer.self_attn(h, rope, segments, attn_slot, plan.packed, residual)
                 attn_slot += 1
             else:
-                h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes, trees)
+                h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes, trees, residual)
                 gdn_slot += 1
-            x, h = add_norm(layer.post_attention_layernorm, x(), h)
-            pending = layer.mlp(h)
-            x = x()
+            if gemv:   # h: the stream with the mixer's output added
+                x = layer.mlp(NormedRows(layer.post_attention_layernorm, h), h)
+            else:
+                x, h = layer.post_attention_layernorm.add_norm(x, h)
+                pending = layer.mlp(h)
             if i in wanted:
-                x, pending = x + pending, None
+                x, pending = (x if pending is None else x + pending), None
                 taps[i] = x
         return self.outputs(x if pending is None else x + pending, taps, tap_layers, logit_rows)
 

@@ -33,10 +33,10 @@ def test_linear_rows_equals_f_linear(m, n, k, config):
     torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                   rows: int = 1):
-    """x [rows, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
-    it (the eager chain, rounding to dtype where the prologue rounds), the residual stream it leaves or None)."""
+def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """x [1, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
+    it (the eager chain, rounding to dtype where the prologue rounds), the residual stream [1, n] added after the
+    Linear or None)."""
     from ddtree.models import fused
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -44,32 +44,31 @@ def prologue_cases(k: int, group: int, seed: int, device: str = "cpu", dtype: to
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=dt)
 
-    x, a = rand(rows, k), rand(rows, k)
+    x, a, residual = rand(1, k), rand(1, k), rand(1, n)
     scale, weight, group_weight = 1.0 + 0.1 * rand(k, dt=torch.float32), rand(k), rand(group)
-    gate = rand(rows, k // group, 2 * group)[..., group:]      # a strided view, as the attention's output gate
+    gate = rand(1, k // group, 2 * group)[..., group:]      # a strided view, as the attention's output gate
     return x, [
-        ("add_norm", dict(a=a, p=scale, eps=1e-6, residual=torch.empty_like(x)),
-         *fused.add_zero_centered_rms_norm.eager(x, a, scale, 1e-6)[::-1]),
-        ("add_norm", dict(p=scale, eps=1e-6), fused.zero_centered_rms_norm.eager(x, scale, 1e-6), None),
-        ("add_norm_plain", dict(a=a, p=weight, eps=1e-5, residual=torch.empty_like(x)),
-         *fused.add_rms_norm.eager(x, a, weight, 1e-5)[::-1]),
-        ("silu_mul", dict(a=a), fused.silu_mul.eager(x, a), None),
-        ("sigmoid_gate", dict(a=gate, group=group), fused.sigmoid_gate.eager(x, gate.reshape(rows, -1)), None),
+        ("norm", dict(p=scale, eps=1e-6), fused.zero_centered_rms_norm.eager(x, scale, 1e-6), None),
+        ("norm_plain", dict(p=weight, eps=1e-5), fused.rms_norm.eager(x, weight, 1e-5), None),
+        (None, dict(add=residual), x, residual),
+        ("silu_mul", dict(a=a, add=residual), fused.silu_mul.eager(x, a), residual),
+        ("sigmoid_gate", dict(a=gate, group=group, add=residual), fused.sigmoid_gate.eager(x, gate.reshape(1, -1)),
+         residual),
         ("gated_norm", dict(a=a, p=group_weight, eps=1e-6, group=group),
-         fused.gated_rms_norm.eager(x.reshape(-1, group), a.reshape(-1, group), group_weight, 1e-6).reshape(rows, -1), None),
+         fused.gated_rms_norm.eager(x.reshape(-1, group), a.reshape(-1, group), group_weight, 1e-6).reshape(1, -1), None),
     ]
 
 
-@pytest.mark.parametrize("rows, k, config", [(1, 512, (8, 128, 4, 3)), (1, 1000, (16, 256, 4, 2))])
-def test_prologues_equal_their_eager_chains(rows, k, config):
-    """Each prologue's Linear == the Linear of the eager chain's output; add_norm with `a` writes x + a."""
+@pytest.mark.parametrize("k, config", [(512, (8, 128, 4, 3)), (1000, (16, 256, 4, 2))])
+def test_prologues_equal_their_eager_chains(k, config):
+    """Each prologue's Linear == the Linear of the eager chain's output, plus the residual stream where one is added
+    in the epilogue."""
     w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
-    x, cases = prologue_cases(k, 8, seed=k, rows=rows)
+    x, cases = prologue_cases(k, 23, 8, seed=k)
     for prologue, kwargs, chained, residual in cases:
         got = gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
-        torch.testing.assert_close(got, F.linear(chained, w), rtol=1e-4, atol=1e-4, msg=prologue)
-        if residual is not None:
-            torch.testing.assert_close(kwargs["residual"], residual, msg=prologue)
+        want = F.linear(chained, w) if residual is None else residual + F.linear(chained, w)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(prologue))
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
@@ -89,11 +88,13 @@ def test_engines_with_one_row_linears_through_the_kernel_decode_what_they_decode
     expected = [run_together(Engine(config), [job]) for job in jobs]
     kernel, calls = gemv_module().linear_rows, []
     monkeypatch.setattr(layers.kernels, "gemv_kernel",
-                        lambda device: lambda x, w, **k: calls.append((x.shape[0], k.get("prologue"))) or kernel(x, w, **k))
-    eager_norms, eager = [], layers.NormedRows.eager   # a deferred add + norm computed beside the GEMV (read too early)
+                        lambda device: lambda x, w, **k: calls.append((x.shape[0], k.get("prologue"), k.get("add") is not None))
+                        or kernel(x, w, **k))
+    eager_norms, eager = [], layers.NormedRows.eager   # a norm computed apart from the GEMV that reads it
     monkeypatch.setattr(layers.NormedRows, "eager", lambda self: eager_norms.append(self) or eager(self))
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
     assert not eager_norms
-    want = {"add_norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"add_norm_plain", None, "silu_mul"}
-    assert {rows for rows, _ in calls} == {1} and {p for _, p in calls} == want, set(calls)
+    want = {"norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"norm_plain", None, "silu_mul"}
+    assert {rows for rows, _, _ in calls} == {1} and {p for _, p, _ in calls} == want, set(calls)
+    assert {add for _, _, add in calls} == {True, False}   # residual adds in epilogues, the others plain
 
