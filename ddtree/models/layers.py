@@ -120,11 +120,12 @@ def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | No
         if isinstance(x, Prologue):
             return kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add)
         return kernel(x.contiguous(), module.weight, add=add)
-    out = module(x.eager() if isinstance(x, Prologue) else x)
+    out = module(materialize(x))
     return out if add is None else add + out
 
 
 def materialize(x: torch.Tensor | Prologue) -> torch.Tensor:
+    """x itself, or a Prologue's input computed eagerly (its fused.* chain)."""
     return x.eager() if isinstance(x, Prologue) else x
 
 
