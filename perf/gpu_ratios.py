@@ -57,7 +57,8 @@ DENSE_DRAFTERS = {
                        sliding_window=None, heads=(4, 2, 32)),
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
-VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-treeattn", "static-cublas")
+VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-treeattn", "static-cublas",
+            "static-treepaths")
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -122,9 +123,10 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     if args.device.startswith("cuda"):
         # the same static forward with every attention call through PyTorch's SDPA (the `ar` step too), and with the
         # trees' too through our split-KV kernel (by default only `ar` steps take it), and with the `ar` step's Linears
-        # through cuBLAS (their prologues as separate chains) instead of our GEMV, for comparison
+        # through cuBLAS (their prologues as separate chains) instead of our GEMV, and the trees' GDN through our paths
+        # kernel instead of the chunk form, for comparison
         for form, env in (("static-sdpa", {"DDTREE_ATTENTION_KERNEL": "0"}), ("static-treeattn", {"DDTREE_ATTENTION_KERNEL": "128"}),
-                          ("static-cublas", {"DDTREE_GEMV_KERNEL": "0"})):
+                          ("static-cublas", {"DDTREE_GEMV_KERNEL": "0"}), ("static-treepaths", {"DDTREE_TREE_CHUNKS": "0"})):
             if form not in variants:
                 continue
             with mock.patch.dict(os.environ, env):
@@ -180,7 +182,8 @@ def table(result: dict) -> str:
              "static-sdpa: every attention call through PyTorch's SDPA (DDTREE_ATTENTION_KERNEL=0; by default an `ar` "
              "step's goes through our split-KV kernel); static-treeattn: the trees' too through our kernel "
              "(DDTREE_ATTENTION_KERNEL=128); static-cublas: one-row Linears through cuBLAS, the chains before them "
-             "separate, instead of our GEMV with the chains in its prologue (DDTREE_GEMV_KERNEL=0).", "",
+             "separate, instead of our GEMV with the chains in its prologue (DDTREE_GEMV_KERNEL=0); static-treepaths: the "
+             "trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form (DDTREE_TREE_CHUNKS=0).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -65,8 +65,18 @@ def graph_ms(fn, repeats: int) -> float:
     return statistics.median(times[2:])
 
 
-def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, int]], repeats: int) -> dict:
-    from ddtree.models.tree_kernel import batched_tree_paths
+def depth(parents: list[int]) -> int:
+    """The most rows on a root-to-leaf path of a tree."""
+    rows = []
+    for p in parents:
+        rows.append(1 if p < 0 else rows[p] + 1)
+    return max(rows)
+
+
+def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, int]], chunk_configs: list[tuple],
+            repeats: int) -> dict:
+    from ddtree.models.gdn import ancestors_from_parents
+    from ddtree.models.tree_kernel import batched_tree_chunks, batched_tree_paths
 
     h, hv, dk, dv, layers = dims["h"], dims["hv"], dims["dk"], dims["dv"], dims["layers"]
     reqs, rows = len(trees), row_bucket(max(len(p) for p in trees))
@@ -113,6 +123,7 @@ def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, in
 
     want = run_fla()
     result = {"requests": reqs, "rows": rows, "paths": [len(leaves(p)) for p in trees], "path_bucket": num_paths,
+              "depth": max(depth(p) for p in trees),
               "fla_ms": graph_ms(run_fla, repeats), "ours": {}}
     for config in configs:
         got = run_ours(config)
@@ -121,6 +132,33 @@ def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, in
                     for layer in (0, layers - 1) for r, p in enumerate(trees))
         result["ours"]["bv{}_w{}_s{}".format(*config)] = {"ms": graph_ms(lambda: run_ours(config), repeats),
                                                           "max_abs_diff": error}
+    # the chunk form (batched_tree_chunks): every tree whole, no paths; the engine's padded parents (padding rows roots)
+    parents = torch.tensor([p + [-1] * (rows - len(p)) for p in trees], device=dev)
+    ancestors = ancestors_from_parents(parents)
+    row0 = torch.arange(reqs, device=dev) * rows
+    sizes = torch.full((reqs,), rows, device=dev)
+    tree_state = torch.tensor(slots, device=dev)
+
+    def run_chunks(config):
+        bv, warps, precision = config
+        return [batched_tree_chunks(q, k, v, g, beta, row0, sizes, ancestors, pool[:, layer], tree_state, rows,
+                                    PATHS_MAX_LEN, block_v=bv, num_warps=warps, precision=precision)
+                for layer in range(layers)]
+
+    result["chunks"] = {}
+    for config in chunk_configs:
+        try:
+            got = run_chunks(config)
+        except Exception as exc:   # a shape that does not compile (shared memory): reported, not fatal
+            result["chunks"]["bv{}_w{}_{}".format(*config)] = {"ms": float("nan"), "error": repr(exc)[:200]}
+            continue
+        error = max((got[layer][r * rows : r * rows + len(p)].float()
+                     - want[layer * reqs + r][: len(p)].float()).abs().max().item()
+                    for layer in (0, layers - 1) for r, p in enumerate(trees))
+        result["chunks"]["bv{}_w{}_{}".format(*config)] = {"ms": graph_ms(lambda: run_chunks(config), repeats),
+                                                          "max_abs_diff": error}
+    print("  chunks: " + ", ".join(f"{name} {c['ms']:.3f} ms ({c.get('max_abs_diff', c.get('error'))})"
+                                    for name, c in result["chunks"].items()), flush=True)
     best = min(result["ours"].items(), key=lambda kv: kv[1]["ms"])
     result["best"] = {"config": best[0], "ms": best[1]["ms"], "fla_over_best": result["fla_ms"] / best[1]["ms"]}
     # what padding the paths to the rows costs: the best shape with the paths padded to the leaves' bucket instead
@@ -143,6 +181,18 @@ def table(result: dict) -> str:
         lines.append(f"| {case['trees']} | {case['budget']} | {case['requests']} | {max(case['paths'])} ({case['path_bucket']}) | "
                      f"{case['fla_ms']:.3f} | {best['config']} | {best['ms']:.3f} | {best['fla_over_best']:.2f} | "
                      f"{case['ours'][best['config']]['max_abs_diff']:.2e} | {best.get('leaf_bucket_ms', float('nan')):.3f} |")
+    chunks = list(result["cases"][0].get("chunks", {}))
+    if chunks:
+        lines += ["", "The chunk form (batched_tree_chunks: each tree whole, ancestor-masked WY form on tensor cores), ms, "
+                  "and its max abs diff from fla's paths form; bv = value columns per program, w = warps, then the "
+                  "products' input precision\n",
+                  "| trees | budget | requests | best paths ms | " + " | ".join(chunks) + " | best chunk diff |",
+                  "|---|---|---|---|" + "---|" * len(chunks) + "---|"]
+        for case in result["cases"]:
+            best = min(case["chunks"].values(), key=lambda c: c["ms"] if c["ms"] == c["ms"] else float("inf"))
+            lines.append(f"| {case['trees']} | {case['budget']} | {case['requests']} | {case['best']['ms']:.3f} | "
+                         + " | ".join(f"{case['chunks'][c]['ms']:.3f}" for c in chunks)
+                         + f" | {best.get('max_abs_diff', float('nan')):.2e} |")
     configs = list(result["cases"][0]["ours"])
     lines += ["", "Every launch shape (ms): bv = value columns per program, w = warps, s = pipeline stages\n",
               "| trees | budget | requests | " + " | ".join(configs) + " |", "|---|---|---|" + "---|" * len(configs)]
@@ -159,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", default="1,4,8")
     parser.add_argument("--peaks", default="peaked=8,flat=1", help="tree kinds: name=logit scale")
     parser.add_argument("--configs", default="8x1x1,8x1x2,8x1x3,16x1x2,16x2x2,32x2x2,32x4x2,32x4x1")
+    parser.add_argument("--chunk-configs", default="32x4xtf32x3,64x4xtf32x3,128x8xtf32x3,32x4xtf32,32x4xieee",
+                        help="the chunk form's launch shapes: value columns x warps x input precision")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="tree_kernel")
@@ -167,13 +219,15 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("needs a CUDA GPU with fla installed")
     dims = DIMS[args.shape]
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    chunk_configs = [(int(bv), int(w), precision) for bv, w, precision in
+                     (c.split("x", 2) for c in args.chunk_configs.split(",") if c)]
     result = {"header": header(), "shape": args.shape, "layers": dims["layers"], "repeats": args.repeats, "cases": []}
     for kind in args.peaks.split(","):
         name, peak = kind.split("=")
         for budget in (int(b) for b in args.budgets.split(",")):
             for reqs in (int(r) for r in args.requests.split(",")):
                 trees = make_trees(budget, reqs, float(peak), seed=budget)
-                case = measure(dims, trees, configs, args.repeats)
+                case = measure(dims, trees, configs, chunk_configs, args.repeats)
                 result["cases"].append({"trees": name, "budget": budget, **case})
     write_results(Path(args.out), args.name, result, table(result))
     return result

@@ -58,6 +58,22 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
     return _tree_kernel()
 
 
+def tree_chunk_kernel(device: torch.device) -> Callable | None:
+    """Our Triton kernel for whole trees in the ancestor-masked chunk form (ddtree.models.tree_kernel.
+    batched_tree_chunks: per tree, value head and block of columns, the root as one step, the rest as matrix products
+    on tensor cores; no path walks, shared prefixes computed once) where tree_gdn_kernel runs, else None:
+    DDTREE_TREE_CHUNKS=0 keeps tree_gdn_kernel's paths."""
+    if tree_gdn_kernel(device) is None or os.environ.get("DDTREE_TREE_CHUNKS", "1") in ("", "0"):
+        return None
+    return _chunk_kernel()
+
+
+@functools.cache
+def _chunk_kernel() -> Callable:
+    from ddtree.models.tree_kernel import batched_tree_chunks
+    return batched_tree_chunks
+
+
 def gemv_kernel(device: torch.device) -> Callable | None:
     """Our one-row matrix products with the chain before each in their prologue (ddtree.models.gemv_kernel.linear_rows)
     on CUDA, or None (cuBLAS through F.linear, the chains apart): DDTREE_GEMV_KERNEL=0 turns it off. On the H200 a
@@ -182,4 +198,5 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 __all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "draft_attention_kernel",
-           "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "step_gdn_kernel", "steps_gdn_kernel", "tree_gdn_kernel"]
+           "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "step_gdn_kernel", "steps_gdn_kernel", "tree_chunk_kernel",
+           "tree_gdn_kernel"]

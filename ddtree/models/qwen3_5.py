@@ -46,6 +46,7 @@ from ddtree.models.kernels import (
     gdn_sequences_fla,
     step_gdn_kernel,
     steps_gdn_kernel,
+    tree_chunk_kernel,
     tree_gdn_kernel,
 )
 from ddtree.models.layers import (
@@ -103,6 +104,11 @@ class TreeBatch:
     path_state: torch.Tensor   # [S] long slots
     window: torch.Tensor  # [N, K] long
     stash: ReplayStash    # [L, N, ...]
+    chunks: object = None               # tree_chunk_kernel's batched_tree_chunks, or None: the paths kernel runs
+    row0: torch.Tensor | None = None    # [R] long: each tree's first row (the chunk form's inputs)
+    rows: torch.Tensor | None = None    # [R] long: each tree's rows
+    ancestors: torch.Tensor | None = None   # [R, M, M] bool: each tree's anc-or-self matrix, padded to the largest
+    max_rows: int = 0
 
     @classmethod
     def of(cls, kernel, segments: list[Segment], layouts: list[TreeLayout], stash: ReplayStash,
@@ -120,8 +126,26 @@ class TreeBatch:
             windows.append(torch.where(window < conv_kernel, window + r * conv_kernel,
                                        window + (len(segments) - 1) * conv_kernel + row))
             row, tok = row + seg.length, tok + paths.tokens.shape[0]
-        return cls(kernel=kernel, slots=slots, tokens=torch.cat(tokens), first=torch.cat(first), last=torch.cat(last),
-                   path_state=torch.cat(path_state), window=torch.cat(windows), stash=stash)
+        batch = cls(kernel=kernel, slots=slots, tokens=torch.cat(tokens), first=torch.cat(first), last=torch.cat(last),
+                    path_state=torch.cat(path_state), window=torch.cat(windows), stash=stash)
+        chunks = tree_chunk_kernel(slots.device)
+        # the chunk form takes each tree's first row as its root: every tree the engine verifies is rooted there (a
+        # static forward's padding rows are roots of their own, their outputs unread)
+        if chunks is not None and all(seg.parents is None or min(seg.parents[1:], default=0) >= 0 for seg in segments):
+            sizes = [seg.length for seg in segments]
+            largest, device = max(sizes), slots.device
+            if len(set(sizes)) == 1:   # a static forward: no host data (it is captured)
+                batch.row0 = torch.arange(len(sizes), device=device) * largest
+                batch.rows = torch.full((len(sizes),), largest, device=device)
+                batch.ancestors = torch.stack([layout.ancestors for layout in layouts])
+            else:
+                batch.row0 = torch.tensor([sum(sizes[:r]) for r in range(len(sizes))], device=device)
+                batch.rows = torch.tensor(sizes, device=device)
+                batch.ancestors = torch.zeros(len(sizes), largest, largest, dtype=torch.bool, device=device)
+                for r, layout in enumerate(layouts):
+                    batch.ancestors[r, : sizes[r], : sizes[r]] = layout.ancestors
+            batch.chunks, batch.max_rows = chunks, largest
+        return batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,6 +465,9 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         fused.conv_windows_pooled_into(mixed, pool.conv[:, slot], trees.slots, self.conv_weight(self.conv1d.weight),
                                        trees.window, qkv, trees.stash.x[slot])
         q, k, v = self._heads(qkv)
+        if trees.chunks is not None:
+            return trees.chunks(q, k, v, g, beta, trees.row0, trees.rows, trees.ancestors, pool.state[:, slot],
+                                trees.slots, trees.max_rows, PATHS_MAX_LEN)
         return trees.kernel(q, k, v, g, beta, trees.tokens, trees.first, trees.last, pool.state[:, slot], trees.path_state)
 
     def _steps(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, segments: list[Segment],

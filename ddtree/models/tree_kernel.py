@@ -29,6 +29,9 @@ from ddtree.models.gdn import L2_EPS
 # tree's few paths still fill the GPU (HV x paths x dv / BLOCK_V programs). perf/tree_kernel_bench.py sweeps these:
 # 16 columns, one warp, two stages was the fastest of 8 shapes in every case on an H200 (tree_kernel_h200.md).
 BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
+# The chunk form's launch shape per forest block (rows below the root, padded): value columns per program, warps.
+CHUNK_BLOCK_V = {16: 32, 32: 32, 64: 32}
+CHUNK_WARPS = {16: 4, 32: 4, 64: 4}
 
 
 @triton.jit
@@ -147,6 +150,111 @@ def steps_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.T
 
 
 @triton.jit
+def _chunk_kernel(q, k, v, g, beta, o, states, state_stride, tree_state, tree_row0, tree_rows, anc, anc_tree, anc_row,
+                  scale, eps, qk_row, v_row, gate_row, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, FACTORS: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    row0 = tl.load(tree_row0 + i_t).to(tl.int64)
+    n = tl.load(tree_rows + i_t)
+    cols_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    in_k, in_v = cols_k < K, cols_v < V
+    h0 = states + tl.load(tree_state + i_t).to(tl.int64) * state_stride + i_hv * K * V
+    state = tl.load(h0 + cols_k[:, None] * V + cols_v[None, :], mask=in_k[:, None] & in_v[None, :],
+                    other=0.0).to(tl.float32)                                                     # S0 [BK, BV]
+    # the root (row 0, every other row's ancestor): one step of the recurrence, S1 = its state after it
+    r_q = tl.load(q + row0 * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
+    r_k = tl.load(k + row0 * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
+    r_v = tl.load(v + row0 * v_row + i_hv * V + cols_v, mask=in_v, other=0.0).to(tl.float32)
+    r_q = r_q / tl.sqrt(tl.sum(r_q * r_q) + eps) * scale
+    r_k = r_k / tl.sqrt(tl.sum(r_k * r_k) + eps)
+    state = state * tl.exp(tl.load(g + row0 * gate_row + i_hv).to(tl.float32))
+    r_v = (r_v - tl.sum(state * r_k[:, None], 0)) * tl.load(beta + row0 * gate_row + i_hv).to(tl.float32)
+    state = state + r_k[:, None] * r_v[None, :]
+    tl.store(o + (row0 * HV + i_hv) * V + cols_v, tl.sum(state * r_q[:, None], 0).to(o.dtype.element_ty), mask=in_v)
+    # the other rows (1 .. n - 1 as i = 0 .. BN - 1), a forest from S1: the ancestor-masked WY form (gdn.gdn_tree)
+    i = tl.arange(0, BN)
+    live = i < n - 1
+    rows = row0 + 1 + i
+    qk = rows[:, None] * qk_row + i_h * K + cols_k[None, :]
+    in_qk = live[:, None] & in_k[None, :]
+    b_k = tl.load(k + qk, mask=in_qk, other=0.0).to(tl.float32)
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + eps)[:, None]
+    b_g = tl.load(g + rows * gate_row + i_hv, mask=live, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + rows * gate_row + i_hv, mask=live, other=0.0).to(tl.float32)
+    a = anc + i_t.to(tl.int64) * anc_tree + (1 + i[:, None]) * anc_row + 1 + i[None, :]
+    seen = tl.load(a, mask=live[:, None] & live[None, :], other=0) != 0                           # anc-or-self
+    c = tl.sum(tl.where(seen, b_g[None, :], 0.0), 1)                                              # path sums of g
+    gamma = tl.exp(tl.where(seen, c[:, None] - c[None, :], float("-inf")))                       # 0 off the paths
+    strict = seen & (i[:, None] != i[None, :])
+    lower = tl.where(strict, tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION) * gamma * b_beta[:, None], 0.0)
+    # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...: L is nilpotent (L^d = 0 past the deepest path), FACTORS terms
+    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    inverse = eye - lower
+    power = lower
+    for _ in tl.static_range(FACTORS - 1):
+        power = tl.dot(power, power, input_precision=PRECISION)
+        inverse = inverse + tl.dot(inverse, power, input_precision=PRECISION)
+    ec = tl.exp(c)
+    w = tl.dot(inverse, b_k * (b_beta * ec)[:, None], input_precision=PRECISION)                   # [BN, BK]
+    b_v = tl.load(v + rows[:, None] * v_row + i_hv * V + cols_v[None, :], mask=live[:, None] & in_v[None, :],
+                  other=0.0).to(tl.float32)
+    v_new = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION) - tl.dot(w, state, input_precision=PRECISION)
+    b_q = tl.load(q + qk, mask=in_qk, other=0.0).to(tl.float32)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + eps)[:, None] * scale
+    att = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * gamma
+    out = tl.dot(att, v_new, input_precision=PRECISION) + tl.dot(b_q * ec[:, None], state, input_precision=PRECISION)
+    tl.store(o + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], out.to(o.dtype.element_ty),
+             mask=live[:, None] & in_v[None, :])
+
+
+def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        tree_row0: torch.Tensor, tree_rows: torch.Tensor, ancestors: torch.Tensor, states: torch.Tensor,
+                        tree_state: torch.Tensor, max_rows: int, max_depth: int, block_v: int | None = None,
+                        num_warps: int | None = None, precision: str = "tf32x3") -> torch.Tensor:
+    """o [N, HV, dv] in v's dtype of every row of every tree: batched_tree_paths' values without walking paths.
+
+    Each program takes one tree, one value head and a block of value columns: the root (a tree's first row, every
+    other row's ancestor) as one step of the recurrence from the tree's committed state, then the rest of the tree as
+    a forest from the state after the root, in the ancestor-masked WY form (gdn.gdn_tree) on tensor cores: the
+    triangular solve as a product of (I + L^(2^j)) factors, L being nilpotent (FACTORS = ceil(log2(depth)) of them,
+    where depth bounds the rows on any path below the root). A tree's rows past a path shared with no one cost one
+    row of a matrix product, not a walk from the root; shared prefixes are computed once.
+
+    q, k, v, g, beta as batched_tree_paths (not gated). tree_row0, tree_rows # [B] long: each tree's first row and
+    row count (row 0 of a tree is its root; rows of a tree not below its root, a static forward's padding, get
+    unspecified finite values); ancestors # [B, >= max_rows, >= max_rows] bool or int8, tree b's anc-or-self matrix
+    in ancestors[b, :rows, :rows] (last dim contiguous); states # [S, HV, dk, dv] float32; tree_state # [B] long.
+    max_rows: the largest tree's rows (its forest pads to a power of two >= 16 of max_rows - 1); max_depth: the most
+    rows on a root-to-leaf path (root included). precision: the matrix products' (triton's input_precision)."""
+    n, h, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    assert hv % h == 0 and k.shape == q.shape and g.shape == (n, hv) and beta.shape == (n, hv), "shapes"
+    assert states.dtype == torch.float32 and states.shape[1:] == (hv, dk, dv) and states[0].is_contiguous(), "states"
+    assert ancestors.stride(2) == 1 and ancestors.shape[1] >= max_rows and max_depth >= 1, "ancestors"
+    q, k, v, g, beta = (_rows_apart(t) for t in (q, k, v, g, beta))
+    if k.stride(0) != q.stride(0):
+        k = k.contiguous()
+        q = q.contiguous()
+    if beta.stride(0) != g.stride(0):
+        g, beta = g.contiguous(), beta.contiguous()
+    if ancestors.dtype == torch.bool:
+        ancestors = ancestors.view(torch.int8)
+    bn = max(16, triton.next_power_of_2(max(max_rows - 1, 1)))
+    factors = max(1, (max_depth - 2).bit_length())   # paths below the root have max_depth - 1 rows: L^(max_depth - 1) = 0
+    block_v, num_warps = block_v or CHUNK_BLOCK_V.get(bn, 32), num_warps or CHUNK_WARPS.get(bn, 4)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    grid = (triton.cdiv(dv, block_v), tree_row0.shape[0], hv)
+    _chunk_kernel[grid](q, k, v, g, beta, o, states, states.stride(0), tree_state, tree_row0, tree_rows, ancestors,
+                        ancestors.stride(0), ancestors.stride(1), dk**-0.5, L2_EPS, q.stride(0), v.stride(0), g.stride(0),
+                        H=h, HV=hv, K=dk, V=dv, BK=max(16, triton.next_power_of_2(dk)), BN=bn, BV=block_v,
+                        FACTORS=factors, PRECISION=precision, num_warps=num_warps)
+    return o
+
+
+@triton.jit
 def _conv_steps_kernel(x, pool, slots, weight, out, C, x_row, pool_slot, pool_channel, weight_row,
                        KW: tl.constexpr, BLOCK_C: tl.constexpr):
     i_c, r = tl.program_id(0), tl.program_id(1)
@@ -187,4 +295,4 @@ def _rows_apart(t: torch.Tensor) -> torch.Tensor:
     return t if inner.is_contiguous() else t.contiguous()
 
 
-__all__ = ["batched_tree_paths", "conv_steps_in_place", "steps_in_place", "tree_paths_recurrence"]
+__all__ = ["batched_tree_chunks", "batched_tree_paths", "conv_steps_in_place", "steps_in_place", "tree_paths_recurrence"]

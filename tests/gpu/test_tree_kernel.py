@@ -91,6 +91,79 @@ def test_batched_tree_paths_start_each_tree_from_its_own_slot(module):
         assert not got[r * rows + len(parents) : (r + 1) * rows].any(), "rows on no path stay 0"
 
 
+def chain_depth(parents: list[int]) -> int:
+    """The most rows on a root-to-leaf path."""
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunk_kernel_equals_the_per_node_recurrence(module, dtype):
+    """Trees of a batch through the ancestor-masked chunk form (batched_tree_chunks), each from its own slot of a
+    pool whose states lie layers apart, rows at their tree's offset, q, k, v column slices of one conv output: every
+    row of every tree == gdn_sequential on it alone (a chain, a bushy tree, a tree of one row below the root, a tree
+    padded as a static forward pads: rows that are roots of their own, whose values are unspecified but finite)."""
+    h, hv, dk, dv, rows, slots, layers = 2, 4, 16, 40, 17, 5, 3
+    rng, gen = np.random.default_rng(11), torch.Generator().manual_seed(11)
+    trees = [list(range(-1, 16)), random_tree(17, rng), [-1, 0], random_tree(12, rng) + [-1] * 3]
+    n = rows * len(trees)
+    conv = torch.randn(n, 2 * h * dk + hv * dv, generator=gen)
+    q, k, v = conv.split([h * dk, h * dk, hv * dv], dim=1)
+    q, k, v = q.reshape(n, h, dk), k.reshape(n, h, dk), v.reshape(n, hv, dv)
+    g, beta = -torch.rand(n, hv, generator=gen), torch.rand(n, hv, generator=gen)
+    pool = torch.randn(slots, layers, hv, dk, dv, generator=gen) * 0.1
+    layer, request_slots = 2, [4, 0, 2, 3]
+    ancestors = torch.zeros(len(trees), rows, rows, dtype=torch.bool)
+    for r, parents in enumerate(trees):
+        for i, p in enumerate(parents):
+            ancestors[r, i, i] = True
+            if p >= 0:
+                ancestors[r, i] |= ancestors[r, p]
+    as_long = (lambda x: torch.tensor(x, dtype=torch.long, device=DEVICE))
+    got = module.batched_tree_chunks(*(x.to(dtype).to(DEVICE) for x in (q, k, v)), g.to(DEVICE),
+                                     beta.to(dtype).to(DEVICE), as_long([r * rows for r in range(len(trees))]),
+                                     as_long([len(p) for p in trees]), ancestors.to(DEVICE), pool.to(DEVICE)[:, layer],
+                                     as_long(request_slots), max_rows=rows, max_depth=max(map(chain_depth, trees))).cpu()
+    assert got.dtype == dtype
+    repeat = hv // h
+    tolerance = 2e-4 if dtype == torch.float32 else 5e-2
+    for r, parents in enumerate(trees):
+        at = slice(r * rows, r * rows + len(parents))
+        real = next((i for i, p in enumerate(parents) if i and p < 0), len(parents))   # rows below the root
+        def as_input(x):
+            return x[at].to(dtype).double()
+        want, _ = gdn_sequential(as_input(q).repeat_interleave(repeat, 1), as_input(k).repeat_interleave(repeat, 1),
+                                 as_input(v), g[at].double(), as_input(beta), parents, pool[request_slots[r], layer].double())
+        torch.testing.assert_close(got[at][:real].double(), want[:real], rtol=tolerance, atol=tolerance)
+        assert torch.isfinite(got[at]).all()
+
+
+def test_the_chunk_kernel_needs_enough_factors_for_the_depth(module):
+    """A chain of 16 rows below the root told its paths are shorter than they are (too few factors of the inverse)
+    differs from the recurrence: the factor count does the work (the test above would pass on any count that is
+    large enough, this one fails on one too small)."""
+    h, hv, dk, dv, rows = 1, 1, 16, 16, 17
+    gen = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(rows, h, dk, generator=gen) for _ in range(2))
+    k[:] = k[:1]                                        # every key the same: L's powers stay large
+    v = torch.randn(rows, hv, dv, generator=gen)
+    g, beta = torch.zeros(rows, hv), torch.ones(rows, hv)
+    chain = list(range(-1, rows - 1))
+    ancestors = torch.tril(torch.ones(rows, rows, dtype=torch.bool))[None]
+    state = torch.zeros(1, hv, dk, dv)
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    want, _ = gdn_sequential(q.double(), k.double(), v.double(), g.double(), beta.double(), chain, state[0].double())
+    run = (lambda depth: module.batched_tree_chunks(*args, torch.zeros(1, dtype=torch.long, device=DEVICE),
+                                                    torch.full((1,), rows, dtype=torch.long, device=DEVICE),
+                                                    ancestors.to(DEVICE), state.to(DEVICE),
+                                                    torch.zeros(1, dtype=torch.long, device=DEVICE), max_rows=rows,
+                                                    max_depth=depth, precision="ieee").cpu().double())
+    torch.testing.assert_close(run(rows), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(run(9), want, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.skipif(not CUDA, reason="the engine path needs CUDA (fla for the commit replay)")
 def test_engine_with_the_tree_kernel_decodes_what_it_decodes_with_fla(monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards, graphs) on the tiny hybrid with our kernel (DDTREE_TREE_KERNEL=1, the

@@ -176,6 +176,8 @@ def test_trees_of_a_batch_through_our_paths_kernel_equal_alone(engines, monkeypa
     kernel, batches, make = tree_kernel_module().batched_tree_paths, [], qwen3_5.TreeBatch.of
     monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
     monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: kernel)
+    chunks = tree_kernel_module().batched_tree_chunks   # whole trees in the chunk form (paths: test_tree_batch.py)
+    monkeypatch.setattr(qwen3_5, "tree_chunk_kernel", lambda device: chunks)
     monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
     together = run_together(batched, jobs, arrive_every=1)
     assert batches and max(batches) >= 3, batches

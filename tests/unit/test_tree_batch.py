@@ -50,8 +50,11 @@ def forward_and_commit(target, caches, slots, starts, parents, ids, positions):
     return logits, pool.state.clone(), pool.conv.clone()
 
 
+@pytest.mark.parametrize("form", ["paths", "chunks"])
 @pytest.mark.parametrize("slots", [[3, 0, 4], [2, 1, 0]])   # scattered slots (gathered), a run of slots (a view)
-def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slots, tmp_path, monkeypatch):
+def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slots, form, tmp_path, monkeypatch):
+    """Trees of different sizes in one TreeBatch through our paths kernel, or through the chunk kernel (whole trees,
+    tree_kernel.batched_tree_chunks), against each tree alone on the torch masked form."""
     from ddtree.models import qwen3_5
 
     target_path, _ = make_hybrid(tmp_path)
@@ -77,11 +80,15 @@ def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slot
     kernel, batches, make = tree_kernel_module().batched_tree_paths, [], qwen3_5.TreeBatch.of
     monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
     monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: kernel)
+    chunks, chunk_calls = tree_kernel_module().batched_tree_chunks, []
+    monkeypatch.setattr(qwen3_5, "tree_chunk_kernel",
+                        lambda device: (lambda *a: chunk_calls.append(1) or chunks(*a)) if form == "chunks" else None)
     monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
     replays, replay = [], qwen3_5.replay_batch
     monkeypatch.setattr(qwen3_5, "replay_batch", lambda base, paths, *a: replays.append(len(paths)) or replay(base, paths, *a))
     batched = run()
     assert batches == [3] and replays == [3], (batches, replays)   # one kernel call per layer, one replay
+    assert len(chunk_calls) == (target.config.layer_types.count("linear_attention") if form == "chunks" else 0)
     for name, got, want in zip(("logits", "states", "conv windows"), batched, masked):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
     assert not torch.equal(masked[1], committed[0]), "the commits moved the states"
