@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", default="1,4,8")
     parser.add_argument("--peaks", default="peaked=8,flat=1", help="tree kinds: name=logit scale")
     parser.add_argument("--configs", default="8x1x1,8x1x2,8x1x3,16x1x2,16x2x2,32x2x2,32x4x2,32x4x1")
-    parser.add_argument("--chunk-configs", default="32x4xtf32x3,64x4xtf32x3,128x8xtf32x3,32x4xtf32,32x4xieee",
+    parser.add_argument("--chunk-configs", default="32x4xtf32,64x4xtf32,64x8xtf32,128x8xtf32,32x4xtf32x3,64x8xtf32x3",
                         help="the chunk form's launch shapes: value columns x warps x input precision")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
@@ -229,8 +229,27 @@ def main(argv: list[str] | None = None) -> dict:
                 trees = make_trees(budget, reqs, float(peak), seed=budget)
                 case = measure(dims, trees, configs, chunk_configs, args.repeats)
                 result["cases"].append({"trees": name, "budget": budget, **case})
-    write_results(Path(args.out), args.name, result, table(result))
+    result["chunk_shapes"] = best_chunk_shapes(result["cases"])
+    write_results(Path(args.out), args.name, result, table(result) + f"\n\nbest tf32 shapes (summed over the cases of "
+                  f"each row bucket): DDTREE_CHUNK_SHAPES={result['chunk_shapes']}")
     return result
+
+
+def best_chunk_shapes(cases: list[dict]) -> str:
+    """DDTREE_CHUNK_SHAPES ("bn:bv:warps,...") of the tf32 launch shapes with the least time summed over each row
+    bucket's cases (the engine's default precision for 16-bit inputs)."""
+    totals: dict[int, dict[str, float]] = {}
+    for case in cases:
+        bn = max(16, 1 << max(case["rows"] - 2, 0).bit_length())   # the forest block of the case's rows
+        for name, entry in case.get("chunks", {}).items():
+            if name.endswith("_tf32") and entry["ms"] == entry["ms"]:
+                totals.setdefault(bn, {}).setdefault(name, 0.0)
+                totals[bn][name] += entry["ms"]
+    picks = []
+    for bn, named in sorted(totals.items()):
+        bv, warps = min(named, key=named.get).split("_")[:2]
+        picks.append(f"{bn}:{bv[2:]}:{warps[1:]}")
+    return ",".join(picks)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ Imported only where it runs (CUDA, or Triton's interpreter in a test): fla's tra
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,9 +31,19 @@ from ddtree.models.gdn import L2_EPS
 # tree's few paths still fill the GPU (HV x paths x dv / BLOCK_V programs). perf/tree_kernel_bench.py sweeps these:
 # 16 columns, one warp, two stages was the fastest of 8 shapes in every case on an H200 (tree_kernel_h200.md).
 BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
-# The chunk form's launch shape per forest block (rows below the root, padded): value columns per program, warps.
-CHUNK_BLOCK_V = {16: 32, 32: 32, 64: 32}
-CHUNK_WARPS = {16: 4, 32: 4, 64: 4}
+# The chunk form's launch shape per forest block (rows below the root, padded): (value columns per program, warps);
+# DDTREE_CHUNK_SHAPES="64:64:8,16:32:4" overrides (perf/tree_kernel_bench.py measures them on a GPU).
+CHUNK_SHAPES = {16: (32, 4), 32: (32, 4), 64: (64, 8)}
+
+
+def chunk_shape(block_n: int) -> tuple[int, int]:
+    """(value columns per program, warps) of the chunk form for a forest block of block_n rows."""
+    shapes = dict(CHUNK_SHAPES)
+    for item in os.environ.get("DDTREE_CHUNK_SHAPES", "").split(","):
+        if item.strip():
+            bn, bv, warps = (int(x) for x in item.split(":"))
+            shapes[bn] = (bv, warps)
+    return shapes.get(block_n, (32, 4))
 
 
 @triton.jit
@@ -158,54 +170,80 @@ def _chunk_kernel(q, k, v, g, beta, o, states, state_stride, tree_state, tree_ro
     i_h = i_hv // (HV // H)
     row0 = tl.load(tree_row0 + i_t).to(tl.int64)
     n = tl.load(tree_rows + i_t)
-    cols_k = tl.arange(0, BK)
     cols_v = i_v * BV + tl.arange(0, BV)
-    in_k, in_v = cols_k < K, cols_v < V
+    in_v = cols_v < V
     h0 = states + tl.load(tree_state + i_t).to(tl.int64) * state_stride + i_hv * K * V
-    state = tl.load(h0 + cols_k[:, None] * V + cols_v[None, :], mask=in_k[:, None] & in_v[None, :],
-                    other=0.0).to(tl.float32)                                                     # S0 [BK, BV]
-    # the root (row 0, every other row's ancestor): one step of the recurrence, S1 = its state after it
-    r_q = tl.load(q + row0 * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
-    r_k = tl.load(k + row0 * qk_row + i_h * K + cols_k, mask=in_k, other=0.0).to(tl.float32)
-    r_v = tl.load(v + row0 * v_row + i_hv * V + cols_v, mask=in_v, other=0.0).to(tl.float32)
-    r_q = r_q / tl.sqrt(tl.sum(r_q * r_q) + eps) * scale
-    r_k = r_k / tl.sqrt(tl.sum(r_k * r_k) + eps)
-    state = state * tl.exp(tl.load(g + row0 * gate_row + i_hv).to(tl.float32))
-    r_v = (r_v - tl.sum(state * r_k[:, None], 0)) * tl.load(beta + row0 * gate_row + i_hv).to(tl.float32)
-    state = state + r_k[:, None] * r_v[None, :]
-    tl.store(o + (row0 * HV + i_hv) * V + cols_v, tl.sum(state * r_q[:, None], 0).to(o.dtype.element_ty), mask=in_v)
-    # the other rows (1 .. n - 1 as i = 0 .. BN - 1), a forest from S1: the ancestor-masked WY form (gdn.gdn_tree)
+    # rows 1 .. n - 1 of the tree as i = 0 .. BN - 1: a forest below the root (row 0, every other row's ancestor)
     i = tl.arange(0, BN)
     live = i < n - 1
     rows = row0 + 1 + i
-    qk = rows[:, None] * qk_row + i_h * K + cols_k[None, :]
-    in_qk = live[:, None] & in_k[None, :]
-    b_k = tl.load(k + qk, mask=in_qk, other=0.0).to(tl.float32)
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + eps)[:, None]
+    # pass 1 over blocks of the key dim: norms, k k^T and q k^T of the raw rows (scaled after), the root's S0^T k
+    r_q2, r_k2 = 0.0, 0.0
+    q2, k2 = tl.zeros([BN], dtype=tl.float32), tl.zeros([BN], dtype=tl.float32)
+    kk, qk = tl.zeros([BN, BN], dtype=tl.float32), tl.zeros([BN, BN], dtype=tl.float32)
+    s_k = tl.zeros([BV], dtype=tl.float32)
+    for kb in tl.static_range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        in_c = cols < K
+        r_q = tl.load(q + row0 * qk_row + i_h * K + cols, mask=in_c, other=0.0).to(tl.float32)
+        r_k = tl.load(k + row0 * qk_row + i_h * K + cols, mask=in_c, other=0.0).to(tl.float32)
+        r_q2 += tl.sum(r_q * r_q)
+        r_k2 += tl.sum(r_k * r_k)
+        s0 = tl.load(h0 + cols[:, None] * V + cols_v[None, :], mask=in_c[:, None] & in_v[None, :], other=0.0)
+        s_k += tl.sum(s0 * r_k[:, None], 0)
+        at = rows[:, None] * qk_row + i_h * K + cols[None, :]
+        b_q = tl.load(q + at, mask=live[:, None] & in_c[None, :], other=0.0).to(tl.float32)
+        b_k = tl.load(k + at, mask=live[:, None] & in_c[None, :], other=0.0).to(tl.float32)
+        q2 += tl.sum(b_q * b_q, 1)
+        k2 += tl.sum(b_k * b_k, 1)
+        kk += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+        qk += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+    r_qs = scale / tl.sqrt(r_q2 + eps)
+    r_ks = 1.0 / tl.sqrt(r_k2 + eps)
+    qs = scale / tl.sqrt(q2 + eps)
+    ks = 1.0 / tl.sqrt(k2 + eps)
+    # the root as one step of the recurrence: S1 = e^g0 S0 + k0 v0'^T, v0' = beta0 (v0 - e^g0 S0^T k0)
+    r_decay = tl.exp(tl.load(g + row0 * gate_row + i_hv).to(tl.float32))
+    r_v = tl.load(v + row0 * v_row + i_hv * V + cols_v, mask=in_v, other=0.0).to(tl.float32)
+    r_v = (r_v - r_decay * s_k * r_ks) * tl.load(beta + row0 * gate_row + i_hv).to(tl.float32)
+    # the forest from S1 in the ancestor-masked WY form (gdn.gdn_tree)
     b_g = tl.load(g + rows * gate_row + i_hv, mask=live, other=0.0).to(tl.float32)
     b_beta = tl.load(beta + rows * gate_row + i_hv, mask=live, other=0.0).to(tl.float32)
     a = anc + i_t.to(tl.int64) * anc_tree + (1 + i[:, None]) * anc_row + 1 + i[None, :]
     seen = tl.load(a, mask=live[:, None] & live[None, :], other=0) != 0                           # anc-or-self
     c = tl.sum(tl.where(seen, b_g[None, :], 0.0), 1)                                              # path sums of g
     gamma = tl.exp(tl.where(seen, c[:, None] - c[None, :], float("-inf")))                       # 0 off the paths
-    strict = seen & (i[:, None] != i[None, :])
-    lower = tl.where(strict, tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION) * gamma * b_beta[:, None], 0.0)
+    lower = tl.where(seen & (i[:, None] != i[None, :]), kk * (ks[:, None] * ks[None, :]) * gamma * b_beta[:, None], 0.0)
+    att = qk * (qs[:, None] * ks[None, :]) * gamma
     # (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...: L is nilpotent (L^d = 0 past the deepest path), FACTORS terms
-    eye = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-    inverse = eye - lower
+    inverse = tl.where(i[:, None] == i[None, :], 1.0, 0.0) - lower
     power = lower
     for _ in tl.static_range(FACTORS - 1):
         power = tl.dot(power, power, input_precision=PRECISION)
         inverse = inverse + tl.dot(inverse, power, input_precision=PRECISION)
     ec = tl.exp(c)
-    w = tl.dot(inverse, b_k * (b_beta * ec)[:, None], input_precision=PRECISION)                   # [BN, BK]
     b_v = tl.load(v + rows[:, None] * v_row + i_hv * V + cols_v[None, :], mask=live[:, None] & in_v[None, :],
                   other=0.0).to(tl.float32)
-    v_new = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION) - tl.dot(w, state, input_precision=PRECISION)
-    b_q = tl.load(q + qk, mask=in_qk, other=0.0).to(tl.float32)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + eps)[:, None] * scale
-    att = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * gamma
-    out = tl.dot(att, v_new, input_precision=PRECISION) + tl.dot(b_q * ec[:, None], state, input_precision=PRECISION)
+    v_new = tl.dot(inverse, b_v * b_beta[:, None], input_precision=PRECISION)                      # U, then U - W S1
+    out = tl.zeros([BN, BV], dtype=tl.float32)
+    r_o = tl.zeros([BV], dtype=tl.float32)
+    # pass 2: S1 block by block, W = T^-1 (K beta e^c) and the state's share of every output
+    for kb in tl.static_range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        in_c = cols < K
+        r_q = tl.load(q + row0 * qk_row + i_h * K + cols, mask=in_c, other=0.0).to(tl.float32) * r_qs
+        r_k = tl.load(k + row0 * qk_row + i_h * K + cols, mask=in_c, other=0.0).to(tl.float32) * r_ks
+        s1 = r_decay * tl.load(h0 + cols[:, None] * V + cols_v[None, :], mask=in_c[:, None] & in_v[None, :],
+                               other=0.0) + r_k[:, None] * r_v[None, :]                          # [BK, BV]
+        r_o += tl.sum(s1 * r_q[:, None], 0)
+        at = rows[:, None] * qk_row + i_h * K + cols[None, :]
+        b_k = tl.load(k + at, mask=live[:, None] & in_c[None, :], other=0.0).to(tl.float32)
+        w = tl.dot(inverse, b_k * (ks * b_beta * ec)[:, None], input_precision=PRECISION)          # [BN, BK]
+        v_new -= tl.dot(w, s1, input_precision=PRECISION)
+        b_q = tl.load(q + at, mask=live[:, None] & in_c[None, :], other=0.0).to(tl.float32)
+        out += tl.dot(b_q * (qs * ec)[:, None], s1, input_precision=PRECISION)
+    out += tl.dot(att, v_new, input_precision=PRECISION)
+    tl.store(o + (row0 * HV + i_hv) * V + cols_v, r_o.to(o.dtype.element_ty), mask=in_v)
     tl.store(o + (rows[:, None] * HV + i_hv) * V + cols_v[None, :], out.to(o.dtype.element_ty),
              mask=live[:, None] & in_v[None, :])
 
@@ -213,7 +251,7 @@ def _chunk_kernel(q, k, v, g, beta, o, states, state_stride, tree_state, tree_ro
 def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         tree_row0: torch.Tensor, tree_rows: torch.Tensor, ancestors: torch.Tensor, states: torch.Tensor,
                         tree_state: torch.Tensor, max_rows: int, max_depth: int, block_v: int | None = None,
-                        num_warps: int | None = None, precision: str = "tf32x3") -> torch.Tensor:
+                        num_warps: int | None = None, block_k: int = 32, precision: str | None = None) -> torch.Tensor:
     """o [N, HV, dv] in v's dtype of every row of every tree: batched_tree_paths' values without walking paths.
 
     Each program takes one tree, one value head and a block of value columns: the root (a tree's first row, every
@@ -228,7 +266,9 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     unspecified finite values); ancestors # [B, >= max_rows, >= max_rows] bool or int8, tree b's anc-or-self matrix
     in ancestors[b, :rows, :rows] (last dim contiguous); states # [S, HV, dk, dv] float32; tree_state # [B] long.
     max_rows: the largest tree's rows (its forest pads to a power of two >= 16 of max_rows - 1); max_depth: the most
-    rows on a root-to-leaf path (root included). precision: the matrix products' (triton's input_precision)."""
+    rows on a root-to-leaf path (root included). block_k: key columns per step of the passes over the key dim.
+    precision: the matrix products' (triton's input_precision): by default tf32 for inputs in 16 bits (its error,
+    ~5e-4 absolute at 27B dims, under a bf16 output's rounding), tf32x3 for float32 ones."""
     n, h, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     assert hv % h == 0 and k.shape == q.shape and g.shape == (n, hv) and beta.shape == (n, hv), "shapes"
@@ -244,12 +284,14 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         ancestors = ancestors.view(torch.int8)
     bn = max(16, triton.next_power_of_2(max(max_rows - 1, 1)))
     factors = max(1, (max_depth - 2).bit_length())   # paths below the root have max_depth - 1 rows: L^(max_depth - 1) = 0
-    block_v, num_warps = block_v or CHUNK_BLOCK_V.get(bn, 32), num_warps or CHUNK_WARPS.get(bn, 4)
+    shape = chunk_shape(bn)
+    block_v, num_warps = block_v or shape[0], num_warps or shape[1]
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    precision = precision or ("tf32x3" if v.dtype == torch.float32 else "tf32")
     grid = (triton.cdiv(dv, block_v), tree_row0.shape[0], hv)
     _chunk_kernel[grid](q, k, v, g, beta, o, states, states.stride(0), tree_state, tree_row0, tree_rows, ancestors,
                         ancestors.stride(0), ancestors.stride(1), dk**-0.5, L2_EPS, q.stride(0), v.stride(0), g.stride(0),
-                        H=h, HV=hv, K=dk, V=dv, BK=max(16, triton.next_power_of_2(dk)), BN=bn, BV=block_v,
+                        H=h, HV=hv, K=dk, V=dv, BK=min(block_k, max(16, triton.next_power_of_2(dk))), BN=bn, BV=block_v,
                         FACTORS=factors, PRECISION=precision, num_warps=num_warps)
     return o
 

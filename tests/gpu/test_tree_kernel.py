@@ -99,13 +99,13 @@ def chain_depth(parents: list[int]) -> int:
     return max(depth)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_chunk_kernel_equals_the_per_node_recurrence(module, dtype):
+@pytest.mark.parametrize("dtype, block_k", [(torch.float32, 16), (torch.bfloat16, 32)])   # the key dim in 2 blocks, in 1
+def test_the_chunk_kernel_equals_the_per_node_recurrence(module, dtype, block_k):
     """Trees of a batch through the ancestor-masked chunk form (batched_tree_chunks), each from its own slot of a
     pool whose states lie layers apart, rows at their tree's offset, q, k, v column slices of one conv output: every
     row of every tree == gdn_sequential on it alone (a chain, a bushy tree, a tree of one row below the root, a tree
     padded as a static forward pads: rows that are roots of their own, whose values are unspecified but finite)."""
-    h, hv, dk, dv, rows, slots, layers = 2, 4, 16, 40, 17, 5, 3
+    h, hv, dk, dv, rows, slots, layers = 2, 4, 32, 40, 17, 5, 3
     rng, gen = np.random.default_rng(11), torch.Generator().manual_seed(11)
     trees = [list(range(-1, 16)), random_tree(17, rng), [-1, 0], random_tree(12, rng) + [-1] * 3]
     n = rows * len(trees)
@@ -125,7 +125,8 @@ def test_the_chunk_kernel_equals_the_per_node_recurrence(module, dtype):
     got = module.batched_tree_chunks(*(x.to(dtype).to(DEVICE) for x in (q, k, v)), g.to(DEVICE),
                                      beta.to(dtype).to(DEVICE), as_long([r * rows for r in range(len(trees))]),
                                      as_long([len(p) for p in trees]), ancestors.to(DEVICE), pool.to(DEVICE)[:, layer],
-                                     as_long(request_slots), max_rows=rows, max_depth=max(map(chain_depth, trees))).cpu()
+                                     as_long(request_slots), max_rows=rows, max_depth=max(map(chain_depth, trees)),
+                                     block_k=block_k).cpu()
     assert got.dtype == dtype
     repeat = hv // h
     tolerance = 2e-4 if dtype == torch.float32 else 5e-2
