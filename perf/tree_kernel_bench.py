@@ -15,6 +15,8 @@ Writes perf/results/<name>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import sys
 from pathlib import Path
@@ -229,10 +231,20 @@ def main(argv: list[str] | None = None) -> dict:
                 trees = make_trees(budget, reqs, float(peak), seed=budget)
                 case = measure(dims, trees, configs, chunk_configs, args.repeats)
                 result["cases"].append({"trees": name, "budget": budget, **case})
-    result["chunk_shapes"] = best_chunk_shapes(result["cases"])
-    write_results(Path(args.out), args.name, result, table(result) + f"\n\nbest tf32 shapes (summed over the cases of "
-                  f"each row bucket): DDTREE_CHUNK_SHAPES={result['chunk_shapes']}")
+                write(args, result, quiet=True)   # after every case: a run cut short keeps what it measured
+    write(args, result)
     return result
+
+
+def write(args: argparse.Namespace, result: dict, quiet: bool = False) -> None:
+    result["chunk_shapes"] = best_chunk_shapes(result["cases"])
+    text = table(result) + (f"\n\nbest tf32 shapes (summed over the cases of each row bucket): "
+                            f"DDTREE_CHUNK_SHAPES={result['chunk_shapes']}")
+    if quiet:
+        with contextlib.redirect_stdout(io.StringIO()):
+            write_results(Path(args.out), args.name, result, text)
+    else:
+        write_results(Path(args.out), args.name, result, text)
 
 
 def best_chunk_shapes(cases: list[dict]) -> str:
