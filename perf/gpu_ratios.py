@@ -58,7 +58,7 @@ DENSE_DRAFTERS = {
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-treeattn", "static-cublas",
-            "static-treepaths")
+            "static-treepaths", "static-normfirst")
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -126,7 +126,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # through cuBLAS (their prologues as separate chains) instead of our GEMV, and the trees' GDN through our paths
         # kernel instead of the chunk form, for comparison
         for form, env in (("static-sdpa", {"DDTREE_ATTENTION_KERNEL": "0"}), ("static-treeattn", {"DDTREE_ATTENTION_KERNEL": "128"}),
-                          ("static-cublas", {"DDTREE_GEMV_KERNEL": "0"}), ("static-treepaths", {"DDTREE_TREE_CHUNKS": "0"})):
+                          ("static-cublas", {"DDTREE_GEMV_KERNEL": "0"}), ("static-treepaths", {"DDTREE_TREE_CHUNKS": "0"}),
+                          ("static-normfirst", {"DDTREE_GEMV_NORM_FIRST": "1"})):
             if form not in variants:
                 continue
             with mock.patch.dict(os.environ, env):
@@ -183,7 +184,9 @@ def table(result: dict) -> str:
              "step's goes through our split-KV kernel); static-treeattn: the trees' too through our kernel "
              "(DDTREE_ATTENTION_KERNEL=128); static-cublas: one-row Linears through cuBLAS, the chains before them "
              "separate, instead of our GEMV with the chains in its prologue (DDTREE_GEMV_KERNEL=0); static-treepaths: the "
-             "trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form (DDTREE_TREE_CHUNKS=0).", "",
+             "trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form (DDTREE_TREE_CHUNKS=0); "
+             "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product, the "
+             "normalized input rounded (DDTREE_GEMV_NORM_FIRST=1), instead of in the product's loop.", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

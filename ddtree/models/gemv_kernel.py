@@ -16,15 +16,19 @@ kernel (and its write and read of the input) goes away; the input is a few KB, r
 - "sigmoid_gate": x * sigmoid(a), a [groups, group] with its own group stride (gated attention's output gate);
 - "gated_norm": per group of `group` columns rmsnorm(x) * p (p [group]), times silu(a) (Gated DeltaNet's output).
 Each rounds where the eager chain (ddtree.models.fused) rounds to the model's dtype, so a bf16 forward through
-them reads the inputs the unfused forward computes. And `add` adds the residual stream to the product in the
-epilogue (rounded as `add + F.linear(...)`), so a layer's residual add needs no kernel either: the next norm's
-prologue reads the stream whole.
+them reads the inputs the unfused forward computes; except the norms by default (norm_first): their rstd, one number
+per row, is applied to the product's sum instead of to each input, so the statistic is gathered in the product's own
+loop rather than in a pass before it, and the normalized input is never rounded (a bf16 ulp of the input's scale).
+And `add` adds the residual stream to the product in the epilogue (rounded as `add + F.linear(...)`), so a layer's
+residual add needs no kernel either: the next norm's prologue reads the stream whole.
 
     linear_rows(x, weight)                                   # x [1, K], weight [N, K] -> [1, N] in x's dtype
     linear_rows(x, weight, prologue="silu_mul", a=up, add=residual)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -45,6 +49,14 @@ NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of
 PROLOGUES = {None: 0, "norm": 1, "norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
 
 
+def norm_first() -> bool:
+    """Whether the norms' prologue computes each row's statistic in a pass of its own before the product
+    (DDTREE_GEMV_NORM_FIRST=1: the normalized input rounded to the model's dtype, as the eager chain rounds it) instead
+    of in the product's own loop (the default: x * p multiplied unrounded and the row's rstd applied to the sum, so no
+    program waits on a pass over x before streaming its weights)."""
+    return os.environ.get("DDTREE_GEMV_NORM_FIRST", "0") not in ("", "0")
+
+
 @triton.jit
 def _silu(v):
     return v / (1.0 + tl.exp(-v))
@@ -54,7 +66,7 @@ def _silu(v):
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  a_ptr, stride_am, stride_ag, p_ptr, add_ptr, stride_addm, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 ADD: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr):
+                 ADD: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr, NORM_FIRST: tl.constexpr):
     """out[1, N] = prologue(x, a, p)[1, K] @ w[N, K].T: the row (BLOCK_M 1, kept two-dimensional) multiplied
     elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end."""
     pid = tl.program_id(0)
@@ -67,20 +79,24 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     a_rows = a_ptr + offs_m[:, None] * stride_am
     rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-    if PRO == 1 or PRO == 2:   # the norm's statistic over each whole row first (one load at a row's usual widths)
+    if (PRO == 1 or PRO == 2) and NORM_FIRST:   # the norm's statistic over each whole row first (one load at a row's usual widths)
         sq = tl.zeros([BLOCK_M, NORM_K], dtype=tl.float32)
         for k0 in range(0, K, NORM_K):
             k = k0 + tl.arange(0, NORM_K)
             s = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
             sq += s * s
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1, keep_dims=True) / K + eps)
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)   # the statistic gathered in the main loop instead
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
         ok = m_ok[:, None] & k_ok[None, :]
         v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
-        if PRO == 1 or PRO == 2:
+        if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # x * p now, times the row's rstd after the sum
+            squares += v * v
+            v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        elif PRO == 1 or PRO == 2:
             p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             if PRO == 1:
                 v = (v * rstd * p).to(dtype).to(tl.float32)
@@ -102,6 +118,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * v
     y = tl.sum(acc, axis=1)
+    if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # rstd is one number per row: out of the sum, applied once
+        y = y / tl.sqrt(tl.sum(squares) / K + eps)
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         y = tl.load(add_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) + y.to(dtype).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(dtype), mask=n_ok)
@@ -130,6 +148,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
         x if p is None else p, x if add is None else add, 0 if add is None else add.stride(0), eps,
         BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, ADD=add is not None, GROUP=group,
-        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS)),
+        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS)), NORM_FIRST=norm_first(),
         num_warps=warps, num_stages=stages)
     return out

@@ -14,13 +14,16 @@ CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
+@pytest.mark.parametrize("norm_first", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
-def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k):
+def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, monkeypatch):
     """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
-    rounds), plus the residual stream where the epilogue adds it: to float32 rounding in float32, to a bf16 ulp or
-    two of the output's scale in bf16."""
+    rounds; the norms' default form does not round their input), plus the residual stream where the epilogue adds
+    it: to float32 rounding in float32, to a bf16 ulp or two of the output's scale in bf16."""
     from ddtree.models.gemv_kernel import linear_rows
+
+    monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
 
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k**0.5).to("cuda", dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2

@@ -59,10 +59,12 @@ def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", d
     ]
 
 
+@pytest.mark.parametrize("norm_first", ["0", "1"])   # the norms' statistic in the product's loop (default) or before it
 @pytest.mark.parametrize("k, config", [(512, (8, 128, 4, 3)), (1000, (16, 256, 4, 2))])
-def test_prologues_equal_their_eager_chains(k, config):
+def test_prologues_equal_their_eager_chains(k, config, norm_first, monkeypatch):
     """Each prologue's Linear == the Linear of the eager chain's output, plus the residual stream where one is added
     in the epilogue."""
+    monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
     w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
     x, cases = prologue_cases(k, 23, 8, seed=k)
     for prologue, kwargs, chained, residual in cases:
