@@ -124,4 +124,72 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     return out
 
 
-__all__ = ["TARGET_PROGRAMS", "masked_attention"]
+@triton.jit
+def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """One head [D] normalized (rounded to dtype as the eager chain rounds) and rotated over its first R dims
+    (rotate-half, in float32: the compiled chain's one rounding at the end): float32 [D]."""
+    d = tl.arange(0, D)
+    partner = tl.where(d < R // 2, d + R // 2, d - R // 2)      # the rotate-half partner inside the first R dims
+    x = tl.load(src + d).to(tl.float32)
+    x_p = tl.load(src + partner).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x) / D + eps)
+    w_d, w_p = tl.load(w + d).to(tl.float32), tl.load(w + partner).to(tl.float32)
+    if ZERO_CENTERED:   # Qwen3.5: rmsnorm(x) * (1 + weight) in float32, rounded once
+        y = (x * rstd * w_d).to(dtype).to(tl.float32)
+        y_p = (x_p * rstd * w_p).to(dtype).to(tl.float32)
+    else:               # Qwen3: rmsnorm(x) rounded, times the weight, rounded
+        y = ((x * rstd).to(dtype).to(tl.float32) * w_d).to(dtype).to(tl.float32)
+        y_p = ((x_p * rstd).to(dtype).to(tl.float32) * w_p).to(dtype).to(tl.float32)
+    rot = d < R
+    c = tl.load(cos_row + d, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
+    return tl.where(rot, y * c + tl.where(d < R // 2, -y_p, y_p) * s, y)
+
+
+@triton.jit
+def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_slot, write_pos,
+                    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, sk_s, sk_p, sk_kh, sv_s, sv_p, sv_kh, eps,
+                    HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    n, h = tl.program_id(0), tl.program_id(1)
+    dtype = q_out.dtype.element_ty
+    d = tl.arange(0, D)
+    cos_row, sin_row = cos + n * sc_n, sin + n * sc_n
+    if h < HQ:
+        out = _norm_rotary(q + n * sq_n + h * sq_h, q_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED)
+        tl.store(q_out + (n * HQ + h) * D + d, out.to(dtype))
+    else:
+        kh = h - HQ
+        out = _norm_rotary(k + n * sk_n + kh * sk_h, k_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED)
+        slot, pos = tl.load(write_slot + n).to(tl.int64), tl.load(write_pos + n).to(tl.int64)
+        tl.store(pool_k + slot * sk_s + pos * sk_p + kh * sk_kh + d, out.to(pool_k.dtype.element_ty))
+        value = tl.load(v + n * sv_n + kh * sv_h + d)
+        tl.store(pool_v + slot * sv_s + pos * sv_p + kh * sv_kh + d, value.to(pool_v.dtype.element_ty))
+
+
+def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                write_slot: torch.Tensor, write_pos: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    """An attention layer's per-head q and k norms, their rotary and the rows' K/V writes into the K/V pool, in one
+    kernel (the compiled chains are three kernels per tensor and the writes two index kernels): q [N, H, D] out.
+
+    q  # [N, H, D], k, v  # [N, KVH, D] (views: last dim contiguous, other strides free); q_weight, k_weight  # [D]
+    (zero_centered: Qwen3.5's float32 scale 1 + weight, rmsnorm * scale rounded once; else Qwen3's weight, rmsnorm
+    rounded then times the weight); cos, sin  # [N, R]: rotary over each head's first R dims (R <= D, even);
+    pool_k, pool_v  # [S, E, KVH, D] (one layer of the pool); row n written at [write_slot[n], write_pos[n]]."""
+    n, heads, d = q.shape
+    kvh = k.shape[1]
+    r = cos.shape[-1]
+    assert k.shape == v.shape == (n, kvh, d) and pool_k.shape[2:] == (kvh, d) and pool_v.shape == pool_k.shape, "shapes"
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and pool_k.stride(3) == pool_v.stride(3) == 1, "last dims"
+    assert cos.shape == sin.shape == (n, r) and cos.stride() == sin.stride() and cos.stride(1) == 1, "cos, sin"
+    assert d == triton.next_power_of_2(d) and r % 2 == 0 and r <= d, (d, r)
+    q_out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    _prepare_kernel[(n, heads + kvh)](
+        q, k, v, q_out, q_weight, k_weight, cos, sin, pool_k, pool_v, write_slot, write_pos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), eps,
+        HQ=heads, D=d, R=r, ZERO_CENTERED=zero_centered, num_warps=2 if d <= 256 else 4)
+    return q_out
+
+
+__all__ = ["TARGET_PROGRAMS", "masked_attention", "prepare_qkv"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.base import TargetModel, to_device
-from ddtree.models.kernels import attention_kernel, attention_kernel_rows
+from ddtree.models.kernels import attention_kernel, attention_kernel_rows, qkv_kernel
 from ddtree.models.layers import (
     FusedProjections,
     GatedMLP,
@@ -197,9 +197,11 @@ class PackedAttention:
 
     def attend(self, pool_k: torch.Tensor, pool_v: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """pool_k, pool_v  # [slots, max_len, kv_heads, d] of one layer; q  # [N, heads, d]; k, v  # [N, kv_heads, d]"""
-        pool_k[self.write_slot, self.write_pos] = k
-        pool_v[self.write_slot, self.write_pos] = v
+        """pool_k, pool_v  # [slots, max_len, kv_heads, d] of one layer; q  # [N, heads, d]; k, v  # [N, kv_heads, d],
+        or None where the rows' K/V are in the pool already (prepare_and_attend)."""
+        if k is not None:
+            pool_k[self.write_slot, self.write_pos] = k
+            pool_v[self.write_slot, self.write_pos] = v
         r, q_len = self.q_index.shape
         d = q.shape[-1]
         if self.kernel is False:   # once per forward: every layer has the same rows and head dim
@@ -216,7 +218,7 @@ class PackedAttention:
             values = pool_v[self.slots, : self.end].transpose(1, 2)
         queries = (q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]).transpose(1, 2)   # [R, heads, Q, d]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+                                             enable_gqa=q.shape[1] != pool_k.shape[2]).transpose(1, 2)
         return out.reshape(r * q_len, *out.shape[2:]) if self.in_order else out.flatten(0, 1)[self.out_index]   # [N, heads, d]
 
 
@@ -235,6 +237,22 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: l
         outputs.append(attend(q[rows], kv.k[layer, :end], kv.v[layer, :end], seg.mask, scale))
         row += seg.length
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def prepare_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: tuple, rope: tuple[torch.Tensor, torch.Tensor],
+                       caches: list[KVCache], layer: int, scale: float, packed: PackedAttention | None
+                       ) -> torch.Tensor | None:
+    """A packed forward's per-head q/k norms, rotary and K/V writes in one kernel (kernels.qkv_kernel), then its
+    attention: [N, heads, d]; None where that kernel does not run (not packed, not CUDA, switched off: the caller's
+    chains and attend_segments then). norms: (q_weight, k_weight, eps, zero_centered) as prepare_qkv takes them."""
+    kernel = qkv_kernel(q.device) if packed is not None else None
+    if kernel is None or q.shape[-1] & (q.shape[-1] - 1):
+        return None
+    pool = caches[0].pool
+    q_weight, k_weight, eps, zero_centered = norms
+    q = kernel(q, k, v, q_weight, k_weight, eps, *rope, pool.k[layer], pool.v[layer], packed.write_slot,
+               packed.write_pos, zero_centered=zero_centered)
+    return packed.attend(pool.k[layer], pool.v[layer], q, None, None, scale)
 
 
 @dataclass(slots=True)
@@ -266,6 +284,12 @@ class Attention(FusedProjections, nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:   # norms, rotary and the K/V writes in one kernel where it runs
+            caches = [seg.cache for seg in segments]
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, False)
+            out = prepare_and_attend(q, k, v, norms, rope, caches, layer, self.head_dim**-0.5, packed)
+            if out is not None:
+                return linear(out.reshape(n, -1), self.o_proj, residual)
         if self.q_norm is not None:   # norm and rotary in one chain each (fused on CUDA)
             q = fused.rms_norm_rotary(q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = fused.rms_norm_rotary(k, self.k_norm.weight, self.k_norm.eps, *rope)

@@ -115,6 +115,21 @@ def attention_kernel_rows() -> int:
     return min(int(value), ATTENTION_KERNEL_MAX_ROWS) if value.strip() else 0
 
 
+def qkv_kernel(device: torch.device) -> Callable | None:
+    """Our kernel for an attention layer's q/k norms, rotary and K/V pool writes in one launch
+    (ddtree.models.attention_kernel.prepare_qkv) for packed forwards on CUDA, or None (the compiled chains and
+    index writes: eight kernels per layer at Qwen3.6-27B): DDTREE_QKV_KERNEL=0 turns it off."""
+    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1") in ("", "0"):
+        return None
+    return _qkv_kernel()
+
+
+@functools.cache
+def _qkv_kernel() -> Callable:
+    from ddtree.models.attention_kernel import prepare_qkv
+    return prepare_qkv
+
+
 def draft_attention_kernel(device: torch.device) -> Callable | None:
     """Our split-KV masked attention for the drafter's pooled blocks (DFlashDrafter.forward_pooled: the static pass)
     on CUDA, or None (contexts gathered, SDPA): DDTREE_DRAFT_ATTENTION_KERNEL=0 turns it off. A 16-row block against
@@ -200,5 +215,5 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 __all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "draft_attention_kernel",
-           "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "step_gdn_kernel", "steps_gdn_kernel", "tree_chunk_kernel",
+           "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "qkv_kernel", "step_gdn_kernel", "steps_gdn_kernel", "tree_chunk_kernel",
            "tree_gdn_kernel"]

@@ -22,7 +22,15 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.base import TargetModel
-from ddtree.models.dense import ForwardPlan, KVCache, KVPool, PackedAttention, Segment, attend_segments
+from ddtree.models.dense import (
+    ForwardPlan,
+    KVCache,
+    KVPool,
+    PackedAttention,
+    Segment,
+    attend_segments,
+    prepare_and_attend,
+)
 from ddtree.models.gdn import (
     ReplayStash,
     TreeLayout,
@@ -361,11 +369,16 @@ class GatedAttention(FusedProjections, nn.Module):
         n = x.shape[0]
         q_gate, k, v = self.project(x)
         q, gate = q_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k, v = k.reshape(n, self.num_kv_heads, self.head_dim), v.reshape(n, self.num_kv_heads, self.head_dim)
+        # norms, rotary and the K/V writes in one kernel where it runs (packed forwards on CUDA)
+        norms = (self.q_norm.scale(self.q_norm.weight), self.k_norm.scale(self.k_norm.weight), self.q_norm.eps, True)
+        out = prepare_and_attend(q, k, v, norms, rope, [seg.cache.kv for seg in segments], slot, self.head_dim**-0.5,
+                                 packed)
+        if out is not None:
+            return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj, residual)
         # per-head norm, then rotary over the first rotary_dim dims (cos, sin are that wide): one chain each
         q = fused.zero_centered_norm_partial_rotary(q, self.q_norm.scale(self.q_norm.weight), self.q_norm.eps, *rope)
-        k = fused.zero_centered_norm_partial_rotary(k.reshape(n, self.num_kv_heads, self.head_dim),
-                                                    self.k_norm.scale(self.k_norm.weight), self.k_norm.eps, *rope)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        k = fused.zero_centered_norm_partial_rotary(k, self.k_norm.scale(self.k_norm.weight), self.k_norm.eps, *rope)
         out = attend_segments(q, k, v, [seg.cache.kv for seg in segments], segments, slot, self.head_dim**-0.5, packed)
         return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj, residual)
 

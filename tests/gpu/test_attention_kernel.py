@@ -28,3 +28,28 @@ def test_compiled_masked_attention_equals_sdpa(requests, rows, keys):
     want = F.scaled_dot_product_attention(q.transpose(1, 2), keys_, values, attn_mask=mask[:, None], scale=d**-0.5,
                                           enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("zero_centered, rotary", [(True, 64), (False, 256)])
+def test_compiled_prepare_qkv_equals_the_compiled_chains(zero_centered, rotary):
+    """prepare_qkv at Qwen3.6-27B's attention dims in bf16 against the engine's compiled norm + rotary chains and
+    index writes: q and the written K within a bf16 ulp or two, V copied exactly."""
+    from ddtree.models import fused
+
+    kernel = attention_kernel_module().prepare_qkv
+    gen = torch.Generator().manual_seed(rotary)
+    n, heads, kv_heads, d, eps = 17, 24, 4, 256, 1e-6
+    q = torch.randn(n, heads, 2 * d, generator=gen).to("cuda", torch.bfloat16)[..., :d]
+    k, v = (torch.randn(n, kv_heads, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    q_weight, k_weight = (1.0 + 0.2 * torch.randn(d, generator=gen)).cuda(), (1.0 + 0.2 * torch.randn(d, generator=gen)).cuda()
+    if not zero_centered:
+        q_weight, k_weight = q_weight.bfloat16(), k_weight.bfloat16()
+    angles = torch.rand(n, rotary // 2, generator=gen) * 6
+    cos, sin = (f(torch.cat([angles, angles], -1)).to("cuda", torch.bfloat16) for f in (torch.cos, torch.sin))
+    pool_k, pool_v = (torch.zeros(3, 40, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots, positions = torch.full((n,), 2, device="cuda"), torch.arange(5, 5 + n, device="cuda")
+    chain = fused.zero_centered_norm_partial_rotary if zero_centered else fused.rms_norm_rotary
+    got = kernel(q, k, v, q_weight, k_weight, eps, cos, sin, pool_k, pool_v, slots, positions, zero_centered=zero_centered)
+    torch.testing.assert_close(got.float(), chain(q, q_weight, eps, cos, sin).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(pool_k[2, 5 : 5 + n].float(), chain(k, k_weight, eps, cos, sin).float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(pool_v[2, 5 : 5 + n], v) and not pool_k[:2].any() and not pool_v[:2].any()

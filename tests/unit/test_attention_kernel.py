@@ -61,6 +61,61 @@ def test_engines_attending_through_the_kernel_decode_what_they_decode_without(ki
     assert max(r for r, _ in calls) >= 2 and max(rows for _, rows in calls) > 1, calls
 
 
+@pytest.mark.parametrize("zero_centered, rotary", [(True, 8), (False, 32)])   # Qwen3.5's partial rotary, Qwen3's
+def test_prepare_qkv_equals_the_chains_and_the_pool_writes(zero_centered, rotary):
+    """prepare_qkv: q as the eager norm + rotary chain gives it (q a strided view, as the gated attention's q beside
+    its gate), each row's k (the same chain) and v written into the pool at its slot and position, nothing else."""
+    from ddtree.models import fused
+
+    kernel = attention_kernel_module().prepare_qkv
+    gen = torch.Generator().manual_seed(rotary)
+    n, heads, kv_heads, d, eps = 5, 6, 2, 32, 1e-6
+    q = torch.randn(n, heads, 2 * d, generator=gen)[..., :d]
+    k, v = torch.randn(n, kv_heads, d, generator=gen) * 3, torch.randn(n, kv_heads, d, generator=gen)
+    q_weight, k_weight = 1.0 + 0.2 * torch.randn(d, generator=gen), 1.0 + 0.2 * torch.randn(d, generator=gen)
+    angles = torch.rand(n, rotary // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    pool_k, pool_v = torch.randn(4, 12, kv_heads, d, generator=gen), torch.randn(4, 12, kv_heads, d, generator=gen)
+    slots, positions = torch.tensor([3, 3, 0, 2, 0]), torch.tensor([7, 8, 1, 11, 2])
+    if zero_centered:
+        def chain(x, w):
+            return fused.zero_centered_norm_partial_rotary.eager(x, w, eps, cos, sin)
+    else:
+        def chain(x, w):
+            return fused.rms_norm_rotary.eager(x, w, eps, cos, sin)
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    want_k[slots, positions], want_v[slots, positions] = chain(k, k_weight), v
+    got = kernel(q, k, v, q_weight, k_weight, eps, cos, sin, pool_k, pool_v, slots, positions, zero_centered=zero_centered)
+    torch.testing.assert_close(got, chain(q, q_weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool_k, want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool_v, want_v)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_engines_preparing_qkv_in_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
+    """Greedy `ar` and `ddtree` requests, four at once, with every packed forward's q/k norms, rotary and K/V writes
+    through prepare_qkv decode what the engine decodes with the chains (no chain left in those forwards)."""
+    from ddtree.engine import Engine
+    from ddtree.models import dense
+    from tests.unit.test_batching import static_cpu_config
+
+    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=4)
+    vocab = Engine(config).target.config.vocab_size
+    rng = random.Random(8)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 20))],
+             SamplingParams(max_tokens=rng.randint(4, 8), mode=("ar", "ddtree")[i % 2], tree_budget=6, ignore_eos=True))
+            for i in range(4)]
+    expected = run_together(Engine(config), jobs, arrive_every=1)
+    kernel, calls, written = attention_kernel_module().prepare_qkv, [], []
+    monkeypatch.setattr(dense, "qkv_kernel", lambda device: lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    attend = dense.PackedAttention.attend
+    monkeypatch.setattr(dense.PackedAttention, "attend", lambda self, pk, pv, q, k, v, scale:
+                        written.append(k is not None) or attend(self, pk, pv, q, k, v, scale))
+    assert run_together(Engine(config), jobs, arrive_every=1) == expected
+    assert calls and max(calls) > 1, calls                     # packed forwards of several rows too
+    assert written and not any(written), "every packed forward's K/V written by the kernel, none by the index writes"
+
+
 def test_attention_kernel_rows_reads_its_setting(monkeypatch):
     from ddtree.models.kernels import attention_kernel_rows
 
