@@ -118,8 +118,9 @@ def attention_kernel_rows() -> int:
 def qkv_kernel(device: torch.device) -> Callable | None:
     """Our kernel for an attention layer's q/k norms, rotary and K/V pool writes in one launch
     (ddtree.models.attention_kernel.prepare_qkv) for packed forwards on CUDA, or None (the compiled chains and
-    index writes: eight kernels per layer at Qwen3.6-27B): DDTREE_QKV_KERNEL=0 turns it off."""
-    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1") in ("", "0"):
+    index writes: eight kernels per layer at Qwen3.6-27B): DDTREE_QKV_KERNEL=1 turns it on (opt-in until measured
+    on a GPU: only Triton's interpreter has run it)."""
+    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "0") in ("", "0"):
         return None
     return _qkv_kernel()
 
