@@ -159,6 +159,22 @@ def conv_steps_kernel(device: torch.device) -> Callable | None:
     return None if steps_gdn_kernel(device) is None else _conv_steps_kernel()
 
 
+def conv_windows_kernel(device: torch.device) -> Callable | None:
+    """Our kernel for a tree batch's GDN conv (ddtree.models.tree_kernel.conv_windows_in_place: each row's window
+    gathered from the pool's committed inputs and the rows, the output and the input written into the commit stash)
+    where our steps kernel runs and DDTREE_TREE_CONV_KERNEL=1 (opt-in until measured on a GPU), else None (the
+    compiled fused.conv_windows_pooled_into)."""
+    if steps_gdn_kernel(device) is None or os.environ.get("DDTREE_TREE_CONV_KERNEL", "0") in ("", "0"):
+        return None
+    return _conv_windows_kernel()
+
+
+@functools.cache
+def _conv_windows_kernel() -> Callable:
+    from ddtree.models.tree_kernel import conv_windows_in_place
+    return conv_windows_in_place
+
+
 @functools.cache
 def _conv_steps_kernel() -> Callable:
     from ddtree.models.tree_kernel import conv_steps_in_place
@@ -215,6 +231,8 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
                   use_qk_l2norm_in_kernel=True)
 
 
-__all__ = ["attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "draft_attention_kernel",
-           "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "qkv_kernel", "step_gdn_kernel", "steps_gdn_kernel", "tree_chunk_kernel",
-           "tree_gdn_kernel"]
+__all__ = [
+    "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
+    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "qkv_kernel", "step_gdn_kernel",
+    "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
+]

@@ -50,6 +50,7 @@ from ddtree.models.gdn import (
 from ddtree.models.kernels import (
     chain_gdn_kernel,
     conv_steps_kernel,
+    conv_windows_kernel,
     gdn_chain_fla,
     gdn_sequences_fla,
     step_gdn_kernel,
@@ -475,8 +476,9 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         there already: forward), one call of our paths kernel (each path from its slot's state, read in place). The
         same values as `_core` computes for each tree alone."""
         qkv = trees.stash.qkv[slot]   # the committed windows read from the pool by the conv's kernel (column r * K + i)
-        fused.conv_windows_pooled_into(mixed, pool.conv[:, slot], trees.slots, self.conv_weight(self.conv1d.weight),
-                                       trees.window, qkv, trees.stash.x[slot])
+        conv = conv_windows_kernel(mixed.device) or fused.conv_windows_pooled_into
+        conv(mixed, pool.conv[:, slot], trees.slots, self.conv_weight(self.conv1d.weight), trees.window, qkv,
+             trees.stash.x[slot])
         q, k, v = self._heads(qkv)
         if trees.chunks is not None:
             return trees.chunks(q, k, v, g, beta, trees.row0, trees.rows, trees.ancestors, pool.state[:, slot],

@@ -335,10 +335,52 @@ def conv_steps_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.T
     return out
 
 
+@triton.jit
+def _conv_windows_kernel(x, pool, slots, weight, window, out, x_out, C, x_row, pool_slot, pool_channel, weight_row,
+                         out_row, x_out_row, committed, KW: tl.constexpr, BLOCK_C: tl.constexpr):
+    i_c, n = tl.program_id(0), tl.program_id(1)
+    c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(KW):   # window entry j: a committed input (slot r's column i) or a row of x
+        idx = tl.load(window + n * KW + j)
+        in_pool = idx < committed
+        column = tl.minimum(idx, committed - 1)   # clamped: the unused branch's address stays in bounds
+        slot = tl.load(slots + column // KW).to(tl.int64)
+        from_pool = tl.load(pool + slot * pool_slot + c.to(tl.int64) * pool_channel + column % KW, mask=ok & in_pool,
+                            other=0.0)
+        row = tl.maximum(idx - committed, 0).to(tl.int64)
+        from_x = tl.load(x + row * x_row + c, mask=ok & (idx >= committed), other=0.0)
+        value = tl.where(in_pool, from_pool.to(tl.float32), from_x.to(tl.float32))
+        acc += value * tl.load(weight + c * weight_row + j, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + n * out_row + c, (acc / (1.0 + tl.exp(-acc))).to(out.dtype.element_ty), mask=ok)
+    tl.store(x_out + n * x_out_row + c, tl.load(x + n * x_row + c, mask=ok, other=0.0), mask=ok)
+
+
+def conv_windows_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                          window: torch.Tensor, out: torch.Tensor, x_out: torch.Tensor, block_c: int = 256) -> None:
+    """fused.conv_windows_pooled_into as one kernel: each row's causal conv + SiLU over its window (a tree node's
+    ancestors, then the committed inputs), the committed inputs read where they lie in the recurrent pool (slot r's
+    window at slots[r]), written into out [N, C] and x copied into x_out [N, C] (a tree batch's commit stash).
+    x # [N, C] (rows any stride apart); conv_pool # [S, C, K]; slots # [R] long; weight # [C, K]; window # [N, K]
+    long, entry i < R * K: slot i // K's committed input i % K, else row i - R * K of x. Sums in float32."""
+    n, c = x.shape
+    kw = conv_pool.shape[2]
+    assert conv_pool.shape[1] == c and conv_pool.stride(2) == 1 and weight.shape == (c, kw) and weight.stride(1) == 1
+    assert window.shape == (n, kw) and window.is_contiguous() and out.shape == x_out.shape == (n, c), "shapes"
+    assert out.stride(1) == 1 and x_out.stride(1) == 1, "rows of out, x_out contiguous"
+    x = _rows_apart(x)
+    _conv_windows_kernel[(triton.cdiv(c, block_c), n)](x, conv_pool, slots, weight, window, out, x_out, c, x.stride(0),
+                                                       conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
+                                                       out.stride(0), x_out.stride(0), slots.shape[0] * kw, KW=kw,
+                                                       BLOCK_C=block_c)
+
+
 def _rows_apart(t: torch.Tensor) -> torch.Tensor:
     """t itself where each row's elements are contiguous (rows any stride apart), else a contiguous copy."""
     inner = t[0] if t.shape[0] else t
     return t if inner.is_contiguous() else t.contiguous()
 
 
-__all__ = ["batched_tree_chunks", "batched_tree_paths", "conv_steps_in_place", "steps_in_place", "tree_paths_recurrence"]
+__all__ = ["batched_tree_chunks", "batched_tree_paths", "conv_steps_in_place", "conv_windows_in_place", "steps_in_place",
+           "tree_paths_recurrence"]

@@ -215,3 +215,26 @@ def test_a_batch_of_trees_through_the_kernel_decodes_what_each_decodes_alone(mon
     assert max(batches) >= 4, batches
     for i, request in enumerate(requests):
         assert request.output_ids == expected[i], f"request {i} budget {jobs[i][1].tree_budget}"
+
+
+def test_conv_windows_in_place_equals_the_tree_conv(module):
+    """A tree batch's GDN conv through our kernel (conv_windows_in_place, bf16 on a GPU) == fused.conv_windows_pooled_
+    into's eager form at Qwen3.6-27B's conv width: the output and the stash copy of the input."""
+    from ddtree.models import fused
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    gen = torch.Generator().manual_seed(9)
+    c, kw, slots, n = 10240 if CUDA else 300, 4, torch.tensor([3, 0]), 17
+    x = torch.randn(n, c, generator=gen).to(DEVICE, dtype)
+    pool = torch.randn(5, c, kw, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(c, kw, generator=gen) * 0.5).to(DEVICE, dtype)
+    window = torch.randint(0, 2 * kw + n, (n, kw), generator=gen)
+    window[:, -1] = 2 * kw + torch.arange(n)
+    window, slots = window.to(DEVICE), slots.to(DEVICE)
+    want, want_x = torch.empty(n, c, device=DEVICE, dtype=dtype), torch.empty(n, c, device=DEVICE, dtype=dtype)
+    fused.conv_windows_pooled_into.eager(x, pool, slots, weight, window, want, want_x)
+    got, got_x = torch.empty_like(want), torch.empty_like(want_x)
+    module.conv_windows_in_place(x, pool, slots, weight, window, got, got_x)
+    tolerance = 2e-2 if CUDA else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(got_x, want_x)

@@ -83,12 +83,15 @@ def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slot
     chunks, chunk_calls = tree_kernel_module().batched_tree_chunks, []
     monkeypatch.setattr(qwen3_5, "tree_chunk_kernel",
                         lambda device: (lambda *a: chunk_calls.append(1) or chunks(*a)) if form == "chunks" else None)
+    conv = tree_kernel_module().conv_windows_in_place   # with the chunk form, the conv through our kernel too
+    monkeypatch.setattr(qwen3_5, "conv_windows_kernel",
+                        lambda device: (lambda *a: chunk_calls.append(1) or conv(*a)) if form == "chunks" else None)
     monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
     replays, replay = [], qwen3_5.replay_batch
     monkeypatch.setattr(qwen3_5, "replay_batch", lambda base, paths, *a: replays.append(len(paths)) or replay(base, paths, *a))
     batched = run()
     assert batches == [3] and replays == [3], (batches, replays)   # one kernel call per layer, one replay
-    assert len(chunk_calls) == (target.config.layer_types.count("linear_attention") if form == "chunks" else 0)
+    assert len(chunk_calls) == (2 * target.config.layer_types.count("linear_attention") if form == "chunks" else 0)
     for name, got, want in zip(("logits", "states", "conv windows"), batched, masked):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
     assert not torch.equal(masked[1], committed[0]), "the commits moved the states"
@@ -147,6 +150,30 @@ def test_conv_steps_in_place_equal_the_compiled_conv_and_its_copy():
     got = kernels.conv_steps_in_place(x, layers[:, 1], slots, weight, block_c=128)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(layers, expected)
+
+
+def test_conv_windows_in_place_equal_the_compiled_tree_conv():
+    """A tree batch's conv through our kernel (tree_kernel.conv_windows_in_place): the output and the input copy that
+    fused.conv_windows_pooled_into writes into the commit stash, the windows mixing committed inputs read from
+    scattered pool slots with rows of x (a column slice), the pool untouched."""
+    from ddtree.models import fused
+
+    kernels = tree_kernel_module()
+    gen = torch.Generator().manual_seed(6)
+    c, kw, slots, n = 300, 4, torch.tensor([3, 0, 4]), 7
+    x = torch.randn(n, c + 5, generator=gen)[:, 5:]
+    pool = torch.randn(6, 2, c, kw, generator=gen)          # a pool's [slots, layers, C, K], layer 0's view
+    weight = torch.randn(c, kw, generator=gen)
+    committed = slots.shape[0] * kw
+    window = torch.randint(0, committed + n, (n, kw), generator=gen)
+    window[:, -1] = committed + torch.arange(n)                   # each row's own input last
+    want, want_x = torch.zeros(n, c), torch.zeros(n, c)
+    fused.conv_windows_pooled_into.eager(x, pool[:, 0], slots, weight, window, want, want_x)
+    before = pool.clone()
+    got, got_x = torch.zeros(n, c + 3)[:, 3:], torch.zeros(n, c)
+    kernels.conv_windows_in_place(x, pool[:, 0], slots, weight, window, got, got_x, block_c=128)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_x, want_x) and torch.equal(pool, before)
 
 
 def test_the_paths_kernel_reads_strided_rows_as_contiguous_ones():
