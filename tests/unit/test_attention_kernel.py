@@ -35,20 +35,27 @@ def test_masked_attention_equals_sdpa(rows, keys, programs):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def mixed_requests(kind: str, tiny_models, tmp_path, seed: int) -> tuple:
+    """A static CPU engine config of four sequences and four greedy requests, `ar` and `ddtree` in turn."""
+    from ddtree.engine import Engine
+    from tests.unit.test_batching import static_cpu_config
+
+    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=4)
+    vocab = Engine(config).target.config.vocab_size
+    rng = random.Random(seed)
+    return config, [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 20))],
+                     SamplingParams(max_tokens=rng.randint(4, 8), mode=("ar", "ddtree")[i % 2], tree_budget=6,
+                                    ignore_eos=True)) for i in range(4)]
+
+
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_engines_attending_through_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
     """Greedy `ar` and `ddtree` requests, alone and four at once, with every packed attention call of the target
     through our kernel (few programs: the interpreter is slow) decode what the engine decodes with SDPA."""
     from ddtree.engine import Engine
     from ddtree.models import dense
-    from tests.unit.test_batching import static_cpu_config
 
-    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=4)
-    vocab = Engine(config).target.config.vocab_size
-    rng = random.Random(7)
-    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 20))],
-             SamplingParams(max_tokens=rng.randint(4, 8), mode=("ar", "ddtree")[i % 2], tree_budget=6, ignore_eos=True))
-            for i in range(4)]
+    config, jobs = mixed_requests(kind, tiny_models, tmp_path, seed=7)
     expected = run_together(Engine(config), jobs, arrive_every=1)
     kernel, calls = attention_kernel_module().masked_attention, []
     monkeypatch.setattr(dense, "attention_kernel",
@@ -97,14 +104,8 @@ def test_engines_preparing_qkv_in_the_kernel_decode_what_they_decode_without(kin
     through prepare_qkv decode what the engine decodes with the chains (no chain left in those forwards)."""
     from ddtree.engine import Engine
     from ddtree.models import dense
-    from tests.unit.test_batching import static_cpu_config
 
-    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=4)
-    vocab = Engine(config).target.config.vocab_size
-    rng = random.Random(8)
-    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 20))],
-             SamplingParams(max_tokens=rng.randint(4, 8), mode=("ar", "ddtree")[i % 2], tree_budget=6, ignore_eos=True))
-            for i in range(4)]
+    config, jobs = mixed_requests(kind, tiny_models, tmp_path, seed=8)
     expected = run_together(Engine(config), jobs, arrive_every=1)
     kernel, calls, written = attention_kernel_module().prepare_qkv, [], []
     monkeypatch.setattr(dense, "qkv_kernel", lambda device: lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
