@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 from pathlib import Path
@@ -90,6 +91,18 @@ def build(shape: str, dtype: torch.dtype, device: str):
     return target, random_drafter(DENSE_DRAFTERS[shape], target, dtype, device)
 
 
+def checkpoint(args, shape: str, verify: dict) -> None:
+    """The verify measurements so far as <out>/<name>_<shape>_verify.json (a run cut off by a time limit keeps them;
+    the whole result follows when the shape completes)."""
+    table_ = {form: {"ar_step_ms": entry["ar_step_ms"], "ar_replay_ms": entry.get("ar_replay_ms"),
+                     "budgets_ms": {b: e["verify_ms"] for b, e in entry["budgets"].items()},
+                     "budgets_replay_ms": {b: e.get("replay_ms") for b, e in entry["budgets"].items()}}
+              for form, entry in verify.items()}
+    path = Path(args.out) / f"{args.name}_{shape}_verify.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"header": header(), "verify_ms": table_}, indent=2) + "\n")
+
+
 def measure_shape(shape: str, args, bandwidth: float) -> dict:
     dtype = getattr(torch, args.dtype)
     target, drafter = build(shape, dtype, args.device)
@@ -135,6 +148,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
             with mock.patch.dict(os.environ, env):
                 verify[form] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
                                               args.prompt_len, args.repeats, static=True, profile=(16,))
+            checkpoint(args, shape, verify)
+    checkpoint(args, shape, verify)
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")

@@ -101,7 +101,8 @@ class CommittedState:
 
 @dataclass(slots=True)
 class TreeBatch:
-    """Every tree of one forward through our paths kernel (tree_gdn_kernel), one call per GDN layer for all of them:
+    """Every tree of one forward through our kernels, one call per GDN layer for all of them (the chunk form,
+    tree_chunk_kernel: each tree whole; else the paths kernel, tree_gdn_kernel):
     their paths flattened with rows numbered across the batch, each path's recurrent-pool slot, each row's conv
     window as indices into [every request's committed window (K rows each); all rows], and one commit stash for
     all rows (each request's own stash is a view of its rows). Built once per forward, on the device."""
@@ -473,8 +474,8 @@ class GatedDeltaNet(FusedProjections, nn.Module):
                trees: TreeBatch) -> torch.Tensor:
         """Every tree of the forward at GDN layer `slot` (TreeBatch): one conv over all rows (each window into its own
         request's committed one) that writes its output and its inputs into the batch's commit stash (g and beta are
-        there already: forward), one call of our paths kernel (each path from its slot's state, read in place). The
-        same values as `_core` computes for each tree alone."""
+        there already: forward), one call of our chunk kernel (each tree whole from its slot's state, read in place)
+        or of our paths kernel (each path from it). The same values as `_core` computes for each tree alone."""
         qkv = trees.stash.qkv[slot]   # the committed windows read from the pool by the conv's kernel (column r * K + i)
         conv = conv_windows_kernel(mixed.device) or fused.conv_windows_pooled_into
         conv(mixed, pool.conv[:, slot], trees.slots, self.conv_weight(self.conv1d.weight), trees.window, qkv,

@@ -42,6 +42,9 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
     md = (tmp_path / "r.md").read_text()
     assert "| tiny-dense |" in md and "Goals (issue 6)" in md and "static commits: ar 0%" in md and "token bookkeeping): dynamic ar" in md
     assert (tmp_path / "r.png").stat().st_size > 1000 and result["plot"].endswith("r.png")
+    checkpoint = json.loads((tmp_path / "r_tiny-hybrid_verify.json").read_text())   # kept as the verifies landed
+    verify = saved["shapes"]["tiny-hybrid"]["verify"]["static"]
+    assert checkpoint["verify_ms"]["static"]["budgets_ms"]["64"] == verify["budgets"]["64"]["verify_ms"]
 
 
 def test_kernels_per_round_subtract_the_prefill():
