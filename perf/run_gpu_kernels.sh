@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Our Triton kernels on the GPU machine (device tool), one step per call; carry .deps/xa (the fla wheels:
+# `pip download --no-deps -d .deps/xa flash-linear-attention==0.6.0 fla-core==0.6.0`). $OUT on the device.
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh tests    # the kernels' GPU tests (TIMEOUT, default 500 s)
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # 27B ratios with VARIANTS beside the default
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
+# Results are named with TAG (default h200). gpu_ratios writes its verifies as they land, so a call cut off by its
+# time limit keeps them (<name>_qwen36-27b_verify.json).
+set -euo pipefail
+OUT="${OUT:-perf/results}"
+TAG="${TAG:-h200}"
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .deps/site .deps/xa/*.whl
+export PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+case "${1:-ratios}" in
+  tests)
+    timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_kernel.py \
+      tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
+  ratios)
+    python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
+      --batches '' --variants "${VARIANTS:-static-normlate,static-qkv,static-treeconv}" --out "$OUT" \
+      --name "gpu_ratios_$TAG" ;;
+  bench)
+    python3 perf/tree_kernel_bench.py --budgets "${BUDGETS:-64}" --requests 1,8 --peaks peaked=8 --configs 16x1x2 \
+      --repeats 10 --out "$OUT" --name "tree_chunks_$TAG" ;;
+  *)
+    echo "usage: $0 tests|ratios|bench" >&2
+    exit 2 ;;
+esac
