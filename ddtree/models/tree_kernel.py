@@ -1,4 +1,4 @@
-"""A Triton kernel for the tree part of the Gated DeltaNet recurrence: every root-to-leaf path of one or more trees,
+"""Triton kernels for the tree part of the Gated DeltaNet recurrence: every root-to-leaf path of one or more trees,
 each path from its own request's committed state, read in place, with the nodes read and written in place.
 
 The paths form (ddtree.models.gdn.gdn_paths) runs fla's fused recurrent kernel over the tree's paths as varlen
@@ -9,6 +9,11 @@ This kernel takes the trees as they are: each program walks one path for one val
 columns, starting from its request's committed state (a slot of the recurrent pool, read where it lies), loads
 each node's q/k/v/g/beta by its index and writes the node's output at its own row. Paths that share a prefix
 compute it identically, so their writes agree. The paths of every request of a batch go in one call.
+
+A walk recomputes every shared prefix once per leaf (a 64-node tree has ~20-60 leaves), so by default the engine
+takes each tree whole instead (batched_tree_chunks: the root as one step, the rest in the ancestor-masked WY form on
+tensor cores; 1.66 against 2.43 ms a 27B round at budget 64 on an H200). Also here: an `ar` step's recurrence and
+conv in place in the pool (steps_in_place, conv_steps_in_place) and a tree batch's conv (conv_windows_in_place).
 
 Per node, as gdn.gdn_sequential (the reference it is tested against, tests/gpu/test_tree_kernel.py):
 q, k l2-normalised (q also scaled by dk**-0.5), S = S * exp(g); v' = beta * (v - S^T k); S = S + k v'^T;
