@@ -142,12 +142,7 @@ def batched_tree_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     hv, dv = v.shape[1], v.shape[2]
     assert hv % h == 0 and k.shape == q.shape and g.shape == (n, hv) and beta.shape == (n, hv), "shapes"
     assert states.dtype == torch.float32 and states.shape[1:] == (hv, dk, dv) and states[0].is_contiguous(), "states"
-    q, k, v, g, beta = (_rows_apart(t) for t in (q, k, v, g, beta))
-    if k.stride(0) != q.stride(0):
-        k = k.contiguous()
-        q = q.contiguous()
-    if beta.stride(0) != g.stride(0):
-        g, beta = g.contiguous(), beta.contiguous()
+    q, k, v, g, beta = _node_inputs(q, k, v, g, beta)
     # steps write every row; a tree's rows outside its paths (a static forward's padding) must read as zeros
     o = (torch.empty if steps else torch.zeros)(v.shape, dtype=v.dtype, device=v.device)
     decay, dt_bias = gates if gates is not None else (g, beta)   # unread without gates
@@ -283,12 +278,7 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     assert hv % h == 0 and k.shape == q.shape and g.shape == (n, hv) and beta.shape == (n, hv), "shapes"
     assert states.dtype == torch.float32 and states.shape[1:] == (hv, dk, dv) and states[0].is_contiguous(), "states"
     assert ancestors.stride(2) == 1 and ancestors.shape[1] >= max_rows and max_depth >= 1, "ancestors"
-    q, k, v, g, beta = (_rows_apart(t) for t in (q, k, v, g, beta))
-    if k.stride(0) != q.stride(0):
-        k = k.contiguous()
-        q = q.contiguous()
-    if beta.stride(0) != g.stride(0):
-        g, beta = g.contiguous(), beta.contiguous()
+    q, k, v, g, beta = _node_inputs(q, k, v, g, beta)
     if ancestors.dtype == torch.bool:
         ancestors = ancestors.view(torch.int8)
     bn = max(16, triton.next_power_of_2(max(max_rows - 1, 1)))
@@ -379,6 +369,18 @@ def conv_windows_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch
                                                        conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
                                                        out.stride(0), x_out.stride(0), slots.shape[0] * kw, KW=kw,
                                                        BLOCK_C=block_c)
+
+
+def _node_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+    """The nodes' inputs as the kernels read them: each row's elements contiguous (rows any stride apart), q and k
+    with one row stride, g and beta with one (copies only where they differ)."""
+    q, k, v, g, beta = (_rows_apart(t) for t in (q, k, v, g, beta))
+    if k.stride(0) != q.stride(0):
+        k, q = k.contiguous(), q.contiguous()
+    if beta.stride(0) != g.stride(0):
+        g, beta = g.contiguous(), beta.contiguous()
+    return q, k, v, g, beta
 
 
 def _rows_apart(t: torch.Tensor) -> torch.Tensor:
