@@ -16,8 +16,8 @@ kernel (and its write and read of the input) goes away; the input is a few KB, r
 - "sigmoid_gate": x * sigmoid(a), a [groups, group] with its own group stride (gated attention's output gate);
 - "gated_norm": per group of `group` columns rmsnorm(x) * p (p [group]), times silu(a) (Gated DeltaNet's output).
 Each rounds where the eager chain (ddtree.models.fused) rounds to the model's dtype, so a bf16 forward through
-them reads the inputs the unfused forward computes; except the norms with DDTREE_GEMV_NORM_FIRST=0 (norm_first):
-their rstd, one number per row, is then applied to the product's sum instead of to each input, so the statistic is
+them reads the inputs the unfused forward computes; except the norms by default (norm_first() False): their
+rstd, one number per row, is applied to the product's sum instead of to each input, so the statistic is
 gathered in the product's own loop rather than in a pass before it, and the normalized input is never rounded (a
 bf16 ulp of the input's scale).
 And `add` adds the residual stream to the product in the epilogue (rounded as `add + F.linear(...)`), so a layer's
@@ -51,11 +51,12 @@ PROLOGUES = {None: 0, "norm": 1, "norm_plain": 2, "silu_mul": 3, "sigmoid_gate":
 
 
 def norm_first() -> bool:
-    """Whether the norms' prologue computes each row's statistic in a pass of its own before the product (the
-    default: the normalized input rounded to the model's dtype, as the eager chain rounds it) or, with
-    DDTREE_GEMV_NORM_FIRST=0, in the product's own loop (x * p multiplied unrounded and the row's rstd applied to the
-    sum, so no program waits on a pass over x before streaming its weights; opt-in until measured on a GPU)."""
-    return os.environ.get("DDTREE_GEMV_NORM_FIRST", "1") not in ("", "0")
+    """Whether the norms' prologue computes each row's statistic in a pass of its own before the product
+    (DDTREE_GEMV_NORM_FIRST=1: the normalized input rounded to the model's dtype, as the eager chain rounds it) or,
+    the default, in the product's own loop (x * p multiplied unrounded and the row's rstd applied to the sum, so no
+    program waits on a pass over x before streaming its weights). On the H200 the default made the 27B `ar` step's
+    GEMVs 0.35 ms shorter (12.70 vs 13.04 ms of device time: perf/results/gpu_ratios_h200_optin.md)."""
+    return os.environ.get("DDTREE_GEMV_NORM_FIRST", "0") not in ("", "0")
 
 
 @triton.jit
