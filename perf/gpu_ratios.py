@@ -59,7 +59,7 @@ DENSE_DRAFTERS = {
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-treeattn", "static-cublas",
-            "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain")
+            "static-treepaths", "static-normfirst", "static-qkv", "static-convchain")
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -140,7 +140,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # kernel instead of the chunk form, for comparison
         for form, env in (("static-sdpa", {"DDTREE_ATTENTION_KERNEL": "0"}), ("static-treeattn", {"DDTREE_ATTENTION_KERNEL": "128"}),
                           ("static-cublas", {"DDTREE_GEMV_KERNEL": "0"}), ("static-treepaths", {"DDTREE_TREE_CHUNKS": "0"}),
-                          ("static-normfirst", {"DDTREE_GEMV_NORM_FIRST": "1"}), ("static-noqkv", {"DDTREE_QKV_KERNEL": "0"}),
+                          ("static-normfirst", {"DDTREE_GEMV_NORM_FIRST": "1"}), ("static-qkv", {"DDTREE_QKV_KERNEL": "1"}),
                           ("static-convchain", {"DDTREE_TREE_CONV_KERNEL": "0"})):
             if form not in variants:
                 continue
@@ -202,9 +202,9 @@ def table(result: dict) -> str:
              "separate, instead of our GEMV with the chains in its prologue (DDTREE_GEMV_KERNEL=0); static-treepaths: the "
              "trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form (DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "
-             "(DDTREE_GEMV_NORM_FIRST=1) instead of gathered in its loop and applied to its sum; static-noqkv: the "
-             "attention layers' q/k norms, rotary and K/V writes as compiled chains and index writes "
-             "(DDTREE_QKV_KERNEL=0) instead of our one kernel; static-convchain: a tree batch's GDN conv as the compiled "
+             "(DDTREE_GEMV_NORM_FIRST=1) instead of gathered in its loop and applied to its sum; static-qkv: the "
+             "attention layers' q/k norms, rotary and K/V writes in our one kernel (DDTREE_QKV_KERNEL=1) instead of "
+             "compiled chains and index writes; static-convchain: a tree batch's GDN conv as the compiled "
              "chain (DDTREE_TREE_CONV_KERNEL=0) instead of our kernel.", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",

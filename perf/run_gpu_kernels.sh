@@ -18,7 +18,7 @@ case "${1:-ratios}" in
       tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
-      --batches '' --variants "${VARIANTS:-static-normfirst,static-noqkv,static-convchain}" --out "$OUT" \
+      --batches '' --variants "${VARIANTS:-static-normfirst,static-convchain}" --out "$OUT" \
       --name "gpu_ratios_$TAG" ;;
   bench)
     python3 perf/tree_kernel_bench.py --budgets "${BUDGETS:-64}" --requests 1,8 --peaks peaked=8 --configs 16x1x2 \

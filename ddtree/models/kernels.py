@@ -118,10 +118,11 @@ def attention_kernel_rows() -> int:
 def qkv_kernel(device: torch.device) -> Callable | None:
     """Our kernel for an attention layer's q/k norms, rotary and K/V pool writes in one launch
     (ddtree.models.attention_kernel.prepare_qkv) for packed forwards on CUDA, or None (the compiled chains and
-    index writes: eight kernels per layer at Qwen3.6-27B): DDTREE_QKV_KERNEL=0 turns it off. On the H200 it made the
-    27B verify 0.24 ms shorter at budget 16 and 0.41 at 64, the `ar` step's device time 0.19 ms shorter
-    (perf/results/gpu_ratios_h200_optin.md)."""
-    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1") in ("", "0"):
+    index writes: eight kernels per layer at Qwen3.6-27B): DDTREE_QKV_KERNEL=1 turns it on. Opt-in: on the H200 it
+    made the 27B verify 0.24 ms shorter at budget 16 and 0.41 at 64 and the `ar` step's device time 0.19 ms shorter
+    (perf/results/gpu_ratios_h200_optin.md), but the same 64-layer static forward with it on by default faulted
+    inside this kernel (an illegal memory access; 8 layers did not: perf/results/qkv_fault_h200.log)."""
+    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "0") in ("", "0"):
         return None
     return _qkv_kernel()
 
