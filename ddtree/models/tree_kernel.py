@@ -37,12 +37,12 @@ from ddtree.models.gdn import L2_EPS
 # 16 columns, one warp, two stages was the fastest of 8 shapes in every case on an H200 (tree_kernel_h200.md).
 BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
 # The chunk form's launch shape per forest block (rows below the root, padded): (value columns per program, warps).
-# On the H200 at 27B dims (perf/results/tree_chunks_h200_partial.log, 48 layers, tf32) 64 columns and 4 warps were
-# the fastest of 4 shapes at 17 and 33 rows, one request and eight (0.56 / 1.94 ms at 17 rows against 0.91 / 5.24
-# through the paths kernel); 65 rows were not reached there, and 64 x 8 is what the engine measured
-# (gpu_ratios_h200_chunks.md: 1.66 ms a round against 2.43 for the paths). DDTREE_CHUNK_SHAPES="64:64:4,16:32:4"
-# overrides (bn:columns:warps; perf/tree_kernel_bench.py prints the best for the GPU it runs on).
-CHUNK_SHAPES = {16: (64, 4), 32: (64, 4), 64: (64, 8)}
+# On the H200 at 27B dims (48 layers, tf32) 64 columns and 4 warps were the fastest of the shapes tried at 17, 33
+# and 65 rows, one request and eight (perf/results/tree_chunks_h200_partial.log: 0.56 / 1.94 ms at 17 rows against
+# 0.91 / 5.24 through the paths kernel; tree_chunks_h200_b64.md: 1.50 / 6.54 ms at 65 rows against 64 x 8's 1.56 /
+# 9.61 and the paths kernel's 3.31 / 21.0). DDTREE_CHUNK_SHAPES="64:64:4,16:32:4" overrides (bn:columns:warps;
+# perf/tree_kernel_bench.py prints the best for the GPU it runs on).
+CHUNK_SHAPES = {16: (64, 4), 32: (64, 4), 64: (64, 4)}
 
 
 def chunk_shape(block_n: int) -> tuple[int, int]:
