@@ -4,6 +4,7 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh tests    # the kernels' GPU tests (TIMEOUT, default 500 s)
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # 27B ratios with VARIANTS beside the default
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh probe    # where prepare_qkv faults (perf/qkv_probe.py)
 # Results are named with TAG (default h200). gpu_ratios writes its verifies as they land, so a call cut off by its
 # time limit keeps them (<name>_qwen36-27b_verify.json).
 set -euo pipefail
@@ -23,7 +24,9 @@ case "${1:-ratios}" in
   bench)
     python3 perf/tree_kernel_bench.py --budgets "${BUDGETS:-64}" --requests 1,8 --peaks peaked=8 --configs 16x1x2 \
       --repeats 10 --out "$OUT" --name "tree_chunks_$TAG" ;;
+  probe)
+    python3 perf/qkv_probe.py --layers "${LAYERS:-8,64}" --budgets 16,64 --out "$OUT" --name "qkv_probe_$TAG" ;;
   *)
-    echo "usage: $0 tests|ratios|bench" >&2
+    echo "usage: $0 tests|ratios|bench|probe" >&2
     exit 2 ;;
 esac

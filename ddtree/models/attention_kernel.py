@@ -148,7 +148,7 @@ def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.co
 
 @triton.jit
 def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_slot, write_pos,
-                    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, sk_s, sk_p, sk_kh, sv_s, sv_p, sv_kh, eps,
+                    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, sk_s, sk_p, sk_kh, sv_s, sv_p, sv_kh, eps, slots, positions,
                     HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     n, h = tl.program_id(0), tl.program_id(1)
     dtype = q_out.dtype.element_ty
@@ -161,6 +161,8 @@ def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_sl
         kh = h - HQ
         out = _norm_rotary(k + n * sk_n + kh * sk_h, k_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED)
         slot, pos = tl.load(write_slot + n).to(tl.int64), tl.load(write_pos + n).to(tl.int64)
+        # checked only where Triton's debug mode is on (TRITON_DEBUG=1): a row written outside the pool
+        tl.device_assert((slot >= 0) & (slot < slots) & (pos >= 0) & (pos < positions), "K/V write outside the pool")
         tl.store(pool_k + slot * sk_s + pos * sk_p + kh * sk_kh + d, out.to(pool_k.dtype.element_ty))
         value = tl.load(v + n * sv_n + kh * sv_h + d)
         tl.store(pool_v + slot * sv_s + pos * sv_p + kh * sv_kh + d, value.to(pool_v.dtype.element_ty))
@@ -188,7 +190,7 @@ def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: tor
         q, k, v, q_out, q_weight, k_weight, cos, sin, pool_k, pool_v, write_slot, write_pos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), eps,
-        HQ=heads, D=d, R=r, ZERO_CENTERED=zero_centered, num_warps=2 if d <= 256 else 4)
+        pool_k.shape[0], pool_k.shape[1], HQ=heads, D=d, R=r, ZERO_CENTERED=zero_centered, num_warps=2 if d <= 256 else 4)
     return q_out
 
 

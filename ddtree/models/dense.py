@@ -284,13 +284,13 @@ class Attention(FusedProjections, nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:   # norms, rotary and the K/V writes in one kernel where it runs
-            caches = [seg.cache for seg in segments]
+        if self.q_norm is not None:
+            # norms, rotary and the K/V writes in one kernel where it runs; else a chain each (fused on CUDA)
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, False)
-            out = prepare_and_attend(q, k, v, norms, rope, caches, layer, self.head_dim**-0.5, packed)
+            out = prepare_and_attend(q, k, v, norms, rope, [seg.cache for seg in segments], layer, self.head_dim**-0.5,
+                                     packed)
             if out is not None:
                 return linear(out.reshape(n, -1), self.o_proj, residual)
-        if self.q_norm is not None:   # norm and rotary in one chain each (fused on CUDA)
             q = fused.rms_norm_rotary(q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = fused.rms_norm_rotary(k, self.k_norm.weight, self.k_norm.eps, *rope)
         else:
