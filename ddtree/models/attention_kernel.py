@@ -149,7 +149,7 @@ def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.co
 @triton.jit
 def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_slot, write_pos,
                     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, sk_s, sk_p, sk_kh, sv_s, sv_p, sv_kh, eps, slots, positions,
-                    HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+                    s_slot, s_pos, HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     n, h = tl.program_id(0), tl.program_id(1)
     dtype = q_out.dtype.element_ty
     d = tl.arange(0, D)
@@ -160,7 +160,7 @@ def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_sl
     else:
         kh = h - HQ
         out = _norm_rotary(k + n * sk_n + kh * sk_h, k_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED)
-        slot, pos = tl.load(write_slot + n).to(tl.int64), tl.load(write_pos + n).to(tl.int64)
+        slot, pos = tl.load(write_slot + n * s_slot).to(tl.int64), tl.load(write_pos + n * s_pos).to(tl.int64)
         # checked only where Triton's debug mode is on (TRITON_DEBUG=1): a row written outside the pool
         tl.device_assert((slot >= 0) & (slot < slots) & (pos >= 0) & (pos < positions), "K/V write outside the pool")
         tl.store(pool_k + slot * sk_s + pos * sk_p + kh * sk_kh + d, out.to(pool_k.dtype.element_ty))
@@ -177,7 +177,8 @@ def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: tor
     q  # [N, H, D], k, v  # [N, KVH, D] (views: last dim contiguous, other strides free); q_weight, k_weight  # [D]
     (zero_centered: Qwen3.5's float32 scale 1 + weight, rmsnorm * scale rounded once; else Qwen3's weight, rmsnorm
     rounded then times the weight); cos, sin  # [N, R]: rotary over each head's first R dims (R <= D, even);
-    pool_k, pool_v  # [S, E, KVH, D] (one layer of the pool); row n written at [write_slot[n], write_pos[n]]."""
+    pool_k, pool_v  # [S, E, KVH, D] (one layer of the pool); row n written at [write_slot[n], write_pos[n]] (any
+    strides: a static forward's one request has its slot broadcast, stride 0)."""
     n, heads, d = q.shape
     kvh = k.shape[1]
     r = cos.shape[-1]
@@ -190,7 +191,8 @@ def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: tor
         q, k, v, q_out, q_weight, k_weight, cos, sin, pool_k, pool_v, write_slot, write_pos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), eps,
-        pool_k.shape[0], pool_k.shape[1], HQ=heads, D=d, R=r, ZERO_CENTERED=zero_centered, num_warps=2 if d <= 256 else 4)
+        pool_k.shape[0], pool_k.shape[1], write_slot.stride(0), write_pos.stride(0), HQ=heads, D=d, R=r,
+        ZERO_CENTERED=zero_centered, num_warps=2 if d <= 256 else 4)
     return q_out
 
 

@@ -120,8 +120,10 @@ def qkv_kernel(device: torch.device) -> Callable | None:
     (ddtree.models.attention_kernel.prepare_qkv) for packed forwards on CUDA, or None (the compiled chains and
     index writes: eight kernels per layer at Qwen3.6-27B): DDTREE_QKV_KERNEL=1 turns it on. Opt-in: on the H200 it
     made the 27B verify 0.24 ms shorter at budget 16 and 0.41 at 64 and the `ar` step's device time 0.19 ms shorter
-    (perf/results/gpu_ratios_h200_optin.md), but the same 64-layer static forward with it on by default faulted
-    inside this kernel (an illegal memory access; 8 layers did not: perf/results/qkv_fault_h200.log)."""
+    (perf/results/gpu_ratios_h200_optin.md), but the 64-layer static forward with it on by default faulted inside
+    this kernel (perf/results/qkv_fault_h200.log): it read a static forward's broadcast slot (a stride-0 view) as
+    contiguous, so rows past the first wrote at whatever slot lay past it. Fixed and tested on the CPU (Triton's
+    interpreter reproduced the fault as heap corruption); to be turned on once the GPU has run it again."""
     if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "0") in ("", "0"):
         return None
     return _qkv_kernel()

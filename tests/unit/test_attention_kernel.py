@@ -98,6 +98,26 @@ def test_prepare_qkv_equals_the_chains_and_the_pool_writes(zero_centered, rotary
     assert torch.equal(pool_v, want_v)
 
 
+def test_prepare_qkv_reads_a_broadcast_slot():
+    """A static forward's one request has its slot broadcast over its rows (PackedAttention.static: a stride-0 view);
+    the kernel must read it by its stride. Read as contiguous, rows past the first took the next elements of the
+    storage (here slot 3; on the H200, memory past a one-element tensor: an illegal address at 27B dims)."""
+    kernel = attention_kernel_module().prepare_qkv
+    gen = torch.Generator().manual_seed(1)
+    n, heads, kv_heads, d, eps = 4, 2, 1, 32, 1e-6
+    q = torch.randn(n, heads, d, generator=gen)
+    k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
+    cos, sin = torch.ones(n, 8), torch.zeros(n, 8)
+    pool_k, pool_v = torch.zeros(4, 10, kv_heads, d), torch.zeros(4, 10, kv_heads, d)
+    storage = torch.tensor([1, 3, 3, 3, 3])
+    slots = storage[:1, None].expand(1, n).flatten()          # as PackedAttention.static builds it for one request
+    positions = (torch.tensor([5])[:, None] + torch.arange(n)).flatten()
+    assert slots.stride() == (0,)
+    kernel(q, k, v, torch.ones(d), torch.ones(d), eps, cos, sin, pool_k, pool_v, slots, positions, zero_centered=True)
+    assert torch.equal(pool_v[1, 5 : 5 + n], v), "every row written in slot 1"
+    assert not pool_v[3].any() and not pool_k[3].any(), "nothing written in slot 3"
+
+
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_engines_preparing_qkv_in_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
     """Greedy `ar` and `ddtree` requests, four at once, with every packed forward's q/k norms, rotary and K/V writes

@@ -99,6 +99,28 @@ def test_static_dense_equals_dynamic(tiny_models):
     check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
 
 
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_static_forward_through_the_qkv_kernel_equals_dynamic(family, tiny_models, hybrid, monkeypatch):
+    """The static forward with its q/k norms, rotary and K/V writes through our kernel (attention_kernel.prepare_qkv,
+    Triton's interpreter here; DDTREE_QKV_KERNEL=1 on CUDA), whose one request has its slot broadcast over its rows:
+    the dynamic forward's logits, taps and K/V, and every static forward went through the kernel."""
+    from ddtree.models import dense
+    from tests.triton_interpreter import AVAILABLE, attention_kernel_module
+
+    if not AVAILABLE:
+        pytest.skip("needs triton (its interpreter runs our kernel on the CPU)")
+    kernel, calls = attention_kernel_module().prepare_qkv, []
+    monkeypatch.setattr(dense, "qkv_kernel", lambda device: lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    if family == "hybrid":
+        model = HybridTarget.from_pretrained(hybrid[0] / "target")
+        check_static_equals_dynamic(model, model.new_cache(400), model.new_cache(400), model.config.vocab_size, [1, 2])
+    else:
+        model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
+        a, b = model.new_caches(2, 400)
+        check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
+    assert calls and max(calls) > 1, calls
+
+
 def test_static_forward_declines_when_the_cache_is_too_short(tiny_models):
     model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
     static = StaticTarget(model, [], GraphPool(torch.device("cpu"), capture=False))
