@@ -87,5 +87,6 @@ def main() -> None:
                                             "passed": r[4], "tail": r[5]} for r in rows]}
     write_results(Path(args.out), args.name, result, "\n".join(md))
 
+
 if __name__ == "__main__":
     main()

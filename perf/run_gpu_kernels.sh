@@ -16,7 +16,8 @@ export PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=
 case "${1:-ratios}" in
   tests)
     timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_kernel.py \
-      tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py "tests/gpu/test_cuda_graphs.py::test_graphs_through_the_qkv_kernel_equal_dynamic" 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
+      tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py tests/gpu/test_cuda_graphs.py::test_hybrid_target_graphs_equal_dynamic \
+      tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
       --batches '' --variants "${VARIANTS:-static-normfirst,static-convchain}" --out "$OUT" \

@@ -18,6 +18,7 @@ from ddtree.models.qwen3_5 import HybridTarget
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import build_tree, compile_tree, top_log_probs
 from ddtree.tree.compile import ancestor_matrix
+from tests.triton_interpreter import AVAILABLE
 from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid
 
 
@@ -87,38 +88,37 @@ def check_static_equals_dynamic(model, cache_a, cache_b, vocab: int, taps: list[
     return static
 
 
-def test_static_hybrid_equals_dynamic(hybrid):
+def through_the_qkv_kernel(monkeypatch) -> list[int]:
+    """Packed forwards' q/k norms, rotary and K/V writes through our kernel (attention_kernel.prepare_qkv, Triton's
+    interpreter here; DDTREE_QKV_KERNEL=1 on CUDA): the rows of each call. A static forward's one request has its slot
+    broadcast over its rows (a stride-0 view), which the kernel once read as contiguous."""
+    from ddtree.models import dense
+    from tests.triton_interpreter import attention_kernel_module
+
+    kernel, calls = attention_kernel_module().prepare_qkv, []
+    monkeypatch.setattr(dense, "qkv_kernel", lambda device: lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    return calls
+
+
+QKV_KERNEL = [False, pytest.param(True, marks=pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter)"))]
+
+
+@pytest.mark.parametrize("qkv_kernel", QKV_KERNEL)
+def test_static_hybrid_equals_dynamic(hybrid, qkv_kernel, monkeypatch):
+    calls = through_the_qkv_kernel(monkeypatch) if qkv_kernel else None
     root, _ = hybrid
     model = HybridTarget.from_pretrained(root / "target")
     check_static_equals_dynamic(model, model.new_cache(400), model.new_cache(400), model.config.vocab_size, [1, 2])
+    assert calls is None or max(calls, default=0) > 1, calls   # every static forward of several rows went through it
 
 
-def test_static_dense_equals_dynamic(tiny_models):
+@pytest.mark.parametrize("qkv_kernel", QKV_KERNEL)
+def test_static_dense_equals_dynamic(tiny_models, qkv_kernel, monkeypatch):
+    calls = through_the_qkv_kernel(monkeypatch) if qkv_kernel else None
     model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
     a, b = model.new_caches(2, 400)      # two slots of one pool: the static forward writes only its own
     check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_static_forward_through_the_qkv_kernel_equals_dynamic(family, tiny_models, hybrid, monkeypatch):
-    """The static forward with its q/k norms, rotary and K/V writes through our kernel (attention_kernel.prepare_qkv,
-    Triton's interpreter here; DDTREE_QKV_KERNEL=1 on CUDA), whose one request has its slot broadcast over its rows:
-    the dynamic forward's logits, taps and K/V, and every static forward went through the kernel."""
-    from ddtree.models import dense
-    from tests.triton_interpreter import AVAILABLE, attention_kernel_module
-
-    if not AVAILABLE:
-        pytest.skip("needs triton (its interpreter runs our kernel on the CPU)")
-    kernel, calls = attention_kernel_module().prepare_qkv, []
-    monkeypatch.setattr(dense, "qkv_kernel", lambda device: lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
-    if family == "hybrid":
-        model = HybridTarget.from_pretrained(hybrid[0] / "target")
-        check_static_equals_dynamic(model, model.new_cache(400), model.new_cache(400), model.config.vocab_size, [1, 2])
-    else:
-        model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
-        a, b = model.new_caches(2, 400)
-        check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
-    assert calls and max(calls) > 1, calls
+    assert calls is None or max(calls, default=0) > 1, calls
 
 
 def test_static_forward_declines_when_the_cache_is_too_short(tiny_models):
