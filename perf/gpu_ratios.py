@@ -58,8 +58,13 @@ DENSE_DRAFTERS = {
                        sliding_window=None, heads=(4, 2, 32)),
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
-VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-treeattn", "static-cublas",
-            "static-treepaths", "static-normfirst", "static-qkv", "static-convchain")
+VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-cublas",
+            "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain")
+VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
+    "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
+    "static-cublas": {"DDTREE_GEMV_KERNEL": "0"}, "static-treepaths": {"DDTREE_TREE_CHUNKS": "0"},
+    "static-normfirst": {"DDTREE_GEMV_NORM_FIRST": "1"}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"},
+    "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}}
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -138,10 +143,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # trees' too through our split-KV kernel (by default only `ar` steps take it), and with the `ar` step's Linears
         # through cuBLAS (their prologues as separate chains) instead of our GEMV, and the trees' GDN through our paths
         # kernel instead of the chunk form, for comparison
-        for form, env in (("static-sdpa", {"DDTREE_ATTENTION_KERNEL": "0"}), ("static-treeattn", {"DDTREE_ATTENTION_KERNEL": "128"}),
-                          ("static-cublas", {"DDTREE_GEMV_KERNEL": "0"}), ("static-treepaths", {"DDTREE_TREE_CHUNKS": "0"}),
-                          ("static-normfirst", {"DDTREE_GEMV_NORM_FIRST": "1"}), ("static-qkv", {"DDTREE_QKV_KERNEL": "1"}),
-                          ("static-convchain", {"DDTREE_TREE_CONV_KERNEL": "0"})):
+        for form, env in VARIANT_ENV.items():
             if form not in variants:
                 continue
             with mock.patch.dict(os.environ, env):
@@ -196,15 +198,15 @@ def table(result: dict) -> str:
              "static-masked: small hybrid trees on the ancestor-masked GDN form instead of the paths form; "
              "static-flapaths: the paths form through fla's kernel per request instead of ours (DDTREE_TREE_KERNEL=0); "
              "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0); "
-             "static-sdpa: every attention call through PyTorch's SDPA (DDTREE_ATTENTION_KERNEL=0; by default an `ar` "
-             "step's goes through our split-KV kernel); static-treeattn: the trees' too through our kernel "
-             "(DDTREE_ATTENTION_KERNEL=128); static-cublas: one-row Linears through cuBLAS, the chains before them "
+             "static-sdpa: every attention call through PyTorch's SDPA (DDTREE_ATTENTION_KERNEL=0; by default `ar` steps' "
+             "and trees' go through our split-KV kernel); static-sdpatrees: only `ar` steps' through our kernel, the "
+             "trees' through SDPA (DDTREE_ATTENTION_KERNEL=1); static-cublas: one-row Linears through cuBLAS, the chains before them "
              "separate, instead of our GEMV with the chains in its prologue (DDTREE_GEMV_KERNEL=0); static-treepaths: the "
              "trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form (DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "
-             "(DDTREE_GEMV_NORM_FIRST=1) instead of gathered in its loop and applied to its sum; static-qkv: the "
-             "attention layers' q/k norms, rotary and K/V writes in our one kernel (DDTREE_QKV_KERNEL=1) instead of "
-             "compiled chains and index writes; static-convchain: a tree batch's GDN conv as the compiled "
+             "(DDTREE_GEMV_NORM_FIRST=1) instead of gathered in its loop and applied to its sum; static-noqkv: the "
+             "attention layers' q/k norms, rotary and K/V writes as compiled chains and index writes "
+             "(DDTREE_QKV_KERNEL=0) instead of our one kernel; static-convchain: a tree batch's GDN conv as the compiled "
              "chain (DDTREE_TREE_CONV_KERNEL=0) instead of our kernel.", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",

@@ -4,7 +4,7 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh tests    # the kernels' GPU tests (TIMEOUT, default 500 s)
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # 27B ratios with VARIANTS beside the default
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
-#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh probe    # where prepare_qkv faults (perf/qkv_probe.py)
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # VARIANTS beside the default in turns (graph_turns)
 # Results are named with TAG (default h200). gpu_ratios writes its verifies as they land, so a call cut off by its
 # time limit keeps them (<name>_qwen36-27b_verify.json).
 set -euo pipefail
@@ -20,14 +20,15 @@ case "${1:-ratios}" in
       tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
-      --batches '' --variants "${VARIANTS:-static-normfirst,static-convchain}" --out "$OUT" \
+      --batches '' --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --out "$OUT" \
       --name "gpu_ratios_$TAG" ;;
   bench)
     python3 perf/tree_kernel_bench.py --budgets "${BUDGETS:-64}" --requests 1,8 --peaks peaked=8 --configs 16x1x2 \
       --repeats 10 --out "$OUT" --name "tree_chunks_$TAG" ;;
-  probe)
-    python3 perf/qkv_probe.py --layers "${LAYERS:-8,64}" --budgets 16,64 --out "$OUT" --name "qkv_probe_$TAG" ;;
+  turns)
+    python3 perf/graph_turns.py --device cuda --dtype bfloat16 --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --turns "${TURNS:-15}" \
+      --out "$OUT" --name "graph_turns_$TAG" ;;
   *)
-    echo "usage: $0 tests|ratios|bench|probe" >&2
+    echo "usage: $0 tests|ratios|bench|turns" >&2
     exit 2 ;;
 esac

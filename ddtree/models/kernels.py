@@ -107,24 +107,24 @@ def attention_kernel(device: torch.device) -> Callable | None:
 
 def attention_kernel_rows() -> int:
     """Query rows per request up to which a forward attends through our kernel: DDTREE_ATTENTION_KERNEL (0: never;
-    at most 128). Default 1, `ar` steps only: on the H200 the kernel made a 27B verify's attention 3.5x faster at
-    17 rows (perf/results/attention_h200_ours.md) and its kernels' device time 0.47 ms shorter, but the verify's wall
-    time 0.25 ms longer at budget 16 and 0.56 ms at 64 than with SDPA in the same run (more GPU idle time inside
-    the verify, not located: gpu_ratios_h200_attention.md); the `ar` step was 0.17 ms shorter."""
-    value = os.environ.get("DDTREE_ATTENTION_KERNEL", "1")
+    1: `ar` steps only; at most 128, the default: `ar` steps and trees up to budget 127). On the H200 the kernel made
+    a 27B verify's attention 3.5x faster at 17 rows (perf/results/attention_h200_ours.md); with the configurations
+    timed in turns (perf/graph_turns.py, graph_turns_h200_qkv_treeattn.md) the captured 27B verify took 0.979x the
+    time of the SDPA form at budget 16 and 0.986x at 64. (Measured one after the other, gpu_ratios had shown it
+    0.25-0.56 ms slower: drift between measurements, which the same `ar` graph showed too.)"""
+    value = os.environ.get("DDTREE_ATTENTION_KERNEL", str(ATTENTION_KERNEL_MAX_ROWS))
     return min(int(value), ATTENTION_KERNEL_MAX_ROWS) if value.strip() else 0
 
 
 def qkv_kernel(device: torch.device) -> Callable | None:
     """Our kernel for an attention layer's q/k norms, rotary and K/V pool writes in one launch
     (ddtree.models.attention_kernel.prepare_qkv) for packed forwards on CUDA, or None (the compiled chains and
-    index writes: eight kernels per layer at Qwen3.6-27B): DDTREE_QKV_KERNEL=1 turns it on. Opt-in: on the H200 it
-    made the 27B verify 0.24 ms shorter at budget 16 and 0.41 at 64 and the `ar` step's device time 0.19 ms shorter
-    (perf/results/gpu_ratios_h200_optin.md), but the 64-layer static forward with it on by default faulted inside
-    this kernel (perf/results/qkv_fault_h200.log): it read a static forward's broadcast slot (a stride-0 view) as
-    contiguous, so rows past the first wrote at whatever slot lay past it. Fixed and tested on the CPU (Triton's
-    interpreter reproduced the fault as heap corruption); to be turned on once the GPU has run it again."""
-    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "0") in ("", "0"):
+    index writes: eight kernels per layer at Qwen3.6-27B; DDTREE_QKV_KERNEL=0). On the H200, timed in turns beside
+    the chains (graph_turns_h200_qkv_treeattn.md), the captured 27B `ar` step took 0.982x their time and the verify
+    0.991x / 0.983x at budgets 16 / 64. It reads each row's slot and position by their strides: a static forward's
+    lone request has its slot broadcast over its rows (a stride-0 view), which, read as contiguous, once wrote K/V at
+    stray slots and faulted (perf/results/qkv_fault_h200.log)."""
+    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1") in ("", "0"):
         return None
     return _qkv_kernel()
 

@@ -60,10 +60,11 @@ def test_engines_attending_through_the_kernel_decode_what_they_decode_without(ki
     kernel, calls = attention_kernel_module().masked_attention, []
     monkeypatch.setattr(dense, "attention_kernel",
                         lambda device: lambda *a: calls.append(a[0].shape[:2]) or kernel(*a, target_programs=4))
+    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "1")
     assert run_together(Engine(config), jobs, arrive_every=1) == expected
-    assert calls and {rows for _, rows in calls} == {1}, "by default only `ar` steps (one row each) take our kernel"
+    assert calls and {rows for _, rows in calls} == {1}, "with 1, only `ar` steps (one row each) take our kernel"
     calls.clear()
-    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "128")   # trees too
+    monkeypatch.delenv("DDTREE_ATTENTION_KERNEL")   # by default trees too
     assert run_together(Engine(config), jobs, arrive_every=1) == expected
     assert max(r for r, _ in calls) >= 2 and max(rows for _, rows in calls) > 1, calls
 
@@ -141,8 +142,8 @@ def test_attention_kernel_rows_reads_its_setting(monkeypatch):
     from ddtree.models.kernels import attention_kernel_rows
 
     monkeypatch.delenv("DDTREE_ATTENTION_KERNEL", raising=False)
-    assert attention_kernel_rows() == 1
-    for value, rows in (("0", 0), ("", 0), ("17", 17), ("4096", 128)):
+    assert attention_kernel_rows() == 128
+    for value, rows in (("0", 0), ("", 0), ("1", 1), ("17", 17), ("4096", 128)):
         monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", value)
         assert attention_kernel_rows() == rows
 

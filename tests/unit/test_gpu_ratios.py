@@ -71,3 +71,23 @@ def test_program_profiles_count_calls_per_round_and_skip_uncaptured(monkeypatch)
     assert rows == [{"key": ["verify", "1"], "calls_per_round": 2.0, "device_ms": 1.0, "span_ms": 1.25, "kernels": 7,
                      "top": []}]
     assert replays == ["verify"]    # replayed once, under the (faked) profiler; the eager and uncaptured ones not at all
+
+
+def test_graph_turns_pairs_each_variant_with_the_default(tmp_path):
+    from perf import graph_turns
+
+    result = graph_turns.main(["--shape", "tiny-hybrid", "--device", "cpu", "--dtype", "float32", "--variants",
+                               "static-noqkv", "--budgets", "16", "--prompt-len", "24", "--turns", "3", "--repeats", "1",
+                               "--out", str(tmp_path), "--name", "t"])
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["configs"] == {"static": {}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"}}
+    for name in ("static", "static-noqkv"):
+        assert list(saved["summary"][name]) == ["ar", "ddtree-16"]
+        for program, row in saved["summary"][name].items():
+            assert len(saved["samples"][name][program]["step"]) == 3 and row["step"] > 0
+            assert math.isnan(row["replay"])   # no graphs on the CPU
+        ratio = saved["summary"][name]["ar"]["step_vs_static"]
+        assert ratio == 1.0 if name == "static" else ratio > 0
+    assert len(result["floor_ms"]) == 3 and all(math.isnan(f) for f in result["floor_ms"])
+    with pytest.raises(SystemExit):
+        graph_turns.main(["--variants", "static-nonesuch", "--out", str(tmp_path)])

@@ -90,7 +90,7 @@ def check_static_equals_dynamic(model, cache_a, cache_b, vocab: int, taps: list[
 
 def through_the_qkv_kernel(monkeypatch) -> list[int]:
     """Packed forwards' q/k norms, rotary and K/V writes through our kernel (attention_kernel.prepare_qkv, Triton's
-    interpreter here; DDTREE_QKV_KERNEL=1 on CUDA): the rows of each call. A static forward's one request has its slot
+    interpreter here; the default on CUDA): the rows of each call. A static forward's one request has its slot
     broadcast over its rows (a stride-0 view), which the kernel once read as contiguous."""
     from ddtree.models import dense
     from tests.triton_interpreter import attention_kernel_module
