@@ -2,7 +2,7 @@
 # Our Triton kernels on the GPU machine (device tool), one step per call; carry .deps/xa (the fla wheels:
 # `pip download --no-deps -d .deps/xa flash-linear-attention==0.6.0 fla-core==0.6.0`). $OUT on the device.
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh tests    # the kernels' GPU tests (TIMEOUT, default 500 s)
-#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # 27B ratios with VARIANTS beside the default
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # SHAPES (27B) ratios, VARIANTS beside the default
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # VARIANTS beside the default in turns (graph_turns)
 # Results are named with TAG (default h200). gpu_ratios writes its verifies as they land, so a call cut off by its
@@ -19,7 +19,7 @@ case "${1:-ratios}" in
       tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py tests/gpu/test_cuda_graphs.py::test_hybrid_target_graphs_equal_dynamic \
       tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
-    python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
+    python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes "${SHAPES:-qwen36-27b}" --budgets 16,64 \
       --batches '' --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --out "$OUT" \
       --name "gpu_ratios_$TAG" ;;
   bench)
