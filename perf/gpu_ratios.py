@@ -139,10 +139,9 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
             verify["static-uncompiled"] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
                                                          args.prompt_len, args.repeats, static=True)
     if args.device.startswith("cuda"):
-        # the same static forward with every attention call through PyTorch's SDPA (the `ar` step too), and with the
-        # trees' too through our split-KV kernel (by default only `ar` steps take it), and with the `ar` step's Linears
-        # through cuBLAS (their prologues as separate chains) instead of our GEMV, and the trees' GDN through our paths
-        # kernel instead of the chunk form, for comparison
+        # the same static forward with one default kernel swapped for the form before it (VARIANT_ENV; the table's
+        # preamble says what each one is), for comparison; measured one after another, so a difference of a few tenths
+        # of a millisecond can be drift: perf/graph_turns.py times them in turns
         for form, env in VARIANT_ENV.items():
             if form not in variants:
                 continue
