@@ -58,10 +58,11 @@ DENSE_DRAFTERS = {
                        sliding_window=None, heads=(4, 2, 32)),
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
-VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-cublas",
-            "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain")
+VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
+            "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
+    "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
     "static-cublas": {"DDTREE_GEMV_KERNEL": "0"}, "static-treepaths": {"DDTREE_TREE_CHUNKS": "0"},
     "static-normfirst": {"DDTREE_GEMV_NORM_FIRST": "1"}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"},
     "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}}
@@ -198,8 +199,9 @@ def table(result: dict) -> str:
              "static-flapaths: the paths form through fla's kernel per request instead of ours (DDTREE_TREE_KERNEL=0); "
              "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0); "
              "static-sdpa: every attention call through PyTorch's SDPA (DDTREE_ATTENTION_KERNEL=0; by default `ar` steps' "
-             "and trees' go through our split-KV kernel); static-sdpatrees: only `ar` steps' through our kernel, the "
-             "trees' through SDPA (DDTREE_ATTENTION_KERNEL=1); static-cublas: one-row Linears through cuBLAS, the chains before them "
+             "go through our split-KV kernel, and trees' too where heads are 256 wide); static-sdpatrees: only `ar` "
+             "steps' through our kernel (DDTREE_ATTENTION_KERNEL=1); static-treeattn: trees' through it too whatever "
+             "the head dim (DDTREE_ATTENTION_KERNEL=128); static-cublas: one-row Linears through cuBLAS, the chains before them "
              "separate, instead of our GEMV with the chains in its prologue (DDTREE_GEMV_KERNEL=0); static-treepaths: the "
              "trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form (DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

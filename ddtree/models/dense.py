@@ -205,7 +205,7 @@ class PackedAttention:
         r, q_len = self.q_index.shape
         d = q.shape[-1]
         if self.kernel is False:   # once per forward: every layer has the same rows and head dim
-            self.kernel = attention_kernel(q.device) if q_len <= attention_kernel_rows() and d & (d - 1) == 0 else None
+            self.kernel = attention_kernel(q.device) if q_len <= attention_kernel_rows(d) and d & (d - 1) == 0 else None
         kernel = self.kernel
         if kernel is not None:   # ours: the keys read in the pool at each request's slot, split over programs
             queries = q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]     # [R, Q, heads, d]

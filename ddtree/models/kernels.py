@@ -100,19 +100,23 @@ ATTENTION_KERNEL_MAX_ROWS = 128
 def attention_kernel(device: torch.device) -> Callable | None:
     """Our split-KV masked attention for a forward's few query rows per request (ddtree.models.attention_kernel) on
     CUDA, or None (PyTorch's scaled_dot_product_attention); for how many rows: attention_kernel_rows."""
-    if device.type != "cuda" or attention_kernel_rows() == 0:
+    if device.type != "cuda" or os.environ.get("DDTREE_ATTENTION_KERNEL", "1").strip() in ("", "0"):
         return None
     return _attention_kernel()
 
 
-def attention_kernel_rows() -> int:
-    """Query rows per request up to which a forward attends through our kernel: DDTREE_ATTENTION_KERNEL (0: never;
-    1: `ar` steps only; at most 128, the default: `ar` steps and trees up to budget 127). On the H200 the kernel made
-    a 27B verify's attention 3.5x faster at 17 rows (perf/results/attention_h200_ours.md); with the configurations
-    timed in turns (perf/graph_turns.py, graph_turns_h200_qkv_treeattn.md) the captured 27B verify took 0.979x the
-    time of the SDPA form at budget 16 and 0.986x at 64. (Measured one after the other, gpu_ratios had shown it
-    0.25-0.56 ms slower: drift between measurements, which the same `ar` graph showed too.)"""
-    value = os.environ.get("DDTREE_ATTENTION_KERNEL", str(ATTENTION_KERNEL_MAX_ROWS))
+def attention_kernel_rows(head_dim: int) -> int:
+    """Query rows per request up to which a forward of this head dim attends through our kernel:
+    DDTREE_ATTENTION_KERNEL (0: never; 1: `ar` steps only; at most 128: trees up to budget 127 too). Unset: trees too
+    where heads are 256 wide (Qwen3.5/3.6), `ar` steps only for narrower heads. On the H200 the kernel made a 27B
+    verify's attention 3.5x faster at 17 rows (perf/results/attention_h200_ours.md: PyTorch's cuDNN SDPA is slow at
+    d=256), and timed in turns (perf/graph_turns.py, graph_turns_h200_qkv_treeattn.md) the captured 27B verify took
+    0.979x the time of the SDPA form at budget 16 and 0.986x at 64; at Qwen3-8B dims (d=128, where SDPA's flash kernel
+    is quick) the verify replayed 6.35 / 7.38 ms with trees through ours against 5.76 / 6.08 through SDPA
+    (gpu_ratios_h200_27b_8b.md, measured one after the other)."""
+    value = os.environ.get("DDTREE_ATTENTION_KERNEL")
+    if value is None:
+        return ATTENTION_KERNEL_MAX_ROWS if head_dim >= 256 else 1
     return min(int(value), ATTENTION_KERNEL_MAX_ROWS) if value.strip() else 0
 
 
