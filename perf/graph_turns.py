@@ -138,7 +138,7 @@ def table(result: dict) -> str:
              "order that rotates; medians over turns (spread: max - min), ratios to the default as medians of the "
              "turns' paired ratios",
              "",
-             f"floor per turn (weight bytes / copy bandwidth of that turn): "
+             "floor per turn (weight bytes / copy bandwidth of that turn): "
              + ", ".join(f"{f:.2f}" for f in floors) + " ms",
              "",
              "| config | environment | program | step ms | spread | / static | replay ms | spread | / static "
