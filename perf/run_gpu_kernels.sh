@@ -4,7 +4,7 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh tests    # the kernels' GPU tests (TIMEOUT, default 500 s)
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # SHAPES (27B) ratios, VARIANTS beside the default
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
-#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # VARIANTS beside the default in turns (graph_turns)
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # SHAPE's VARIANTS beside the default in turns (graph_turns)
 # Results are named with TAG (default h200). gpu_ratios writes its verifies as they land, so a call cut off by its
 # time limit keeps them (<name>_qwen36-27b_verify.json).
 set -euo pipefail
@@ -26,8 +26,8 @@ case "${1:-ratios}" in
     python3 perf/tree_kernel_bench.py --budgets "${BUDGETS:-64}" --requests 1,8 --peaks peaked=8 --configs 16x1x2 \
       --repeats 10 --out "$OUT" --name "tree_chunks_$TAG" ;;
   turns)
-    python3 perf/graph_turns.py --device cuda --dtype bfloat16 --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --turns "${TURNS:-15}" \
-      --out "$OUT" --name "graph_turns_$TAG" ;;
+    python3 perf/graph_turns.py --device cuda --dtype bfloat16 --shape "${SHAPE:-qwen36-27b}" \
+      --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --turns "${TURNS:-15}" --out "$OUT" --name "graph_turns_$TAG" ;;
   *)
     echo "usage: $0 tests|ratios|bench|turns" >&2
     exit 2 ;;
