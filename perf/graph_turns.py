@@ -31,23 +31,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
-from ddtree.tree import build_tree, compile_tree, top_log_probs  # noqa: E402
+from ddtree.tree import compile_tree  # noqa: E402
 from ddtree.tree.compile import VerifyBatch  # noqa: E402
 from perf.common import ROOT, header, write_results  # noqa: E402
 from perf.gpu_ratios import VARIANT_ENV, build  # noqa: E402
-from perf.hybrid_verify import copy_bandwidth, record_programs, timed, weight_bytes  # noqa: E402
+from perf.hybrid_verify import copy_bandwidth, prefilled, random_tree, record_programs, timed, weight_bytes  # noqa: E402
 
 
 def capture(target, device: str, budgets: list[int], prompt_len: int) -> dict:
     """One configuration's static programs, captured under the current environment: {program: (step, replay)}, where
     step is the runner's call and replay the graph's (None without one). Each has a cache of its own, kept alive by
     the closures."""
-    c = target.config
-    cache = target.new_cache(prompt_len + max(budgets) + 2)
-    ids = torch.randint(0, c.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).to(device)
-    target(ids, torch.arange(prompt_len, device=device), cache, 0,
-           torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril())
-    cache.compact(0, list(range(prompt_len)))
+    cache, ids = prefilled(target, device, prompt_len, max(budgets) + 2, torch.Generator().manual_seed(0))
     runner = StaticTarget(target, [], GraphPool(torch.device(device), capture=True))
     ran, _ = record_programs(runner.graphs)
     root = int(ids[-1])
@@ -55,7 +50,7 @@ def capture(target, device: str, budgets: list[int], prompt_len: int) -> dict:
                                   torch.ones(1, 1, dtype=torch.bool, device=device)), [-1])}
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
-        tree = build_tree(*top_log_probs(torch.randn(15, c.vocab_size, generator=gen), budget), budget)
+        tree = random_tree(target.config.vocab_size, budget, gen)
         batches[f"ddtree-{budget}"] = (compile_tree(tree, root_token=root, start=prompt_len), tree.parents)
     programs = {}
     for name, (batch, parents) in batches.items():

@@ -169,6 +169,23 @@ def kernels_per_round(whole: dict, prefill: dict, rounds: int, top: int | None =
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
+def prefilled(model, device: str, prompt_len: int, room: int, generator: torch.Generator | None = None):
+    """(a cache with a random prompt of prompt_len tokens prefilled and committed, room rows free after it; the
+    prompt's ids on the device); the ids drawn with `generator` (a CPU one) where given."""
+    cache = model.new_cache(prompt_len + room)
+    ids = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=generator,
+                        device="cpu" if generator is not None else device).to(device)
+    model(ids, torch.arange(prompt_len, device=device), cache, 0,
+          torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril())
+    cache.compact(0, list(range(prompt_len)))
+    return cache, ids
+
+
+def random_tree(vocab_size: int, budget: int, generator: torch.Generator):
+    """A tree built under `budget` from random drafter logits over 15 depths (a block of 16's)."""
+    return build_tree(*top_log_probs(torch.randn(15, vocab_size, generator=generator), budget), budget)
+
+
 @torch.inference_mode()
 def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_len: int, repeats: int,
                    static: bool = False, profile: tuple[int, ...] = ()) -> dict:
@@ -176,11 +193,7 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
     forward: CUDA graphs on CUDA, bucketed shapes (ddtree.models.graphs); a static forward's first call captures.
     On CUDA, the ar step and the verifies at the budgets in `profile` also get a kernel profile."""
     c = model.config
-    cache = model.new_cache(prompt_len + max(budgets) + 2)
-    ids = torch.randint(0, c.vocab_size, (prompt_len,), device=device)
-    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
-    model(ids, torch.arange(prompt_len, device=device), cache, 0, causal)
-    cache.compact(0, list(range(prompt_len)))
+    cache, ids = prefilled(model, device, prompt_len, max(budgets) + 2)
     runner = StaticTarget(model, [], GraphPool(torch.device(device), capture=True)) if static else None
     ran = []   # the static programs run, by key: their graphs are replayed alone below (no host work at all)
     if runner is not None:
@@ -210,8 +223,7 @@ def measure_verify(model: HybridTarget, device: str, budgets: list[int], prompt_
         results["profile"] = {"ar": without_all(kernel_profile(lambda: verify(step, [-1])))}
     gen = torch.Generator().manual_seed(0)
     for budget in budgets:
-        log_probs, token_ids = top_log_probs(torch.randn(15, c.vocab_size, generator=gen), budget)
-        tree = build_tree(log_probs, token_ids, budget)
+        tree = random_tree(c.vocab_size, budget, gen)
         batch = compile_tree(tree, root_token=int(root[0]), start=prompt_len)
         if not static:   # the dynamic forward takes device tensors, the static one host integers
             batch = VerifyBatch(*(t.to(device) for t in (batch.input_ids, batch.positions, batch.visibility)))
@@ -395,8 +407,7 @@ def gdn_precision_gap(shape: str, device: str, num_nodes: int = 1025) -> dict:
     s = SHAPES[shape]
     hv, dk, dv = s["linear_num_value_heads"], s["linear_key_head_dim"], s["linear_value_head_dim"]
     gen = torch.Generator().manual_seed(1)
-    log_probs, token_ids = top_log_probs(torch.randn(15, 4096, generator=gen), num_nodes - 1)
-    parents = [p if i else -1 for i, p in enumerate(build_tree(log_probs, token_ids, num_nodes - 1).parents)]
+    parents = [p if i else -1 for i, p in enumerate(random_tree(4096, num_nodes - 1, gen).parents)]
     q = torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64)
     k = torch.randn(num_nodes, hv, dk, generator=gen, dtype=torch.float64)
     v = torch.randn(num_nodes, hv, dv, generator=gen, dtype=torch.float64)

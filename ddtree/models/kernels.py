@@ -99,8 +99,9 @@ ATTENTION_KERNEL_MAX_ROWS = 128
 
 def attention_kernel(device: torch.device) -> Callable | None:
     """Our split-KV masked attention for a forward's few query rows per request (ddtree.models.attention_kernel) on
-    CUDA, or None (PyTorch's scaled_dot_product_attention); for how many rows: attention_kernel_rows."""
-    if device.type != "cuda" or os.environ.get("DDTREE_ATTENTION_KERNEL", "1").strip() in ("", "0"):
+    CUDA, or None (PyTorch's scaled_dot_product_attention); for how many rows (0 where DDTREE_ATTENTION_KERNEL turns
+    it off): attention_kernel_rows, which callers check first."""
+    if device.type != "cuda":
         return None
     return _attention_kernel()
 
