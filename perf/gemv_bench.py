@@ -1,12 +1,13 @@
-"""A decode step's matrix products at 27B shapes: cuBLAS against our Triton GEMV, and the read bandwidth they chase.
+"""A decode step's matrix products at 27B shapes: cuBLAS against our Triton GEMV (one row) and few-rows kernel (a small
+tree's rows, a drafter's block), and the read bandwidth they chase.
 
 Every Linear of the random Qwen3.6-27B-shaped target (perf/hybrid_verify.random_target: the fused projections as
 served, and the lm_head) in forward order, each with its own weights, timed as one CUDA graph replay for M input
 rows. Variants:
 - cublaslt: F.linear as the engine runs it (PyTorch's default BLAS backend, cuBLASLt);
 - cublas: the same with torch.backends.cuda.preferred_blas_library("cublas") (the legacy API's GEMV kernels);
-- ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (each shape's
-  configurations timed first on that shape's weights alone);
+- ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (one row) or ROWS_GRID
+  (more) (each shape's configurations timed first on that shape's weights alone);
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
   gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
   (shape, prologue) at its own best configuration. Not comparable with the GEMMs alone: it does the chains' work
@@ -35,6 +36,10 @@ from perf.tree_kernel_bench import graph_ms  # noqa: E402
 
 CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (3, 4))
                if bn * bk <= 16384]
+# the few-rows kernel's (more than one row): tl.dot tiles of at least 16 columns; with a prologue, the best ROWS_TOP of
+# the shape's plain configurations
+ROWS_GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)))
+ROWS_TOP = 4
 
 
 def read_bandwidth(gib: float = 4.0) -> float:
@@ -98,15 +103,18 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
         gbytes = sum(w.numel() * w.element_size() for w in ws) / 1e9
         entry = {"weights": len(ws), "cublaslt_ms": graph_ms(lambda: [F.linear(x, w) for w in ws], repeats)}
         for variant, kw in (("plain", {}), ("prologue", kwargs)) if kwargs else (("plain", {}),):
-            times = {}
-            for config in CONFIG_GRID:
+            times, grid = {}, CONFIG_GRID if rows == 1 else ROWS_GRID
+            if rows > 1 and variant == "prologue":
+                grid = [tuple(c) for c, _ in entry["plain"]["top"][:ROWS_TOP]]
+            for config in grid:
                 try:
                     times[config] = graph_ms(lambda: [linear_rows(x, w, config, **kw) for w in ws], repeats)
                 except Exception as exc:   # a configuration the compiler refuses (registers, shared memory)
                     print(f"{n}x{k} {kind} {config}: {exc!r:.120}", flush=True)
             best = min(times, key=times.get)
+            ranked = sorted(([list(c), t] for c, t in times.items()), key=lambda ct: ct[1])
             entry[variant] = {"config": list(best), "ms": times[best], "tb_per_s": gbytes / times[best],
-                              "top3": sorted(([list(c), t] for c, t in times.items()), key=lambda ct: ct[1])[:3]}
+                              "top": ranked[:ROWS_TOP]}
         entry["cublaslt_tb_per_s"] = gbytes / entry["cublaslt_ms"]
         chosen[(n, k, kind, group, add)] = entry
         print(f"{rows} rows {n}x{k} {kind}: cublaslt {entry['cublaslt_ms']:.3f} ms, "
@@ -170,7 +178,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen36-27b")
-    parser.add_argument("--rows", default="1", help="input rows (the kernel takes one)")
+    parser.add_argument("--rows", default="1", help="input rows, comma-separated (one: the GEMV; more: the few-rows kernel)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")

@@ -59,13 +59,15 @@ DENSE_DRAFTERS = {
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
-            "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain")
+            "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
+            "static-gemv128")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
     "static-cublas": {"DDTREE_GEMV_KERNEL": "0"}, "static-treepaths": {"DDTREE_TREE_CHUNKS": "0"},
     "static-normfirst": {"DDTREE_GEMV_NORM_FIRST": "1"}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"},
-    "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}}
+    "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}, "static-gemv1": {"DDTREE_GEMV_ROWS": "1"},
+    "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}}
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -201,8 +203,10 @@ def table(result: dict) -> str:
              "static-sdpa: every attention call through PyTorch's SDPA (DDTREE_ATTENTION_KERNEL=0; by default `ar` steps' "
              "go through our split-KV kernel, and trees' too where heads are 256 wide); static-sdpatrees: only `ar` "
              "steps' through our kernel (DDTREE_ATTENTION_KERNEL=1); static-treeattn: trees' through it too whatever "
-             "the head dim (DDTREE_ATTENTION_KERNEL=128); static-cublas: one-row Linears through cuBLAS, the chains before them "
-             "separate, instead of our GEMV with the chains in its prologue (DDTREE_GEMV_KERNEL=0); static-treepaths: the "
+             "the head dim (DDTREE_ATTENTION_KERNEL=128); static-cublas: every Linear through cuBLAS, the chains before them "
+             "separate, instead of our GEMV (one row) and few-rows kernel (up to 32) with the chains in their prologue "
+             "(DDTREE_GEMV_KERNEL=0); static-gemv1: only one-row Linears through ours (DDTREE_GEMV_ROWS=1); static-gemv128: "
+             "up to 128 rows (DDTREE_GEMV_ROWS=128); static-treepaths: the "
              "trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form (DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "
              "(DDTREE_GEMV_NORM_FIRST=1) instead of gathered in its loop and applied to its sum; static-noqkv: the "

@@ -5,6 +5,8 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # SHAPES (27B) ratios, VARIANTS beside the default
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # SHAPE's VARIANTS beside the default in turns (graph_turns)
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh gemv     # the 27B Linears at ROWS input rows: cuBLAS vs ours
+# tests takes TESTS (pytest paths) instead of the kernels' whole list.
 # Results are named with TAG (default h200). gpu_ratios writes its verifies as they land, so a call cut off by its
 # time limit keeps them (<name>_qwen36-27b_verify.json).
 set -euo pipefail
@@ -15,9 +17,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 case "${1:-ratios}" in
   tests)
-    timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tree_kernel.py \
+    # shellcheck disable=SC2086
+    timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_tree_kernel.py \
       tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py tests/gpu/test_cuda_graphs.py::test_hybrid_target_graphs_equal_dynamic \
-      tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
+      tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic} 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes "${SHAPES:-qwen36-27b}" --budgets 16,64 \
       --batches '' --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --out "$OUT" \
@@ -28,7 +31,9 @@ case "${1:-ratios}" in
   turns)
     python3 perf/graph_turns.py --device cuda --dtype bfloat16 --shape "${SHAPE:-qwen36-27b}" \
       --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --turns "${TURNS:-15}" --out "$OUT" --name "graph_turns_$TAG" ;;
+  gemv)
+    python3 perf/gemv_bench.py --rows "${ROWS:-16,17,65}" --out "$OUT" --name "gemv_rows_$TAG" ;;
   *)
-    echo "usage: $0 tests|ratios|bench|turns" >&2
+    echo "usage: $0 tests|ratios|bench|turns|gemv" >&2
     exit 2 ;;
 esac

@@ -21,7 +21,7 @@ from torch import nn
 from ddtree.models import fused
 from ddtree.models.dense import KVPool
 from ddtree.models.kernels import draft_attention_kernel
-from ddtree.models.layers import FusedProjections, GatedMLP, RMSNorm, Rotary, attend
+from ddtree.models.layers import FusedProjections, GatedMLP, NormedRows, RMSNorm, Rotary, attend, linear
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class DraftAttention(FusedProjections, nn.Module):
                 self.fused_sizes[1:], dim=-1)
         return self._key(k, rope), v.view(x.shape[0], self.num_kv_heads, self.head_dim)
 
-    def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    def project_qkv(self, x: torch.Tensor | NormedRows, rope: tuple[torch.Tensor, torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block rows' q and k (normed, rotated) and v (one GEMM where fused)."""
         n = x.shape[0]
@@ -245,16 +245,17 @@ class DFlashDrafter(nn.Module):
         if in_place is not None:
             kernel, pool, slots, keys, masks = in_place
             write_slots, write_pos = slots[:, None].expand(r, b).flatten(), positions.flatten()
+        # each norm computed by the Linears that read it (in their prologue where they go through our kernels: a static
+        # pass of a few rows on CUDA, ddtree.models.layers.linear), each residual added by the Linear before it
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k_block, v_block = attn.project_qkv(x, rope)
+            q, k_block, v_block = attn.project_qkv(NormedRows(layer.input_layernorm, h), rope)
             if in_place is not None:   # the blocks' K/V after their contexts, all read where they lie
                 pool.k[i, write_slots, write_pos] = k_block
                 pool.v[i, write_slots, write_pos] = v_block
                 out = kernel(q.view(r, b, attn.num_heads, attn.head_dim), pool.k[i], pool.v[i], slots, keys,
                              masks[attn.window], attn.head_dim**-0.5)                                # [R, b, heads, d]
-                h = h + attn.o_proj(out.reshape(r * b, -1))
+                h = linear(out.reshape(r * b, -1), attn.o_proj, h)
             elif pooled is not None:
                 pool, slots, context, masks = pooled
                 keys = torch.cat([pool.k[i, slots, :context], k_block.view(r, b, *k_block.shape[1:])], dim=1)
@@ -263,7 +264,7 @@ class DFlashDrafter(nn.Module):
                     q.view(r, b, attn.num_heads, attn.head_dim).transpose(1, 2), keys.transpose(1, 2),
                     values.transpose(1, 2), attn_mask=masks[attn.window], scale=attn.head_dim**-0.5,
                     enable_gqa=attn.num_heads != attn.num_kv_heads).transpose(1, 2)          # [R, b, heads, d]
-                h = h + attn.o_proj(out.reshape(r * b, -1))
+                h = linear(out.reshape(r * b, -1), attn.o_proj, h)
             else:
                 outputs = []
                 for j, cache in enumerate(caches):
@@ -272,8 +273,8 @@ class DFlashDrafter(nn.Module):
                     values = torch.cat([cache.v[i, : cache.length], v_block[rows]])
                     outputs.append(attend(q[rows], keys, values, self._window_mask(attn, cache, positions[j]),
                                           attn.head_dim**-0.5))
-                h = h + attn.o_proj(torch.cat(outputs).reshape(r * b, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = linear(torch.cat(outputs).reshape(r * b, -1), attn.o_proj, h)
+            h = layer.mlp(NormedRows(layer.post_attention_layernorm, h), h)
         return self.norm(h).reshape(r, b, -1)
 
     @staticmethod

@@ -86,6 +86,14 @@ def gemv_kernel(device: torch.device) -> Callable | None:
     return _gemv_kernel()
 
 
+def gemv_max_rows() -> int:
+    """The most rows of a static forward whose Linears go through our kernels (gemv_kernel: one row through the GEMV,
+    up to this many through its few-rows kernel, which streams each weight once for all of them with the chain before
+    it in its prologue); more go through cuBLAS. DDTREE_GEMV_ROWS, default 32 (a budget-16 tree's 17 rows; the
+    drafter's block of 16), at most ddtree.models.gemv_kernel.MAX_ROWS; 1: the GEMV alone, as before."""
+    return max(1, min(int(os.environ.get("DDTREE_GEMV_ROWS", "32") or "1"), 128))
+
+
 @functools.cache
 def _gemv_kernel() -> Callable:
     from ddtree.models.gemv_kernel import linear_rows
@@ -243,6 +251,6 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 __all__ = [
     "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
-    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "qkv_kernel", "step_gdn_kernel",
+    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "qkv_kernel", "step_gdn_kernel",
     "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
 ]

@@ -45,9 +45,11 @@ class Derived:
 
 
 def through_gemv(x: torch.Tensor) -> bool:
-    """Whether a Linear over x goes through our GEMV kernel: one row (an `ar` step at batch 1) in a static forward
-    (captured in a CUDA graph), where the kernel runs (CUDA; ddtree.models.kernels.gemv_kernel)."""
-    return len(x.shape) == 2 and x.shape[0] == 1 and fused.in_static() and kernels.gemv_kernel(x.device) is not None
+    """Whether a Linear over x goes through our kernels: one row (an `ar` step at batch 1) or a few (a small tree's,
+    a drafter's block; kernels.gemv_max_rows) in a static forward (captured in a CUDA graph), where the kernels run
+    (CUDA; ddtree.models.kernels.gemv_kernel)."""
+    return (len(x.shape) == 2 and 1 <= x.shape[0] <= kernels.gemv_max_rows() and fused.in_static()
+            and kernels.gemv_kernel(x.device) is not None)
 
 
 class Prologue:

@@ -1,4 +1,4 @@
-"""Our one-row GEMV with its prologues (ddtree.models.gemv_kernel) compiled on the GPU against the eager chains and
+"""Our one-row GEMV and few-rows kernel with their prologues (ddtree.models.gemv_kernel) compiled on the GPU against the eager chains and
 F.linear, in float32 and bf16, inside a CUDA graph too; and engines with it against engines without
 (DDTREE_GEMV_KERNEL). Skipped without CUDA."""
 
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("norm_first", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
-def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 17, 65])
+def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, monkeypatch):
     """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
     rounds; the norms' default form does not round their input), plus the residual stream where the epilogue adds
     it: to float32 rounding in float32, to a bf16 ulp or two of the output's scale in bf16."""
@@ -27,31 +28,33 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
 
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k**0.5).to("cuda", dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    x, cases = prologue_cases(k, n, 8 if k % 128 else 128, seed=n + k, device="cuda", dtype=dtype)
+    x, cases = prologue_cases(k, n, 8 if k % 128 else 128, seed=n + k, device="cuda", dtype=dtype, rows=rows)
     with torch.inference_mode():
         for prologue, kwargs, chained, residual in cases:
             want = F.linear(chained, w) if residual is None else residual + F.linear(chained, w)
             got = linear_rows(x, w, prologue=prologue, **kwargs).float()
             scale = want.float().abs().max().clamp(min=1.0)
-            assert (got - want.float()).abs().max() <= tolerance * scale, f"{prologue} {dtype} {n}x{k}"
+            assert (got - want.float()).abs().max() <= tolerance * scale, f"{prologue} {dtype} {n}x{k} {rows} rows"
 
 
-def test_gemv_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("rows", [1, 17])
+def test_gemv_replays_from_a_cuda_graph(rows):
     from ddtree.models.gemv_kernel import linear_rows
 
-    x, w = torch.randn(1, 4096, device="cuda"), torch.randn(1000, 4096, device="cuda")
+    x, w = torch.randn(rows, 4096, device="cuda"), torch.randn(1000, 4096, device="cuda")
     linear_rows(x, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = linear_rows(x, w)
-    x.copy_(torch.randn(1, 4096, device="cuda"))
+    x.copy_(torch.randn(rows, 4096, device="cuda"))
     graph.replay()
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
-    """Greedy tokens (fp32, static forwards with graphs) with one-row Linears through our GEMV == through cuBLAS."""
+    """Greedy tokens (fp32, static forwards with graphs) with the Linears of up to gemv_max_rows() rows through our
+    GEMV and few-rows kernel == through cuBLAS."""
     from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", tiny_config(family, tiny_models, tmp_path),

@@ -1,6 +1,6 @@
-"""Our one-row GEMV (ddtree.models.gemv_kernel) against F.linear on the CPU through Triton's interpreter (compiled on
-a GPU machine), and engines whose static forwards send their one-row Linears through it decode what they decode
-through F.linear."""
+"""Our one-row GEMV and few-rows kernel (ddtree.models.gemv_kernel) against F.linear on the CPU through Triton's
+interpreter (compiled on a GPU machine), and engines whose static forwards send their Linears of up to
+kernels.gemv_max_rows() rows through them decode what they decode through F.linear."""
 
 from __future__ import annotations
 
@@ -24,18 +24,20 @@ def gemv_module():
 
 
 @pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 3)), (1, 64, 512, (16, 256, 4, 2)),
-                                             (1, 10, 1030, (4, 512, 8, 4)), (1, 5, 64, None)])
+                                             (1, 10, 1030, (4, 512, 8, 4)), (1, 5, 64, None), (2, 37, 300, (16, 128, 4, 3)),
+                                             (17, 64, 512, (32, 256, 4, 2)), (65, 10, 1030, None)])
 def test_linear_rows_equals_f_linear(m, n, k, config):
-    """Partial tiles in both dimensions."""
+    """Partial tiles in both dimensions (rows too: 2, 17 and 65 rows in programs of 16, 32 and 128)."""
     gen = torch.Generator().manual_seed(n * k)
     x = torch.randn(m, 2 * k, generator=gen)[:, ::2].contiguous()
     w = torch.randn(n, k, generator=gen)
     torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """x [1, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
-    it (the eager chain, rounding to dtype where the prologue rounds), the residual stream [1, n] added after the
+def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   rows: int = 1):
+    """x [rows, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
+    it (the eager chain, rounding to dtype where the prologue rounds), the residual stream [rows, n] added after the
     Linear or None)."""
     from ddtree.models import fused
 
@@ -44,29 +46,31 @@ def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", d
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=dt)
 
-    x, a, residual = rand(1, k), rand(1, k), rand(1, n)
+    x, a, residual = rand(rows, k), rand(rows, k), rand(rows, n)
     scale, weight, group_weight = 1.0 + 0.1 * rand(k, dt=torch.float32), rand(k), rand(group)
-    gate = rand(1, k // group, 2 * group)[..., group:]      # a strided view, as the attention's output gate
+    gate = rand(rows, k // group, 2 * group)[..., group:]      # a strided view, as the attention's output gate
     return x, [
         ("norm", dict(p=scale, eps=1e-6), fused.zero_centered_rms_norm.eager(x, scale, 1e-6), None),
         ("norm_plain", dict(p=weight, eps=1e-5), fused.rms_norm.eager(x, weight, 1e-5), None),
         (None, dict(add=residual), x, residual),
         ("silu_mul", dict(a=a, add=residual), fused.silu_mul.eager(x, a), residual),
-        ("sigmoid_gate", dict(a=gate, group=group, add=residual), fused.sigmoid_gate.eager(x, gate.reshape(1, -1)),
+        ("sigmoid_gate", dict(a=gate, group=group, add=residual), fused.sigmoid_gate.eager(x, gate.reshape(rows, -1)),
          residual),
         ("gated_norm", dict(a=a, p=group_weight, eps=1e-6, group=group),
-         fused.gated_rms_norm.eager(x.reshape(-1, group), a.reshape(-1, group), group_weight, 1e-6).reshape(1, -1), None),
+         fused.gated_rms_norm.eager(x.reshape(-1, group), a.reshape(-1, group), group_weight, 1e-6).reshape(rows, -1),
+         None),
     ]
 
 
 @pytest.mark.parametrize("norm_first", ["0", "1"])   # the norms' statistic in the product's loop (default) or before it
-@pytest.mark.parametrize("k, config", [(512, (8, 128, 4, 3)), (1000, (16, 256, 4, 2))])
-def test_prologues_equal_their_eager_chains(k, config, norm_first, monkeypatch):
+@pytest.mark.parametrize("rows, k, config", [(1, 512, (8, 128, 4, 3)), (1, 1000, (16, 256, 4, 2)),
+                                             (17, 512, (16, 128, 4, 3)), (5, 1000, (32, 256, 4, 2))])
+def test_prologues_equal_their_eager_chains(rows, k, config, norm_first, monkeypatch):
     """Each prologue's Linear == the Linear of the eager chain's output, plus the residual stream where one is added
-    in the epilogue."""
+    in the epilogue; one row (the GEMV) and several (the few-rows kernel)."""
     monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
     w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
-    x, cases = prologue_cases(k, 23, 8, seed=k)
+    x, cases = prologue_cases(k, 23, 8, seed=k, rows=rows)
     for prologue, kwargs, chained, residual in cases:
         got = gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
         want = F.linear(chained, w) if residual is None else residual + F.linear(chained, w)
@@ -74,10 +78,11 @@ def test_prologues_equal_their_eager_chains(k, config, norm_first, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_engines_with_one_row_linears_through_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path,
-                                                                                          monkeypatch):
-    """Greedy `ar` and `ddtree` requests with every one-row Linear of the static forwards (the `ar` steps', at
-    batch 1) through our kernel: the tokens of F.linear's engine."""
+def test_engines_with_linears_through_the_kernels_decode_what_they_decode_without(kind, tiny_models, tmp_path,
+                                                                                   monkeypatch):
+    """Greedy `ar` and `ddtree` requests with every Linear of the static forwards of up to gemv_max_rows() rows (the
+    `ar` steps', the trees', the drafter's blocks, at batch 1) through our kernels: the tokens of F.linear's
+    engine."""
     from ddtree.engine import Engine
     from ddtree.models import layers
     from tests.unit.test_batching import static_cpu_config
@@ -96,7 +101,10 @@ def test_engines_with_one_row_linears_through_the_kernel_decode_what_they_decode
     monkeypatch.setattr(layers.NormedRows, "eager", lambda self: eager_norms.append(self) or eager(self))
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
     assert not eager_norms
-    want = {"norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"norm_plain", None, "silu_mul"}
-    assert {rows for rows, _, _ in calls} == {1} and {p for _, p, _ in calls} == want, set(calls)
+    # the drafter's norms are plain RMSNorms (norm_plain) beside either target
+    want = {"norm", "norm_plain", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"norm_plain", None, "silu_mul"}
+    rows = {rows for rows, _, _ in calls}
+    assert 1 in rows and max(rows) > 1 and max(rows) <= layers.kernels.gemv_max_rows(), rows
+    assert {p for _, p, _ in calls} == want, set(calls)
     assert {add for _, _, add in calls} == {True, False}   # residual adds in epilogues, the others plain
 
