@@ -91,7 +91,7 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
 def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int) -> dict:
     """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
     where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph)."""
-    from ddtree.models.gemv_kernel import linear_rows
+    from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block
 
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w, kind, group, add in weights:
@@ -106,6 +106,8 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
             times, grid = {}, CONFIG_GRID if rows == 1 else ROWS_GRID
             if rows > 1 and variant == "prologue":
                 grid = [tuple(c) for c, _ in entry["plain"]["top"][:ROWS_TOP]]
+            if rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
+                grid = [c for c in grid if fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size()) == (c[1], c[3])]
             for config in grid:
                 try:
                     times[config] = graph_ms(lambda: [linear_rows(x, w, config, **kw) for w in ws], repeats)

@@ -50,6 +50,7 @@ CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {
 # ROWS_DEFAULT
 ROWS_DEFAULT = (16, 256, 4, 4)
 ROWS_CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {}
+SHARED_BYTES = 160 * 1024   # shared memory a few-rows program's pipeline may take (the H200 has 227 KB a block)
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
 PROLOGUES = {None: 0, "norm": 1, "norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
@@ -199,6 +200,17 @@ def rows_block(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
+def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int) -> tuple[int, int]:
+    """(BLOCK_K, stages) of a few-rows configuration cut until its pipelined tiles fit SHARED_BYTES: fewer stages
+    first (down to 2), then shorter steps."""
+    while stages * (block_m + block_n) * block_k * itemsize > SHARED_BYTES and (stages > 2 or block_k > 32):
+        if stages > 2:
+            stages -= 1
+        else:
+            block_k //= 2
+    return block_k, stages
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,6 +226,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     else:
         block_n, block_k, warps, stages = config or ROWS_CONFIGS.get((n, k, prologue),
                                                                      ROWS_CONFIGS.get((n, k, None), ROWS_DEFAULT))
+        if config is None:   # the pipeline's stages of weight and input tiles within shared memory
+            block_k, stages = fit_shared(rows_block(m), block_n, block_k, stages, x.element_size())
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)
         block_k = max(block_k, group)
