@@ -31,7 +31,7 @@ def test_linear_rows_equals_f_linear(m, n, k, config):
     gen = torch.Generator().manual_seed(n * k)
     x = torch.randn(m, 2 * k, generator=gen)[:, ::2].contiguous()
     w = torch.randn(n, k, generator=gen)
-    torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
