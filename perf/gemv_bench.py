@@ -10,7 +10,9 @@ rows. Variants:
   (more) (each shape's configurations timed first on that shape's weights alone);
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
   gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
-  (shape, prologue) at its own best configuration. Not comparable with the GEMMs alone: it does the chains' work
+  (shape, prologue) at its own best configuration; more than one row: the add alone (the few-rows kernel takes no
+  prologue: computed per program, the chains made 16 rows' products 2.5x slower, perf/results/gemv_rows_h200.md).
+  Not comparable with the GEMMs alone: it does the chains' work
   too.
 Also: bytes-read bandwidth (a sum over 4 GiB) and copy bandwidth (read + written), measured in the same run.
 
@@ -38,7 +40,7 @@ CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 3
                if bn * bk <= 16384]
 # the few-rows kernel's (more than one row): tl.dot tiles of at least 16 columns; with a prologue, the best ROWS_TOP of
 # the shape's plain configurations
-ROWS_GRID = list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)))
+ROWS_GRID = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)))
 ROWS_TOP = 4
 
 
@@ -77,6 +79,8 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
         return torch.randn(*shape, device="cuda", dtype=dt)
 
     x, kwargs = rand(rows, k), {"add": rand(rows, n)} if add else {}
+    if rows > 1:   # the few-rows kernel takes no prologue (its add only)
+        return x, kwargs
     if kind == "norm":
         kwargs.update(prologue=kind, p=1.0 + 0.1 * rand(k, dt=torch.float32), eps=1e-6)
     elif kind == "silu_mul":

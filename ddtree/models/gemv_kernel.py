@@ -46,10 +46,12 @@ CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {
     (16480, 5120, "norm"): (32, 512, 4, 3), (34816, 5120, "norm"): (32, 256, 8, 4),
     (14336, 5120, "norm"): (32, 512, 4, 4), (5120, 17408, "silu_mul"): (8, 512, 4, 3),
 }
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-rows kernel by (N, K, prologue) (perf/gemv_rows.py), else
-# ROWS_DEFAULT
-ROWS_DEFAULT = (16, 256, 4, 4)
-ROWS_CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-rows kernel by (N, K), the best measured on the H200 for 16 rows
+# of the 27B shapes (perf/results/gemv_rows_h200.md: the step's products 12.66 ms against cuBLASLt's 13.21); others
+# ROWS_DEFAULT (the best on most shapes)
+ROWS_DEFAULT = (64, 128, 4, 4)
+ROWS_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (5120, 6144): (64, 256, 4, 4), (5120, 17408): (64, 256, 4, 4), (248320, 5120): (64, 128, 4, 3)}
 SHARED_BYTES = 160 * 1024   # shared memory a few-rows program's pipeline may take (the H200 has 227 KB a block)
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
@@ -71,49 +73,6 @@ def _silu(v):
 
 
 @triton.jit
-def _input(x_rows, a_rows, p_ptr, k, ok, k_ok, rstd, stride_ag, eps, dtype: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_K: tl.constexpr, PRO: tl.constexpr, GROUP: tl.constexpr, NORM_FIRST: tl.constexpr):
-    """(the Linear's input at columns k of the rows, float32 [BLOCK_M, BLOCK_K]; the squares of x there, which the
-    norms' default form sums into each row's statistic)."""
-    v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
-    s = v
-    if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # x * p now, times the row's rstd after the sum
-        s = v * v
-        v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    elif PRO == 1 or PRO == 2:
-        p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        if PRO == 1:
-            v = (v * rstd * p).to(dtype).to(tl.float32)
-        else:
-            v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
-    elif PRO == 3:
-        u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
-    elif PRO == 4:
-        g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
-        v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
-        z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
-        r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
-        v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
-        p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
-        v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
-    return v, s
-
-
-@triton.jit
-def _row_rstd(x_rows, m_ok, K, eps, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr):
-    """Each row's 1 / rms over its K columns, [BLOCK_M, 1] (the norms' statistic in a pass of its own)."""
-    sq = tl.zeros([BLOCK_M, NORM_K], dtype=tl.float32)
-    for k0 in range(0, K, NORM_K):
-        k = k0 + tl.arange(0, NORM_K)
-        s = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        sq += s * s
-    return 1.0 / tl.sqrt(tl.sum(sq, axis=1, keep_dims=True) / K + eps)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  a_ptr, stride_am, stride_ag, p_ptr, add_ptr, stride_addm, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
@@ -131,16 +90,41 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     a_rows = a_ptr + offs_m[:, None] * stride_am
     rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if (PRO == 1 or PRO == 2) and NORM_FIRST:   # the norm's statistic over each whole row first (one load at a row's usual widths)
-        rstd = _row_rstd(x_rows, m_ok, K, eps, BLOCK_M, NORM_K)
+        sq = tl.zeros([BLOCK_M, NORM_K], dtype=tl.float32)
+        for k0 in range(0, K, NORM_K):
+            k = k0 + tl.arange(0, NORM_K)
+            s = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+            sq += s * s
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1, keep_dims=True) / K + eps)
     squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)   # the statistic gathered in the main loop instead
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
-        v, s = _input(x_rows, a_rows, p_ptr, k, m_ok[:, None] & k_ok[None, :], k_ok, rstd, stride_ag, eps, dtype,
-                      BLOCK_M, BLOCK_K, PRO, GROUP, NORM_FIRST)
-        if (PRO == 1 or PRO == 2) and not NORM_FIRST:
-            squares += s
+        ok = m_ok[:, None] & k_ok[None, :]
+        v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
+        if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # x * p now, times the row's rstd after the sum
+            squares += v * v
+            v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        elif PRO == 1 or PRO == 2:
+            p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            if PRO == 1:
+                v = (v * rstd * p).to(dtype).to(tl.float32)
+            else:
+                v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
+        elif PRO == 3:
+            u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+            v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
+        elif PRO == 4:
+            g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
+            v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
+            z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+            v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
+            r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
+            v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
+            p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
+            v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * v
     y = tl.sum(acc, axis=1)
@@ -152,14 +136,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
-def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 a_ptr, stride_am, stride_ag, p_ptr, add_ptr, stride_addm, eps,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 ADD: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr, NORM_FIRST: tl.constexpr,
+def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
                  IEEE: tl.constexpr):
-    """out[M, N] = prologue(x, a, p)[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its
-    BLOCK_N columns of the weight once for all the rows, multiplying on the tensor cores (the input rounded to the
-    weight's dtype as the eager chain rounds it; float32: IEEE products, no TF32)."""
+    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
+    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32)."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -167,29 +148,18 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    a_rows = a_ptr + offs_m[:, None] * stride_am
-    rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-    if (PRO == 1 or PRO == 2) and NORM_FIRST:
-        rstd = _row_rstd(x_rows, m_ok, K, eps, BLOCK_M, NORM_K)
-    squares = tl.zeros([BLOCK_M, 1], dtype=tl.float32)   # each row's sum of squares (the norms' default form)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
-        v, s = _input(x_rows, a_rows, p_ptr, k, m_ok[:, None] & k_ok[None, :], k_ok, rstd, stride_ag, eps, dtype,
-                      BLOCK_M, BLOCK_K, PRO, GROUP, NORM_FIRST)
-        if (PRO == 1 or PRO == 2) and not NORM_FIRST:
-            squares += tl.sum(s, axis=1, keep_dims=True)
+        v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if IEEE:
-            acc = tl.dot(v, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(v.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
-            acc = tl.dot(v.to(w.dtype), tl.trans(w), acc)
-    if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # each row's rstd applied to its sums
-        acc = acc / tl.sqrt(squares / K + eps)
+            acc = tl.dot(v, tl.trans(w), acc)
     out_ok = m_ok[:, None] & n_ok[None, :]
-    if ADD:
+    if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
@@ -215,39 +185,37 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
-    the GEMV, a few (M <= MAX_ROWS) through the few-rows kernel; weight, x, a and add contiguous in their last dim
-    (sigmoid_gate: a [M, K // group, group])."""
+    the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
+    computed per program for 16 rows made the step's products 2.5x slower on the H200: perf/results/gemv_rows_h200.md);
+    weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group])."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
-    mode = PROLOGUES[prologue]
-    if m == 1:
-        block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
-    else:
-        block_n, block_k, warps, stages = config or ROWS_CONFIGS.get((n, k, prologue),
-                                                                     ROWS_CONFIGS.get((n, k, None), ROWS_DEFAULT))
+    assert m == 1 or prologue is None, "the few-rows kernel takes no prologue"
+    if add is not None:
+        assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m > 1:
+        block_n, block_k, warps, stages = config or ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)
         if config is None:   # the pipeline's stages of weight and input tiles within shared memory
             block_k, stages = fit_shared(rows_block(m), block_n, block_k, stages, x.element_size())
+        _rows_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
+            0 if add is None else add.stride(0), BLOCK_M=rows_block(m), BLOCK_N=block_n, BLOCK_K=block_k,
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        return out
+    mode = PROLOGUES[prologue]
+    block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)
         block_k = max(block_k, group)
-    if add is not None:
-        assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     if a is not None:
         assert a.shape[0] == m and a.stride(-1) == 1, (a.shape, a.stride())
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    args = (x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
-            x if p is None else p, x if add is None else add, 0 if add is None else add.stride(0), eps)
-    norm_k = min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS))
-    if m == 1:
-        _gemv_kernel[(triton.cdiv(n, block_n),)](
-            *args, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, ADD=add is not None, GROUP=group,
-            NORM_K=norm_k, NORM_FIRST=norm_first(), num_warps=warps, num_stages=stages)
-    else:
-        block_m = rows_block(m)
-        _rows_kernel[(triton.cdiv(n, block_n),)](
-            *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, ADD=add is not None, GROUP=group,
-            NORM_K=min(norm_k, max(block_k, NORM_ELEMENTS // block_m)), NORM_FIRST=norm_first(),
-            IEEE=weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
+        x if p is None else p, x if add is None else add, 0 if add is None else add.stride(0), eps,
+        BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, ADD=add is not None, GROUP=group,
+        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS)), NORM_FIRST=norm_first(),
+        num_warps=warps, num_stages=stages)
     return out

@@ -114,14 +114,15 @@ class GatedNormed(Prologue):
 
 
 def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | None = None) -> torch.Tensor:
-    """[add +] module(x), x a tensor or a Prologue; one row in a static forward on CUDA (through_gemv) through our
+    """[add +] module(x), x a tensor or a Prologue; in a static forward on CUDA (through_gemv) one row through our
     GEMV kernel with the prologue and the add in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8%
-    slower on the H200, and each prologue or add is a kernel less)."""
+    slower on the H200, and each prologue or add is a kernel less), a few through its few-rows kernel with the add in
+    it (the prologue's chain before it)."""
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
-        if isinstance(x, Prologue):
+        if isinstance(x, Prologue) and x.shape[0] == 1:
             return kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add)
-        return kernel(x.contiguous(), module.weight, add=add)
+        return kernel(materialize(x).contiguous(), module.weight, add=add)
     out = module(materialize(x))
     return out if add is None else add + out
 

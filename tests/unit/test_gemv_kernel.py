@@ -67,11 +67,15 @@ def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", d
                                              (17, 512, (16, 128, 4, 3)), (5, 1000, (32, 256, 4, 2))])
 def test_prologues_equal_their_eager_chains(rows, k, config, norm_first, monkeypatch):
     """Each prologue's Linear == the Linear of the eager chain's output, plus the residual stream where one is added
-    in the epilogue; one row (the GEMV) and several (the few-rows kernel)."""
+    in the epilogue; one row (the GEMV) and, without a prologue, several (the few-rows kernel)."""
     monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
     w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
     x, cases = prologue_cases(k, 23, 8, seed=k, rows=rows)
     for prologue, kwargs, chained, residual in cases:
+        if rows > 1 and prologue is not None:
+            with pytest.raises(AssertionError, match="no prologue"):
+                gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
+            continue
         got = gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
         want = F.linear(chained, w) if residual is None else residual + F.linear(chained, w)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(prologue))
@@ -97,12 +101,11 @@ def test_engines_with_linears_through_the_kernels_decode_what_they_decode_withou
     monkeypatch.setattr(layers.kernels, "gemv_kernel",
                         lambda device: lambda x, w, **k: calls.append((x.shape[0], k.get("prologue"), k.get("add") is not None))
                         or kernel(x, w, **k))
-    eager_norms, eager = [], layers.NormedRows.eager   # a norm computed apart from the GEMV that reads it
+    eager_norms, eager = [], layers.NormedRows.eager   # a norm computed apart from the Linear that reads it
     monkeypatch.setattr(layers.NormedRows, "eager", lambda self: eager_norms.append(self) or eager(self))
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
-    assert not eager_norms
-    # the drafter's norms are plain RMSNorms (norm_plain) beside either target
-    want = {"norm", "norm_plain", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"norm_plain", None, "silu_mul"}
+    assert eager_norms and all(norm.shape[0] > 1 for norm in eager_norms)   # a one-row norm: in its GEMV's prologue
+    want = {"norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"norm_plain", None, "silu_mul"}
     rows = {rows for rows, _, _ in calls}
     assert 1 in rows and max(rows) > 1 and max(rows) <= layers.kernels.gemv_max_rows(), rows
     assert {p for _, p, _ in calls} == want, set(calls)
