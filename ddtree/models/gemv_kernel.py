@@ -47,11 +47,12 @@ CONFIGS: dict[tuple[int, int, str | None], tuple[int, int, int, int]] = {
     (14336, 5120, "norm"): (32, 512, 4, 4), (5120, 17408, "silu_mul"): (8, 512, 4, 3),
 }
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the few-rows kernel by (N, K), the best measured on the H200 for 16 rows
-# of the 27B shapes (perf/results/gemv_rows_h200.md: the step's products 12.66 ms against cuBLASLt's 13.21); others
-# ROWS_DEFAULT (the best on most shapes)
+# of the 27B shapes (perf/results/gemv_rows_h200_4_16.md: the step's products 12.86 ms against cuBLASLt's 13.56 at 16
+# rows, 12.66 against 13.46 at 4); others ROWS_DEFAULT
 ROWS_DEFAULT = (64, 128, 4, 4)
 ROWS_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (5120, 6144): (64, 256, 4, 4), (5120, 17408): (64, 256, 4, 4), (248320, 5120): (64, 128, 4, 3)}
+    (5120, 6144): (64, 256, 4, 4), (5120, 17408): (64, 256, 4, 4), (34816, 5120): (32, 256, 4, 4),
+    (14336, 5120): (128, 128, 4, 4), (248320, 5120): (128, 128, 4, 4)}
 SHARED_BYTES = 160 * 1024   # shared memory a few-rows program's pipeline may take (the H200 has 227 KB a block)
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
