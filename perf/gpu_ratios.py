@@ -253,6 +253,12 @@ def table(result: dict) -> str:
                               "per round): the drafter's layers run 5 times a round, the target's 64 (27B)", "",
                               "| kernel | per round | ms per round |", "|---|---|---|"]
                     lines += [f"| `{k}` | {n} | {ms:.3f} |" for k, n, ms in e["round_kernels"]]
+                if e.get("round_gaps"):
+                    lines += ["", f"{shape}, {forward} {name}: where the GPU waits in a round (idle gaps over 3 us between "
+                              "one activity's end and the next one's start, a request's less its prefill's, per round; "
+                              "by the kernel or copy before the gap and the one after it; the profiler's own host cost is "
+                              "in them)", "", "| before | after | gaps per round | ms per round |", "|---|---|---|---|"]
+                    lines += [f"| `{b}` | `{a}` | {n} | {ms:.3f} |" for b, a, n, ms in e["round_gaps"]]
                 if e.get("programs"):
                     lines += ["", f"{shape}, {forward} {name}: the static programs of a round, each replayed alone (span: "
                               "its first kernel's start to its last one's end; span less device time is idle inside "

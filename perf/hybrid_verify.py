@@ -134,6 +134,9 @@ def kernel_profile(fn, repeats: int = 3, top: int = 12) -> dict:
             torch.cuda.synchronize()
         kernels = [(e.key, e.count / repeats, e.self_device_time_total / repeats / 1e3) for e in prof.key_averages()
                    if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+        gaps = {key: (n / repeats, us / repeats / 1e3) for key, (n, us) in idle_gaps(
+            [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        ).items()}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     try:
@@ -149,12 +152,39 @@ def kernel_profile(fn, repeats: int = 3, top: int = 12) -> dict:
     # out); span less device time: the GPU's idle gaps inside the call, wall time less span: the host's part
     return {"device_ms": sum(k[2] for k in kernels), "span_ms": span_ms, "kernels": round(sum(k[1] for k in kernels)),
             "top": [[name[:90], round(count, 1), round(ms, 4)] for name, count, ms in kernels[:top]],
-            "all": {name: (count, ms) for name, count, ms in kernels}}
+            "all": {name: (count, ms) for name, count, ms in kernels}, "gaps": gaps}
+
+
+def idle_gaps(activities: list[tuple[str, float, float]], threshold_us: float = 3.0) -> dict[tuple[str, str], tuple[int, float]]:
+    """Where a GPU timeline waits: activities (name, start, end in us: kernels, copies, sets) in start order; each gap
+    longer than threshold_us between the end of everything before an activity and its start, keyed by (the activity
+    that ended last before the gap, the one after it): (gaps, us in all). The pair places a gap in the round (the
+    drafter's last kernel before its top-k, a read to the host before the verify's first kernel, ...)."""
+    gaps: dict[tuple[str, str], tuple[int, float]] = {}
+    last_name, last_end = None, None
+    for name, start, end in sorted(activities, key=lambda a: a[1]):
+        if last_end is not None and start - last_end > threshold_us:
+            count, total = gaps.get((last_name, name), (0, 0.0))
+            gaps[(last_name, name)] = (count + 1, total + start - last_end)
+        if last_end is None or end >= last_end:
+            last_name, last_end = name, end
+    return gaps
+
+
+def gaps_per_round(whole: dict, prefill: dict, rounds: int, top: int = 12) -> list[list]:
+    """The idle gaps of a request's decoding rounds (a whole request's less its prefill's, per round): [kernel before,
+    kernel after, gaps, ms] of the `top` by time."""
+    rows = []
+    for (before, after), (count, ms) in whole.get("gaps", {}).items():
+        count0, ms0 = prefill.get("gaps", {}).get((before, after), (0.0, 0.0))
+        if ms - ms0 > 0:
+            rows.append([before[:70], after[:70], round((count - count0) / rounds, 2), round((ms - ms0) / rounds, 4)])
+    return sorted(rows, key=lambda r: -r[3])[:top]
 
 
 def without_all(profile: dict) -> dict:
-    """A profile as results keep it: the top kernels, not every kernel's line."""
-    return {k: v for k, v in profile.items() if k != "all"}
+    """A profile as results keep it: the top kernels, not every kernel's line nor gap."""
+    return {k: v for k, v in profile.items() if k not in ("all", "gaps")}
 
 
 def kernels_per_round(whole: dict, prefill: dict, rounds: int, top: int | None = 20) -> list[list]:
@@ -270,6 +300,7 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
         return {"device_profile_error": whole.get("error") or prefill.get("error")}
     device_ms = (whole["device_ms"] - prefill["device_ms"]) / rounds
     return {"device_ms": device_ms, "gpu_idle_share": max(0.0, 1.0 - device_ms / round_ms),
+            "round_gaps": gaps_per_round(whole, prefill, rounds),
             "round_kernels": kernels_per_round(whole, prefill, rounds),
             "round_kernels_all": kernels_per_round(whole, prefill, rounds, top=None)}
 

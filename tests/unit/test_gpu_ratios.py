@@ -55,6 +55,22 @@ def test_kernels_per_round_subtract_the_prefill():
     assert kernels_per_round(whole, prefill, rounds=12) == [["gemm", 10.0, 2.0], ["topk", 1.0, 0.05]]
 
 
+def test_idle_gaps_are_keyed_by_the_activities_around_them():
+    from perf.hybrid_verify import gaps_per_round, idle_gaps
+
+    timeline = [("draft", 0.0, 10.0), ("topk", 12.0, 13.0), ("DtoH", 13.5, 14.0), ("verify", 50.0, 90.0),
+                ("embed", 20.0, 30.0),
+                ("commit", 95.0, 96.0), ("draft", 100.0, 110.0), ("topk", 111.0, 112.0)]
+    gaps = idle_gaps(timeline, threshold_us=1.5)
+    assert gaps == {("draft", "topk"): (1, 2.0), ("DtoH", "embed"): (1, 6.0), ("embed", "verify"): (1, 20.0),
+                    ("verify", "commit"): (1, 5.0), ("commit", "draft"): (1, 4.0)}
+    # overlapping activities: the gap runs from the latest end before the next start
+    assert idle_gaps([("a", 0.0, 10.0), ("b", 2.0, 4.0), ("c", 20.0, 21.0)], threshold_us=3.0) == {("a", "c"): (1, 10.0)}
+    whole = {"gaps": {("draft", "topk"): (4, 8.0), ("DtoH", "verify"): (4, 20.0), ("prefill", "x"): (1, 3.0)}}
+    prefill = {"gaps": {("DtoH", "verify"): (1, 2.0), ("prefill", "x"): (1, 3.0)}}
+    assert gaps_per_round(whole, prefill, rounds=3) == [["DtoH", "verify", 1.0, 6.0], ["draft", "topk", 1.33, 2.6667]]
+
+
 def test_program_profiles_count_calls_per_round_and_skip_uncaptured(monkeypatch):
     from types import SimpleNamespace
 
