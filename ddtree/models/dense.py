@@ -312,8 +312,9 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output not yet added to it): each residual add runs in the chain of
         the norm after it. pending: the previous layer's MLP output (None: x is whole)."""
-        if through_gemv(x):   # one row (an `ar` step): each norm in the prologue of the GEMV that reads it, each
-            # residual add in the epilogue of the GEMV before it (ddtree.models.gemv_kernel); pending is then None
+        if through_gemv(x):   # rows through our kernels (an `ar` step, a few rows): each norm computed by the Linear
+            # that reads it (one row: in the GEMV's prologue), each residual add in the epilogue of the Linear before it
+            # (ddtree.models.gemv_kernel); pending is then None
             x = self.self_attn(NormedRows(self.input_layernorm, x), rope, segments, layer, packed, x)
             return self.mlp(NormedRows(self.post_attention_layernorm, x), x), None
         x, h = self.input_layernorm.add_norm(x, pending)

@@ -245,8 +245,8 @@ class DFlashDrafter(nn.Module):
         if in_place is not None:
             kernel, pool, slots, keys, masks = in_place
             write_slots, write_pos = slots[:, None].expand(r, b).flatten(), positions.flatten()
-        # each norm computed by the Linears that read it (in their prologue where they go through our kernels: a static
-        # pass of a few rows on CUDA, ddtree.models.layers.linear), each residual added by the Linear before it
+        # each norm computed by the Linear that reads it and each residual added by the Linear before it
+        # (ddtree.models.layers.linear: in our kernels' prologue and epilogue where a static pass goes through them)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k_block, v_block = attn.project_qkv(NormedRows(layer.input_layernorm, h), rope)

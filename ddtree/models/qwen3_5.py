@@ -677,8 +677,9 @@ class HybridTarget(TargetModel):
         taps, wanted = {}, set(tap_layers or ())
         attn_slot = gdn_slot = 0
         pending = None   # the last MLP's output, added to x in the next norm's chain
-        # one row (an `ar` step): each norm in the prologue of the GEMV that reads it, each residual add in the
-        # epilogue of the GEMV before it (ddtree.models.gemv_kernel), the stream x always whole
+        # rows through our kernels (an `ar` step, a few rows: layers.through_gemv): each norm computed by the Linear
+        # that reads it (one row: in the GEMV's prologue), each residual add in the epilogue of the Linear before it
+        # (ddtree.models.gemv_kernel), the stream x always whole
         gemv = through_gemv(x)
         for i, layer in enumerate(self.layers):
             if gemv:
