@@ -11,7 +11,7 @@ rows. Variants:
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
   gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
   (shape, prologue) at its own best configuration; more than one row: the add alone (the few-rows kernel takes no
-  prologue: computed per program, the chains made 16 rows' products 2.5x slower, perf/results/gemv_rows_h200.md).
+  prologue: computed per program, the chains made 16 rows' products 2.6x slower, perf/results/gemv_rows_h200.md).
   Not comparable with the GEMMs alone: it does the chains' work
   too.
 Also: bytes-read bandwidth (a sum over 4 GiB) and copy bandwidth (read + written), measured in the same run.

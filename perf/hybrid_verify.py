@@ -134,11 +134,14 @@ def kernel_profile(fn, repeats: int = 3, top: int = 12) -> dict:
             torch.cuda.synchronize()
         kernels = [(e.key, e.count / repeats, e.self_device_time_total / repeats / 1e3) for e in prof.key_averages()
                    if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    try:   # the timeline's idle gaps (a diagnostic of a diagnostic: none rather than no profile)
         gaps = {key: (n / repeats, us / repeats / 1e3) for key, (n, us) in idle_gaps(
             [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
         ).items()}
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    except Exception:
+        gaps = {}
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as one:   # one call alone: its GPU span
             fn()

@@ -187,7 +187,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
-    computed per program for 16 rows made the step's products 2.5x slower on the H200: perf/results/gemv_rows_h200.md);
+    computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group])."""
     m, k = x.shape
     n = weight.shape[0]
