@@ -3,7 +3,7 @@
 perf/gpu_ratios.py measures its variants one after another, and on the H200 the same `ar` step's graph (the same
 kernels, the same device time) replayed 0.57 ms slower when measured second (gpu_ratios_h200 at 7d384a4): a
 difference between configurations measured in sequence can be the machine's, not theirs. Here every configuration
-(the default and gpu_ratios' environment variants) captures its programs first (an `ar` step, a tree verify per
+(the default and gpu_ratios' environment variants) captures its programs first (an `ar` step, a dflash chain's verify, a tree verify per
 budget, each on a cache of its own); then each turn times every program of every configuration, in an order that
 rotates from turn to turn, with the copy bandwidth (the floor's) measured in each turn too. A configuration's numbers
 are medians over turns; its ratio to the default is the median of the turns' paired ratios.
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
-from ddtree.tree import compile_tree  # noqa: E402
+from ddtree.tree import build_chain, compile_tree  # noqa: E402
 from ddtree.tree.compile import VerifyBatch  # noqa: E402
 from perf.common import ROOT, header, write_results  # noqa: E402
 from perf.gpu_ratios import VARIANT_ENV, build  # noqa: E402
@@ -49,6 +49,9 @@ def capture(target, device: str, budgets: list[int], prompt_len: int) -> dict:
     batches = {"ar": (VerifyBatch(torch.tensor([root]), torch.tensor([prompt_len]),
                                   torch.ones(1, 1, dtype=torch.bool, device=device)), [-1])}
     gen = torch.Generator().manual_seed(0)
+    # a dflash chain's verify: 16 rows (the block), through the few-rows kernel where one-row Linears go through the GEMV
+    chain = build_chain(torch.randint(0, target.config.vocab_size, (15,), generator=gen).tolist())
+    batches["dflash"] = (compile_tree(chain, root_token=root, start=prompt_len), chain.parents)
     for budget in budgets:
         tree = random_tree(target.config.vocab_size, budget, gen)
         batches[f"ddtree-{budget}"] = (compile_tree(tree, root_token=root, start=prompt_len), tree.parents)

@@ -98,7 +98,7 @@ def test_graph_turns_pairs_each_variant_with_the_default(tmp_path):
     saved = json.loads((tmp_path / "t.json").read_text())
     assert saved["configs"] == {"static": {}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"}}
     for name in ("static", "static-noqkv"):
-        assert list(saved["summary"][name]) == ["ar", "ddtree-16"]
+        assert list(saved["summary"][name]) == ["ar", "dflash", "ddtree-16"]
         for program, row in saved["summary"][name].items():
             assert len(saved["samples"][name][program]["step"]) == 3 and row["step"] > 0
             assert math.isnan(row["replay"])   # no graphs on the CPU
