@@ -8,8 +8,8 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh gemv     # the 27B Linears at ROWS input rows: cuBLAS vs ours
 # tests takes TESTS (pytest paths) instead of the kernels' whole list.
 # Results are named with TAG (default h200). The device tool brings back at most 8 files from $OUT: a call that runs
-# several steps should write logs into as few files as it can (ratios alone writes 5). gpu_ratios writes its verifies as they land, so a call cut off by its
-# time limit keeps them (<name>_qwen36-27b_verify.json).
+# several steps should write logs into as few files as it can (ratios alone writes 5). gpu_ratios writes its verifies
+# as they land, so a call cut off by its time limit keeps them (<name>_qwen36-27b_verify.json).
 set -euo pipefail
 OUT="${OUT:-perf/results}"
 TAG="${TAG:-h200}"

@@ -197,12 +197,13 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m > 1:
+        block_m = rows_block(m)
         block_n, block_k, warps, stages = config or ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)
         if config is None:   # the pipeline's stages of weight and input tiles within shared memory
-            block_k, stages = fit_shared(rows_block(m), block_n, block_k, stages, x.element_size())
+            block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
-            0 if add is None else add.stride(0), BLOCK_M=rows_block(m), BLOCK_N=block_n, BLOCK_K=block_k,
+            0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             ADD=add is not None, IEEE=weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
         return out
     mode = PROLOGUES[prologue]
