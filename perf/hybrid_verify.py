@@ -177,11 +177,8 @@ def idle_gaps(activities: list[tuple[str, float, float]], threshold_us: float = 
 def gaps_per_round(whole: dict, prefill: dict, rounds: int, top: int = 12) -> list[list]:
     """The idle gaps of a request's decoding rounds (a whole request's less its prefill's, per round): [kernel before,
     kernel after, gaps, ms] of the `top` by time."""
-    rows = []
-    for (before, after), (count, ms) in whole.get("gaps", {}).items():
-        count0, ms0 = prefill.get("gaps", {}).get((before, after), (0.0, 0.0))
-        if ms - ms0 > 0:
-            rows.append([before[:70], after[:70], round((count - count0) / rounds, 2), round((ms - ms0) / rounds, 4)])
+    rows = [[before[:70], after[:70], round(count, 2), round(ms, 4)]
+            for (before, after), count, ms in less_prefill(whole.get("gaps", {}), prefill.get("gaps", {}), rounds)]
     return sorted(rows, key=lambda r: -r[3])[:top]
 
 
@@ -194,12 +191,19 @@ def kernels_per_round(whole: dict, prefill: dict, rounds: int, top: int | None =
     """The kernels of a request's decoding rounds (a whole request's less its prefill's), per round: [name, calls,
     ms] of the `top` by time. Where a round's device time goes stage by stage: the drafter's kernels run 5 times a
     round (its layers), the target's 64 (27B), its lm_head's once, each in both stages."""
-    rows = []
-    for name, (count, ms) in whole["all"].items():
-        count0, ms0 = prefill["all"].get(name, (0.0, 0.0))
-        if ms - ms0 > 0:
-            rows.append([name[:90], round((count - count0) / rounds, 1), round((ms - ms0) / rounds, 4)])
+    rows = [[name[:90], round(count, 1), round(ms, 4)] for name, count, ms in less_prefill(whole["all"], prefill["all"], rounds)]
     return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def less_prefill(whole: dict, prefill: dict, rounds: int) -> list[tuple]:
+    """(key, count, ms) per round of a whole request's profile entries (key -> (count, ms)) less its prefill's, those
+    with time left."""
+    rows = []
+    for key, (count, ms) in whole.items():
+        count0, ms0 = prefill.get(key, (0.0, 0.0))
+        if ms - ms0 > 0:
+            rows.append((key, (count - count0) / rounds, (ms - ms0) / rounds))
+    return rows
 
 
 def prefilled(model, device: str, prompt_len: int, room: int, generator: torch.Generator | None = None):
