@@ -52,6 +52,9 @@ class EngineConfig:
     # CUDA graphs; "on" = also elsewhere (run eagerly: how the CPU tests check it); "off" = the dynamic forward
     static_forward: str = "auto"
     cuda_graphs: bool = True           # capture static forwards as CUDA graphs (off: run them eagerly)
+    # with static forwards, a lone greedy request's draft tree is built on the device between its draft and its
+    # verify (one device-to-host read per round); off: read the draft's top-k and build the tree on the host
+    device_tree: bool = True
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 

@@ -22,15 +22,26 @@ from ddtree.errors import InvalidRequest
 from ddtree.models.base import to_device
 from ddtree.models.dense import KVCache, Segment
 from ddtree.models.dflash import DFlashDrafter
-from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticCommit, StaticDrafter, StaticTarget, key_bucket, path_bucket, row_bucket
+from ddtree.models.graphs import (
+    MIN_KEYS,
+    GraphPool,
+    StaticCommit,
+    StaticDrafter,
+    StaticTarget,
+    StaticTreeBuild,
+    key_bucket,
+    path_bucket,
+    row_bucket,
+)
 from ddtree.models.loader import dtype_of
-from ddtree.models.qwen3_5 import compact_all
+from ddtree.models.qwen3_5 import PATHS_MAX_LEN, compact_all
 from ddtree.models.target import load_target
 from ddtree.request import Request, RequestOutput
 from ddtree.sampling import probabilities, sample, suppress_tokens
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree, build_chain, build_tree, compile_tree, top_ids, top_log_probs
-from ddtree.tree.build import _empty_tree
+from ddtree.tree.build import _add_node, _empty_tree
+from ddtree.tree.device import fits_budget
 from ddtree.verify import accept
 
 logger = logging.getLogger(__name__)
@@ -66,6 +77,7 @@ class StageTimes:
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
     draft_passes: int = 0        # packed drafter passes
     static_commits: int = 0      # rounds whose cache commit ran as a static program (graphs.StaticCommit)
+    device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
     #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
@@ -182,6 +194,8 @@ class Engine:
         self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs, scratch) if static else None
         self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs, scratch) if static and drafter else None
         self.static_commit = StaticCommit(self.graphs) if static else None   # a lone hybrid request's replay commit
+        # a lone greedy request's tree built on the device, between its static draft and verify
+        self.static_tree = StaticTreeBuild(self.graphs) if static and drafter and config.device_tree else None
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -314,10 +328,15 @@ class Engine:
         cycle_start = self._cycle_start(t_round, prefill_s)
         budgets = [s.request.params.tree_budget for s in seqs if s.request.params.mode == "auto"]
         self.arm = self.arm_selector.choose(len(seqs), max(budgets)) if budgets else None
-        trees = self._draft(seqs)
-        batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
+        plan = self._device_tree_plan(seqs)
+        if plan is not None:
+            trees, verified = self._round_on_device(seqs[0], *plan)
+            batches = []
+        else:
+            trees, verified = self._draft(seqs), None
+            batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
         times.tree_nodes += sum(tree.num_nodes for tree in trees)
-        outputs = self._verify_and_commit(seqs, trees, batches)
+        outputs = self._verify_and_commit(seqs, trees, batches, verified)
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(len(out.new_token_ids) for seq, out in zip(seqs, outputs) if seq.request.params.mode == "auto")
@@ -340,18 +359,23 @@ class Engine:
         start = self._round_end + prefill_s
         return start if start <= t_round and t_round - start < MAX_SERVE_GAP_S else t_round
 
-    def _verify_and_commit(self, seqs: list[Sequence], trees: list[DraftTree], batches: list) -> list[RequestOutput]:
-        """One target pass over the requests' trees, then each one's acceptance walk and commit."""
+    def _verify_and_commit(self, seqs: list[Sequence], trees: list[DraftTree], batches: list,
+                           verified: tuple | None = None) -> list[RequestOutput]:
+        """One target pass over the requests' trees, then each one's acceptance walk and commit; verified: the
+        pass's (logits, taps, greedy choices) where the round ran it already (_round_on_device)."""
         times, t_verify = self.stage_times, time.perf_counter()
-        self._events.record("verify")
-        logits, taps = self._verify(seqs, trees, batches)
-        self._events.record("verified")
-        # the target's greedy choices of every row, launched behind the verify and read in the same wait: one
-        # device-to-host read per round (rows of requests that sample or suppress tokens are recomputed per request)
-        greedy = any(s.request.params.is_greedy for s in seqs)
-        choices = logits.argmax(dim=-1).tolist() if greedy else None
-        if not greedy:
-            self._sync()
+        if verified is not None:
+            logits, taps, choices = verified
+        else:
+            self._events.record("verify")
+            logits, taps = self._verify(seqs, trees, batches)
+            self._events.record("verified")
+            # the target's greedy choices of every row, launched behind the verify and read in the same wait: one
+            # device-to-host read after the verify (rows of requests that sample or suppress tokens are recomputed per request)
+            greedy = any(s.request.params.is_greedy for s in seqs)
+            choices = logits.argmax(dim=-1).tolist() if greedy else None
+            if not greedy:
+                self._sync()
         t_commit = time.perf_counter()
         self._events.settle()   # the last round's commit: the device has passed it
         times.verify_gpu += self._events.seconds("verify", "verified")
@@ -467,20 +491,8 @@ class Engine:
         t0 = time.perf_counter()
         self._events.record("draft")
         self.stage_times.draft_passes += 1
-        drafter, block = self.drafter, self.drafter.block_size
-        caches = [self.draft_caches[seqs[i].slot] for i in drafting]
-        taps = [_joined(seqs[i].pending_taps) for i in drafting]
-        blocks = [[seqs[i].root] + [drafter.config.mask_token_id] * (block - 1) for i in drafting]
-        hidden = None
-        if self.static_drafter is not None:
-            hidden = self.static_drafter.batch(caches, taps, blocks)
-        if hidden is None:
-            drafter.add_contexts(caches, taps)
-            hidden = drafter.forward_packed(caches, self.target.embed(torch.tensor(blocks, device=self.device)),
-                                            [seqs[i].start for i in drafting])
-        for cache, i in zip(caches, drafting):
-            assert cache.length == seqs[i].start, "drafter context out of step with the target"
-            seqs[i].pending_taps = []
+        block = self.drafter.block_size
+        hidden = self._draft_hidden([seqs[i] for i in drafting])
         # one lm_head pass, one top-k and one device-to-host copy for every drafting request (device work of the
         # draft stage: the lm_head streams the target's whole output matrix, ~0.6 ms at 27B dims on an H200)
         depth = min(block - 1, max(seqs[i].depth_limit for i in drafting))
@@ -505,6 +517,87 @@ class Engine:
         self.stage_times.draft += t1 - t0
         self.stage_times.tree_build += time.perf_counter() - t1
         return trees
+
+    def _draft_hidden(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The drafter's pass for these requests (their pending features join its context first): the hidden states
+        of their blocks  # [R, block, hidden], through the static pass where one fits."""
+        drafter, block = self.drafter, self.drafter.block_size
+        caches = [self.draft_caches[seq.slot] for seq in seqs]
+        taps = [_joined(seq.pending_taps) for seq in seqs]
+        blocks = [[seq.root] + [drafter.config.mask_token_id] * (block - 1) for seq in seqs]
+        hidden = None
+        if self.static_drafter is not None:
+            hidden = self.static_drafter.batch(caches, taps, blocks)
+        if hidden is None:
+            drafter.add_contexts(caches, taps)
+            hidden = drafter.forward_packed(caches, self.target.embed(torch.tensor(blocks, device=self.device)),
+                                            [seq.start for seq in seqs])
+        for cache, seq in zip(caches, seqs):
+            assert cache.length == seq.start, "drafter context out of step with the target"
+            seq.pending_taps = []
+        return hidden
+
+    def _device_tree_plan(self, seqs: list[Sequence]) -> tuple[int, int, int, tuple[int, int]] | None:
+        """(k, budget, nodes, (rows, paths)) of a round that builds its tree on the device (_round_on_device): a lone
+        greedy request of a drafting mode (`auto` on a dflash or ddtree arm: the policy arm reads the tree's weights
+        before its verify) whose draft is full depth (its last, shorter drafts go through the host) and whose verify
+        has a static program that takes its tree from the device; None: the host path (_draft)."""
+        if self.static_tree is None or len(seqs) != 1:
+            return None
+        seq = seqs[0]
+        params = seq.request.params
+        if not params.is_greedy or self._suppressed(params) or params.mode == "ar":
+            return None
+        if params.mode == "auto" and self.arm.mode not in ("dflash", "ddtree"):
+            return None
+        depth = self.drafter.block_size - 1
+        if seq.depth_limit < depth:
+            return None
+        chain, budget = self._draft_plan(seq)
+        k = 1 if chain else min(budget, self.target.config.vocab_size)
+        budget = depth if chain else budget
+        nodes = fits_budget(depth, k, budget)
+        shape = self.static_target.device_tree_shape(self.caches[seq.slot], seq.start, nodes + 1)
+        if shape is None or k >= shape[0] or (shape[1] and depth + 1 > PATHS_MAX_LEN):
+            return None
+        return k, budget, nodes, shape
+
+    def _round_on_device(self, seq: Sequence, k: int, budget: int, nodes: int, shape: tuple[int, int]
+                         ) -> tuple[list[DraftTree], tuple]:
+        """A lone greedy request's draft, tree and verify queued back to back, read once: the draft's top-k, the tree
+        build and the verify's tree inputs stay on the device (graphs.StaticTreeBuild), and the verify's choices come
+        back with the tree they answer (on the host path the draft's top-k is read before the tree build, a second
+        read and a GPU idle while the host builds the tree and launches the verify). Returns ([tree], the verify's
+        (logits, taps, choices))."""
+        times, t0 = self.stage_times, time.perf_counter()
+        self._events.record("draft")
+        times.draft_passes += 1
+        times.device_trees += 1
+        self._auto_drafted = seq.request.params.mode == "auto"
+        depth, n = self.drafter.block_size - 1, nodes + 1
+        hidden = self._draft_hidden([seq])
+        draft_logits = self.draft_logits(hidden[:, 1 : 1 + depth], [seq.request])[0]          # [depth, vocab]
+        log_probs, token_ids = torch.topk(torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32), k)
+        head, paths = self.static_tree(log_probs, token_ids, budget, seq.root, seq.start, *shape)  # [3, rows]
+        self._events.record("drafted")
+        t1 = time.perf_counter()
+        self._events.record("verify")
+        cache = self.caches[seq.slot]
+        logits, taps = self.static_target.batch([cache], [seq.start], [[0] * n], [[seq.start] * n], [[-1] * n],
+                                                tree=(head, paths))
+        self._events.record("verified")
+        # the round's one device-to-host read: the verify's choices, the tree's ids, positions and parents
+        read = torch.cat([logits.argmax(dim=-1), head[:, :n].flatten()]).tolist()
+        t2 = time.perf_counter()
+        choices, ids, positions, parents = (read[i * n : (i + 1) * n] for i in range(4))
+        tree = _empty_tree()
+        for node in range(1, n):
+            _add_node(tree, ids[node], parents[node], positions[node] - seq.start)
+        times.draft += t1 - t0
+        times.draft_gpu += self._events.seconds("draft", "drafted")
+        times.verify += t2 - t1
+        times.tree_build += time.perf_counter() - t2
+        return [tree], (logits, taps, choices)
 
     def _draft_plan(self, seq: Sequence) -> tuple[bool, int]:
         """(draft a chain?, tree budget) of a drafting request this round; auto requests follow the round's arm."""
@@ -621,6 +714,7 @@ class Engine:
                                   request_id="warm-up")
             self._warm_shapes(n + 4, max(budgets) + 1 if self.drafter is not None else 1)
             self._warm_batched_steps(n + 4)
+        self._warm_device_trees(lengths[0] + 4, max(budgets) + 1)
         self._events.settle()
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
         self.graphs.warmed = True
@@ -640,6 +734,19 @@ class Engine:
             if self.static_target.batch(self.caches[:n], [start] * n, [[1]] * n, [[start]] * n, [[-1]] * n) is None:
                 break
             reqs *= 2
+
+    @torch.inference_mode()
+    def _warm_device_trees(self, start: int, max_rows: int) -> None:
+        """The tree builds on the device (StaticTreeBuild) of a full-depth draft at every row bucket up to max_rows,
+        each in the paths form its bucket's verify takes (the verifies themselves are _warm_shapes')."""
+        if self.static_tree is None:
+            return
+        depth = self.drafter.block_size - 1
+        for rows in sorted({row_bucket(n) for n in range(2, max_rows + 1)}):
+            shape = self.static_target.device_tree_shape(self.caches[0], start, rows)
+            if shape is not None:
+                log_probs = -torch.arange(rows - 1, dtype=torch.float32, device=self.device).expand(depth, rows - 1)
+                self.static_tree(log_probs, torch.zeros_like(log_probs, dtype=torch.long), rows - 1, 1, start, *shape)
 
     @torch.inference_mode()
     def _warm_shapes(self, start: int, max_rows: int) -> None:

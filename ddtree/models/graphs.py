@@ -40,6 +40,7 @@ from ddtree.models.gdn import (
     tree_paths,
 )
 from ddtree.models.qwen3_5 import PATHS_MAX_LEN, PooledSlot
+from ddtree.tree.device import build_tree_device, fits_budget, tree_paths_device, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,12 @@ class GraphPool:
         host = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
         return host, torch.zeros(size, dtype=torch.long, device=self.device)
 
-    def run(self, key: tuple, program: Program) -> Any:
-        """Copy the program's host inputs to the device and run it (replay its graph, capturing it the first time)."""
+    def run(self, key: tuple, program: Program, writes: tuple = ()) -> Any:
+        """Copy the program's host inputs to the device and run it (replay its graph, capturing it the first time).
+        writes: (offset, device tensor) pairs copied over the inputs after the host's (inputs computed on the device)."""
         program.inputs.copy_(program.host, non_blocking=True)
+        for offset, values in writes:
+            program.inputs[offset : offset + values.numel()].copy_(values.flatten())
         with fused.static():   # the elementwise chains compiled (CUDA): paid once per capture, not per call
             if not self.capture or program.graph is False:
                 return program.body()
@@ -159,15 +163,19 @@ class StaticTarget:
         input_ids, positions  # n host integers (lists, numpy or CPU tensors); parents  # n, -1 for the root"""
         return self.batch([cache], [start], [input_ids], [positions], [parents])
 
-    def batch(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]]
+    def batch(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]],
+              tree: tuple[torch.Tensor, torch.Tensor | None] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Several requests' trees (the lists hold one entry per request): logits and taps of their rows packed in
-        request order, or None (the caller runs the dynamic forward)."""
+        request order, or None (the caller runs the dynamic forward).
+        tree: a lone request's tree inputs on the device (StaticTreeBuild's: its rows' ids, positions and parents, and
+        its paths where device_tree_shape says it takes them), which the program reads instead of the host's
+        input_ids, positions and parents (placeholders of the tree's length)."""
         shape = self._shape(caches, starts, parents)
         if shape is None:
             return None
         if self.conv_kernel is not None:
-            return self._hybrid(*shape, caches, starts, input_ids, positions, parents)
+            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree)
         reqs, rows, keys = shape
         # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
         # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
@@ -176,8 +184,20 @@ class StaticTarget:
         key = ("batch", reqs, rows, keys) + ((fixed_slot,) if reqs == 1 else ())
         program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot))
         total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
-        logits, taps = self.graphs.run(key, program)
+        logits, taps = self.graphs.run(key, program, () if tree is None else ((0, tree[0]),))
         return logits[:total], None if taps is None else taps[:total]
+
+    def device_tree_shape(self, cache, start: int, num_rows: int) -> tuple[int, int] | None:
+        """(rows, paths) of a lone request's static verify of a tree of num_rows rows whose inputs are built on the
+        device (batch's `tree`): paths = 0 where the program takes no paths form; None where no static program fits,
+        or where its paths form would depend on the tree (fla's kernel: a program per leaf count)."""
+        shape = self._shape([cache], [start], [[-1] * num_rows])
+        if shape is None or shape[0] != 1:
+            return None
+        rows = shape[1]
+        if self.conv_kernel is None or not self.uses_paths(rows, self.graphs.device):
+            return rows, 0
+        return (rows, rows) if self.target.free_padding_paths(self.graphs.device) else None
 
     def _shape(self, caches: list, starts: list[int], parents: list[list[int]]) -> tuple[int, int, int] | None:
         """(requests, rows, keys) of a batched static forward: rows padded to the largest tree's bucket, requests to a
@@ -225,7 +245,8 @@ class StaticTarget:
         return Program(body=body, host=host, inputs=inputs)
 
     def _hybrid(self, reqs: int, rows: int, keys: int, caches: list, starts: list[int], input_ids: list, positions: list,
-                parents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                parents: list[list[int]], tree: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A hybrid target's verify (or ar step) of several requests as one static forward, shaped like the dense one;
         every request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each
         request's commit stash goes to its cache (compact() commits from it)."""
@@ -236,10 +257,13 @@ class StaticTarget:
             # program per row bucket serves every tree and warm-up prepares them all; with fla's kernel, which copies
             # a state per path, the leaves' bucket
             free = self.target.free_padding_paths(self.graphs.device)
+            if tree is not None and not free:
+                return None   # device_tree_shape declines these
             num_paths = rows if free else row_bucket(max(len(leaves(p)) for p in parents))
-            paths = [tree_paths(p, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows) for p in parents]
-            if any(p is None for p in paths):
-                return None
+            if tree is None:
+                paths = [tree_paths(p, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows) for p in parents]
+                if any(p is None for p in paths):
+                    return None
         # a lone request's program works on its own cache's views (no per-layer gather and scatter of its recurrent
         # state: ~0.1 ms and 300 MB of a 27B step; its attention reads its K/V as views too), so it is made per slot
         # (a lone request mostly holds slot 0); a batch's program serves every slot (the slots are inputs)
@@ -247,12 +271,15 @@ class StaticTarget:
         program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths))
         total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         rest[:] = 0                                    # padding requests: no paths
-        if num_paths:
+        if num_paths and tree is None:
             tokens, bounds, node_pos = np.split(rest, np.cumsum([reqs * num_paths * PATHS_MAX_LEN, reqs * (num_paths + 1)]))
             for r, (t, b, p) in enumerate(paths):
                 tokens[r * t.size : (r + 1) * t.size], bounds[r * b.size : (r + 1) * b.size] = t, b
                 node_pos[r * rows : (r + 1) * rows] = p
-        logits, taps, stashes = self.graphs.run(key, program)
+        writes = ()
+        if tree is not None:   # a lone request's: ids, positions, parents first; its paths after starts, slots, rows
+            writes = ((0, tree[0]),) + (((4 * rows + 2, tree[1]),) if num_paths else ())
+        logits, taps, stashes = self.graphs.run(key, program, writes)
         # a replay's stashes are the captured program's outputs, the same memory every replay (StaticCommit bakes it
         # in); a first call's are its eager run's, a one-off
         fixed = not self.graphs.capture or (program.graph not in (None, False) and stashes is program.outputs[2])
@@ -355,6 +382,45 @@ class StaticCommit:
         return Program(body=body, host=host, inputs=inputs, extra=extra)
 
 
+class StaticTreeBuild:
+    """A lone request's draft tree and its verify's tree inputs, built on the device from the draft's top-k
+    (tree.device) as a static program: queued behind the drafter and read by the verify's program (StaticTarget.batch's
+    `tree`), so that a round reads the device once, after its verify. A program per (depth, rows, paths), as the
+    verify's: a tree of any budget up to rows - 1 (its ranks past the budget at -inf, its rows past the tree padding)."""
+
+    def __init__(self, graphs: GraphPool) -> None:
+        self.graphs = graphs
+
+    def __call__(self, log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int, root: int, start: int, rows: int,
+                 num_paths: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the verify's ids, positions and parents  # [3, rows], its paths form or None); log_probs, token_ids
+        # [depth, k] on the device, ranks sorted descending, k <= budget < rows. The first (a copy, which later
+        programs leave alone) holds the tree: of its first fits_budget(depth, k, budget) + 1 rows, ids[1:] are the
+        nodes' tokens, positions[1:] - start their depths, parents[1:] their parents."""
+        depth, k = log_probs.shape
+        key = ("tree", depth, rows, num_paths)
+        program = self.graphs.program(key, lambda: self._make(log_probs, token_ids, rows, num_paths))
+        program.host.numpy()[:] = root, start, fits_budget(depth, k, budget) + 1
+        ranks, ids = program.extra["log_probs"], program.extra["token_ids"]
+        ranks[:, :k].copy_(log_probs)
+        ranks[:, k:] = float("-inf")
+        ids[:, :k].copy_(token_ids)
+        head, paths = self.graphs.run(key, program)
+        return head.clone(), paths
+
+    def _make(self, log_probs: torch.Tensor, token_ids: torch.Tensor, rows: int, num_paths: int) -> Program:
+        host, inputs = self.graphs.new_inputs(3)
+        depth, width = log_probs.shape[0], rows - 1
+        extra = {"log_probs": log_probs.new_zeros(depth, width), "token_ids": token_ids.new_zeros(depth, width)}
+
+        def body():
+            root, start, num_nodes = inputs
+            head = verify_rows(root, start, num_nodes, *build_tree_device(extra["log_probs"], extra["token_ids"], width))
+            return head, tree_paths_device(head[2], num_nodes, PATHS_MAX_LEN, num_paths) if num_paths else None
+
+        return Program(body=body, host=host, inputs=inputs, extra=extra)
+
+
 class StaticDrafter:
     """The drafter's pass for a batch of requests (append each one's new context features, then draft their
     blocks) as a static forward; the blocks' embedding (the target's table) runs inside it too."""
@@ -423,5 +489,5 @@ class StaticDrafter:
         return Program(body=body, host=host, inputs=inputs, extra={"staged": staged})
 
 
-__all__ = ["GraphPool", "Program", "StaticCommit", "StaticDrafter", "StaticTarget", "batch_bucket", "key_bucket",
+__all__ = ["GraphPool", "Program", "StaticCommit", "StaticDrafter", "StaticTarget", "StaticTreeBuild", "batch_bucket", "key_bucket",
            "path_bucket", "row_bucket"]

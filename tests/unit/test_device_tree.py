@@ -1,0 +1,129 @@
+"""The draft tree and the verify's tree inputs built on the device (ddtree.tree.device, graphs.StaticTreeBuild), and
+the round that uses them (Engine._round_on_device: draft, tree and verify queued back to back, one read).
+
+The device build must give build_tree's tree (untied inputs: exact ties may order differently, which any tree
+survives losslessly), its paths form gdn.tree_paths', and the engine with it must decode exactly the target's own
+greedy tokens (fp32) in every drafting mode, the rounds that fall back to the host included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree.config import EngineConfig
+from ddtree.models.gdn import tree_paths
+from ddtree.models.qwen3_5 import PATHS_MAX_LEN
+from ddtree.sampling_params import SamplingParams
+from ddtree.tree import build_tree, top_log_probs
+from ddtree.tree.device import build_tree_device, fits_budget, tree_paths_device, verify_rows
+from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return make_tiny_hybrid(tmp_path_factory.mktemp("hybrid_device_tree"))
+
+
+def random_case(seed: int):
+    """(log-probs, ids on the host as build_tree reads them, the same on the device as a round has them, budget)."""
+    gen = torch.Generator().manual_seed(seed)
+    depth, vocab = int(torch.randint(1, 16, (), generator=gen)), int(torch.randint(2, 80, (), generator=gen))
+    budget = int(torch.randint(1, 100, (), generator=gen))
+    k = 1 if seed % 4 == 0 else min(budget, vocab)   # every fourth a chain (dflash)
+    logits = 3 * torch.randn(depth, vocab, generator=gen)
+    top, ids = torch.topk(torch.log_softmax(logits, dim=-1), k)
+    return top_log_probs(logits, k), (top, ids), budget
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_device_build_equals_the_host_build(seed):
+    (log_probs, token_ids), (top, ids), budget = random_case(seed)
+    tree = build_tree(log_probs, token_ids, budget)
+    n = tree.num_nodes
+    assert n == fits_budget(*top.shape, budget)
+    # in a program of a larger width (a larger row bucket: ranks past the budget at -inf), the first n nodes
+    width = budget + seed % 3
+    extra = width - top.shape[1]
+    padded = torch.cat([top, torch.full((top.shape[0], extra), float("-inf"))], dim=1)
+    tokens, parents, depths = build_tree_device(padded, torch.cat([ids, torch.zeros(ids.shape[0], extra, dtype=torch.long)], dim=1),
+                                                width)
+    assert tokens[:n].tolist() == tree.tokens[1:]
+    assert parents[:n].tolist() == tree.parents[1:] and depths[:n].tolist() == tree.depths[1:]
+    head = verify_rows(torch.tensor(7), torch.tensor(30), torch.tensor(n + 1), tokens, parents, depths)
+    pad = width - n
+    assert head[0].tolist() == [7] + tree.tokens[1:] + [0] * pad
+    assert head[1].tolist() == [30 + d for d in tree.depths] + [30] * pad
+    assert head[2].tolist() == tree.parents + [-1] * pad
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_device_paths_equal_the_host_paths(seed):
+    (log_probs, token_ids), _, budget = random_case(seed)
+    tree = build_tree(log_probs, token_ids, budget)
+    rows = tree.num_nodes + 1 + seed % 3
+    expected = tree_paths(tree.parents, PATHS_MAX_LEN, rows, rows * PATHS_MAX_LEN, num_nodes=rows)
+    parents = torch.tensor(tree.parents + [-1] * (rows - tree.num_nodes - 1))
+    got = tree_paths_device(parents, tree.num_nodes + 1, PATHS_MAX_LEN, rows)
+    assert got.tolist() == np.concatenate(expected).tolist()
+
+
+def greedy(mode: str, budget: int, max_tokens: int = 40) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
+
+
+def engines(family: str, tiny_models, hybrid, **settings):
+    """(target-only engine, engine with device trees) on the tiny dense target ("qwen3") or the tiny hybrid."""
+    if family == "hybrid":
+        root, reference = hybrid
+        target, drafter = root / "target", root / "dflash"
+    else:
+        from transformers import AutoModelForCausalLM
+
+        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+        reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=200, max_tree_budget=64, **settings)
+    plain = OracleDraftEngine(EngineConfig(**base, static_forward="off"), reference=reference)
+    return plain, OracleDraftEngine(EngineConfig(**base, static_forward="on"), reference=reference)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_rounds_on_the_device_decode_the_targets_greedy_tokens(family, tiny_models, hybrid):
+    plain, engine = engines(family, tiny_models, hybrid)
+    assert engine.static_tree is not None
+    for prompt in ([5, 9, 17, 33, 2, 71], list(range(3, 40))):
+        expected = plain.generate_ids(prompt, greedy("ar", 1)).output_ids
+        for mode, budget in [("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64), ("auto", 16)]:
+            before = engine.stage_times.device_trees
+            request = engine.generate_ids(prompt, greedy(mode, budget))
+            assert request.output_ids == expected, f"{family} {mode}-{budget}"
+            if mode != "auto":   # auto may run `ar` throughout
+                assert engine.stage_times.device_trees > before, f"{mode}-{budget} never built on the device"
+                assert max(request.acceptance_lengths) > 2, "the oracle drafter's trees were never accepted"
+
+
+@pytest.mark.parametrize("kernel", ["ours", "fla"])
+def test_rounds_on_the_device_in_the_paths_form(kernel, hybrid, monkeypatch):
+    """Where a hybrid's verify takes the paths form: on our kernel (here under Triton's interpreter; padding paths
+    cost nothing, a program per row bucket) it reads the paths built on the device; on fla's (a program per leaf
+    count) those rounds build their trees on the host. Greedy tokens are the target's either way."""
+    from ddtree.models import qwen3_5
+    from ddtree.models.gdn import reference_recurrent
+    from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+
+    if kernel == "ours" and not AVAILABLE:
+        pytest.skip("triton is not installed")
+    plain, engine = engines("hybrid", None, hybrid)
+    monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+    if kernel == "ours":
+        monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: tree_kernel_module().batched_tree_paths)
+    prompt = list(range(3, 40))
+    expected = plain.generate_ids(prompt, greedy("ar", 1, max_tokens=24)).output_ids
+    for mode, budget in [("dflash", 1), ("ddtree", 4), ("ddtree", 16)]:
+        assert engine.generate_ids(prompt, greedy(mode, budget, max_tokens=24)).output_ids == expected, f"{mode}-{budget}"
+    paths = [key[-1] for key in engine.graphs.programs if key[0] == "tree"]
+    if kernel == "ours":
+        assert paths and all(paths), engine.graphs.programs.keys()   # every device build made the paths too
+    else:
+        assert engine.stage_times.device_trees == 0 and not paths
