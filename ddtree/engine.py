@@ -537,11 +537,11 @@ class Engine:
             seq.pending_taps = []
         return hidden
 
-    def _device_tree_plan(self, seqs: list[Sequence]) -> tuple[int, int, int, tuple[int, int]] | None:
-        """(k, budget, nodes, (rows, paths)) of a round that builds its tree on the device (_round_on_device): a lone
+    def _device_tree_plan(self, seqs: list[Sequence]) -> tuple[int, int, int, int, tuple[int, int]] | None:
+        """(k, budget, depth, nodes, (rows, paths)) of a round that builds its tree on the device (_round_on_device): a lone
         greedy request of a drafting mode (`auto` on a dflash or ddtree arm: the policy arm reads the tree's weights
-        before its verify) whose draft is full depth (its last, shorter drafts go through the host) and whose verify
-        has a static program that takes its tree from the device; None: the host path (_draft)."""
+        before its verify) whose verify has a static program that takes its tree from the device; None: the host
+        path (_draft)."""
         if self.static_tree is None or len(seqs) != 1:
             return None
         seq = seqs[0]
@@ -550,19 +550,19 @@ class Engine:
             return None
         if params.mode == "auto" and self.arm.mode not in ("dflash", "ddtree"):
             return None
-        depth = self.drafter.block_size - 1
-        if seq.depth_limit < depth:
+        depth = min(self.drafter.block_size - 1, seq.depth_limit)
+        if depth <= 0:
             return None
         chain, budget = self._draft_plan(seq)
         k = 1 if chain else min(budget, self.target.config.vocab_size)
         budget = depth if chain else budget
         nodes = fits_budget(depth, k, budget)
         shape = self.static_target.device_tree_shape(self.caches[seq.slot], seq.start, nodes + 1)
-        if shape is None or k >= shape[0] or (shape[1] and depth + 1 > PATHS_MAX_LEN):
+        if shape is None or k >= shape[0] or (shape[1] and self.drafter.block_size > PATHS_MAX_LEN):
             return None
-        return k, budget, nodes, shape
+        return k, budget, depth, nodes, shape
 
-    def _round_on_device(self, seq: Sequence, k: int, budget: int, nodes: int, shape: tuple[int, int]
+    def _round_on_device(self, seq: Sequence, k: int, budget: int, depth: int, nodes: int, shape: tuple[int, int]
                          ) -> tuple[list[DraftTree], tuple]:
         """A lone greedy request's draft, tree and verify queued back to back, read once: the draft's top-k, the tree
         build and the verify's tree inputs stay on the device (graphs.StaticTreeBuild), and the verify's choices come
@@ -574,11 +574,12 @@ class Engine:
         times.draft_passes += 1
         times.device_trees += 1
         self._auto_drafted = seq.request.params.mode == "auto"
-        depth, n = self.drafter.block_size - 1, nodes + 1
+        n = nodes + 1
         hidden = self._draft_hidden([seq])
-        draft_logits = self.draft_logits(hidden[:, 1 : 1 + depth], [seq.request])[0]          # [depth, vocab]
+        # the whole block's depths (one program per block depth: the tree takes the first `depth`)
+        draft_logits = self.draft_logits(hidden[:, 1:], [seq.request])[0]                   # [block - 1, vocab]
         log_probs, token_ids = torch.topk(torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32), k)
-        head, paths = self.static_tree(log_probs, token_ids, budget, seq.root, seq.start, *shape)  # [3, rows]
+        head, paths = self.static_tree(log_probs, token_ids, budget, depth, seq.root, seq.start, *shape)   # [3, rows]
         self._events.record("drafted")
         t1 = time.perf_counter()
         self._events.record("verify")
@@ -746,7 +747,7 @@ class Engine:
             shape = self.static_target.device_tree_shape(self.caches[0], start, rows)
             if shape is not None:
                 log_probs = -torch.arange(rows - 1, dtype=torch.float32, device=self.device).expand(depth, rows - 1)
-                self.static_tree(log_probs, torch.zeros_like(log_probs, dtype=torch.long), rows - 1, 1, start, *shape)
+                self.static_tree(log_probs, torch.zeros_like(log_probs, dtype=torch.long), rows - 1, depth, 1, start, *shape)
 
     @torch.inference_mode()
     def _warm_shapes(self, start: int, max_rows: int) -> None:

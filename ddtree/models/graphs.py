@@ -391,19 +391,21 @@ class StaticTreeBuild:
     def __init__(self, graphs: GraphPool) -> None:
         self.graphs = graphs
 
-    def __call__(self, log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int, root: int, start: int, rows: int,
-                 num_paths: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int, depth: int, root: int, start: int,
+                 rows: int, num_paths: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the verify's ids, positions and parents  # [3, rows], its paths form or None); log_probs, token_ids
-        # [depth, k] on the device, ranks sorted descending, k <= budget < rows. The first (a copy, which later
-        programs leave alone) holds the tree: of its first fits_budget(depth, k, budget) + 1 rows, ids[1:] are the
-        nodes' tokens, positions[1:] - start their depths, parents[1:] their parents."""
-        depth, k = log_probs.shape
-        key = ("tree", depth, rows, num_paths)
+        # [block depth, k] on the device, ranks sorted descending, k <= budget < rows; the tree takes the first `depth`
+        levels (the others at -inf: a program per block depth serves a request's last, shorter drafts too). The first
+        (a copy, which later programs leave alone) holds the tree: of its first fits_budget(depth, k, budget) + 1 rows,
+        ids[1:] are the nodes' tokens, positions[1:] - start their depths, parents[1:] their parents."""
+        k = log_probs.shape[1]
+        key = ("tree", log_probs.shape[0], rows, num_paths)
         program = self.graphs.program(key, lambda: self._make(log_probs, token_ids, rows, num_paths))
         program.host.numpy()[:] = root, start, fits_budget(depth, k, budget) + 1
         ranks, ids = program.extra["log_probs"], program.extra["token_ids"]
         ranks[:, :k].copy_(log_probs)
         ranks[:, k:] = float("-inf")
+        ranks[depth:] = float("-inf")
         ids[:, :k].copy_(token_ids)
         head, paths = self.graphs.run(key, program)
         return head.clone(), paths

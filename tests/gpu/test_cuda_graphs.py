@@ -111,3 +111,47 @@ def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, h
     batched = {key[1] for key in graphed.graphs.programs if key[0] in ("batch", "draft", "target")}   # key[1]: requests
     assert max(batched) >= 4, batched
     assert captured(graphed.static_target) >= 4
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
+    """A lone greedy request's round with graphs builds its tree on the device between the draft and the verify, so it
+    synchronizes with the device once (torch's sync debug mode counts the synchronizing calls); with the tree built on
+    the host (device_tree off) it reads twice (the draft's top-k, then the verify's choices). Same tokens either way."""
+    import warnings
+
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.request import Request
+    from ddtree.sampling_params import SamplingParams
+
+    root = hybrid if family == "hybrid" else tiny_models
+    target = root / "target" if family == "hybrid" else root / "qwen3-target"
+    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    outputs = {}
+    for device_tree in (True, False):
+        engine = Engine(EngineConfig(**base, device_tree=device_tree))
+        engine.warm_up()
+        for mode, budget in [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]:
+            request = Request(request_id="r", prompt_ids=prompt,
+                              params=SamplingParams(mode=mode, tree_budget=budget, max_tokens=40, ignore_eos=True))
+            engine.add(request)
+            engine.step()                       # the prefill
+            reads = []
+            while engine.has_work:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        engine.step()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                reads.append(sum("synchroniz" in str(w.message) for w in caught))
+            outputs[device_tree, mode, budget] = request.output_ids
+            assert set(reads) == ({1} if device_tree else {2}), (family, mode, budget, device_tree, reads)
+        assert engine.stage_times.device_trees > 0 if device_tree else engine.stage_times.device_trees == 0
+        assert engine.graphs.late_keys == [], engine.graphs.late_keys
+    for (device_tree, mode, budget), tokens in outputs.items():
+        assert tokens == outputs[False, mode, budget], (family, mode, budget)
