@@ -60,7 +60,7 @@ DENSE_DRAFTERS = {
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
-            "static-gemv128")
+            "static-gemv128", "static-hosttree")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -157,6 +157,10 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     rounds = {forward: measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
                                       args.rounds, static_forward="on" if forward == "static" else "off")
               for forward in forwards}
+    if "static-hosttree" in variants and "static" in forwards:
+        # rounds with the draft's top-k read and the tree built on the host (two reads a round), for comparison
+        rounds["static-hosttree"] = measure_rounds(target, drafter, args.device, args.dtype, round_budgets,
+                                                   args.prompt_len, args.rounds, static_forward="on", device_tree=False)
     batched = (measure_batched_rounds(target, drafter, args.device, args.dtype, args.batches, args.prompt_len,
                                       args.rounds) if args.batches else {})
     if batched and hasattr(target, "uses_paths") and qwen3_5.tree_gdn_kernel(torch.device(args.device)) is not None:
@@ -212,7 +216,9 @@ def table(result: dict) -> str:
              "(DDTREE_GEMV_NORM_FIRST=1) instead of gathered in its loop and applied to its sum; static-noqkv: the "
              "attention layers' q/k norms, rotary and K/V writes as compiled chains and index writes "
              "(DDTREE_QKV_KERNEL=0) instead of our one kernel; static-convchain: a tree batch's GDN conv as the compiled "
-             "chain (DDTREE_TREE_CONV_KERNEL=0) instead of our kernel.", "",
+             "chain (DDTREE_TREE_CONV_KERNEL=0) instead of our kernel; static-hosttree (whole rounds only): the draft's "
+             "top-k read and the tree built on the host, two reads a round (device_tree off), instead of the tree and the "
+             "verify's inputs built on the device and one read.", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -239,7 +245,10 @@ def table(result: dict) -> str:
         lines += ["", "(draft, verify, commit: host time (the stage's GPU timeline, CUDA events at its bounds); "
                   "static commits: " + ", ".join(f"{name} {e['static_commit_share']:.0%}" for forward, rounds in r["rounds"].items()
                                                  for name, e in rounds.items() if "static_commit_share" in e and forward == "static")
-                  + " of rounds (graphs.StaticCommit; the others commit eagerly); programs whose CUDA graph capture "
+                  + " of rounds (graphs.StaticCommit; the others commit eagerly); trees built on the device (one read a round): "
+                  + ", ".join(f"{forward} {name} {e['device_tree_share']:.0%}" for forward, rounds in r["rounds"].items()
+                              for name, e in rounds.items() if e.get("device_tree_share") and name != "ar")
+                  + "; programs whose CUDA graph capture "
                   "failed (they run eagerly): " + (", ".join(sorted({k for rounds in r["rounds"].values() for e in rounds.values()
                                                                   for k in e.get("eager_programs", [])})) or "none")]
         lines += ["", "commit stage's host time by part, ms per round (acceptance walks / cache commits / kept features / "

@@ -315,7 +315,7 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
 def record_programs(graphs) -> tuple[list[tuple], Callable[[], None]]:
     """(the keys of the static programs `graphs` runs from now on, in order; a call that stops recording)."""
     ran, run = [], graphs.run
-    graphs.run = lambda key, program: (ran.append(key), run(key, program))[1]
+    graphs.run = lambda key, program, writes=(): (ran.append(key), run(key, program, writes))[1]
 
     def stop() -> None:
         graphs.run = run
@@ -350,14 +350,15 @@ def draft_tail_profile(engine: Engine, mode: str, budget: int) -> dict:
 
 @torch.inference_mode()
 def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
-                   prompt_len: int, rounds: int, static_forward: str = "auto") -> dict:
+                   prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True) -> dict:
     """Whole engine rounds at batch 1: ar, dflash and ddtree at each budget (random drafter: ~1 token a round,
     so every round drafts and verifies a full tree). Stage times come from the engine's own counters (host times,
     and on CUDA the GPU timelines of the draft, verify and commit stages: *_gpu_ms).
-    static_forward: the engine's setting (auto: static forwards captured as CUDA graphs on CUDA)."""
+    static_forward: the engine's setting (auto: static forwards captured as CUDA graphs on CUDA); device_tree: its
+    setting (off: the draft's top-k read and the tree built on the host)."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
                           max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets),
-                          static_forward=static_forward)
+                          static_forward=static_forward, device_tree=device_tree)
     engine = Engine(config, target=target, drafter=drafter)
     # as the Triton model does at load: the static programs of every mode, row and path bucket. Without it a dflash
     # chain's programs (a row bucket per round as the chain shortens towards max_tokens) were each called once by
@@ -371,7 +372,7 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
         late = len(engine.graphs.late_keys)
         stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
-        before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits")}
+        before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits", "device_trees")}
         parts_before = list(engine.stage_times.commit_parts)
         ran, stop = record_programs(engine.graphs)   # the programs the measured request runs
         try:
@@ -383,6 +384,7 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
         entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
         entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
         entry["static_commit_share"] = (t.static_commits - before["static_commits"]) / n
+        entry["device_tree_share"] = (t.device_trees - before["device_trees"]) / n   # rounds read once
         entry["commit_parts_ms"] = {name: (after - prior) / n * 1e3
                                     for name, after, prior in zip(COMMIT_PARTS, t.commit_parts, parts_before)}
         # programs whose capture failed run eagerly (logged once): which kinds

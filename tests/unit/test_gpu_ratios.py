@@ -17,7 +17,11 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert set(saved["shapes"]) == {"tiny-hybrid", "tiny-dense"}
     for shape in saved["shapes"].values():
-        assert set(shape["rounds"]) == set(shape["verify"]) == {"dynamic", "static"}
+        assert set(shape["verify"]) == {"dynamic", "static"}
+        assert set(shape["rounds"]) == {"dynamic", "static", "static-hosttree"}
+        # the static forward builds a lone greedy request's trees on the device (one read a round); the variant on the host
+        assert shape["rounds"]["static"]["ddtree-16"]["device_tree_share"] > 0.5   # the last round drafts nothing
+        assert shape["rounds"]["static-hosttree"]["ddtree-16"]["device_tree_share"] == 0
         for rounds in shape["rounds"].values():
             assert set(rounds) == {"ar", "dflash", "ddtree-16", "ddtree-64"}
             assert all(1 <= e["rounds"] <= 3 and e["round_ms"] > 0 and 0 <= e["host_share"] < 1 for e in rounds.values())
