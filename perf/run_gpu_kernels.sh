@@ -24,7 +24,7 @@ case "${1:-ratios}" in
       tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic} 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes "${SHAPES:-qwen36-27b}" --budgets 16,64 \
-      --batches '' --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --out "$OUT" \
+      --batches "" --rounds "${ROUNDS:-12}" --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --out "$OUT" \
       --name "gpu_ratios_$TAG" ;;
   bench)
     python3 perf/tree_kernel_bench.py --budgets "${BUDGETS:-64}" --requests 1,8 --peaks peaked=8 --configs 16x1x2 \
