@@ -41,8 +41,8 @@ def build_tree_device(log_probs: torch.Tensor, token_ids: torch.Tensor, width: i
     # every depth keeps `width` entries (-inf: none), so each step has the same shape
     scores = torch.full((depth_limit, width), float("-inf"), dtype=torch.float64, device=lp.device)
     picks = torch.zeros(depth_limit, width, dtype=torch.long, device=lp.device)      # parent slot * k + rank
-    prev = torch.full((width,), float("-inf"), dtype=torch.float64, device=lp.device)
-    prev[0] = 0.0                                                                      # the root
+    # (no element set from a Python number: on CUDA that is a host-to-device copy, which a graph cannot capture)
+    prev = torch.where(torch.arange(width, device=lp.device) == 0, 0.0, float("-inf")).double()   # the root
     for d in range(depth_limit):
         candidates = (prev[:, None] + lp[d][None, :]).flatten()                     # [width * k]
         top, pick = torch.topk(candidates, width)
@@ -71,8 +71,7 @@ def verify_rows(root: torch.Tensor, start: torch.Tensor, num_nodes: torch.Tensor
     node = (index >= 1) & (index < num_nodes)
     out = torch.zeros(3, rows, dtype=torch.long, device=tokens.device)
     out[0, 1:], out[1, 1:], out[2, 1:] = tokens, depths, parents
-    out[0, 0], out[2, 0] = root, -1
-    out[0] = torch.where(node | (index == 0), out[0], 0)
+    out[0] = torch.where(index == 0, root, torch.where(node, out[0], 0))
     out[1] = start + torch.where(node, out[1], 0)
     out[2] = torch.where(node, out[2], -1)
     return out
@@ -98,8 +97,7 @@ def tree_paths_device(parents: torch.Tensor, num_nodes: int | torch.Tensor, max_
     begin = end - length
     num_tokens = num_paths * max_len
     # cu_seqlens: 0, then each leaf's end in leaf order, then the total for the padding paths
-    bounds = end[-1].expand(num_paths + 2).clone()
-    bounds[0] = 0
+    bounds = torch.where(torch.arange(num_paths + 2, device=parents.device) == 0, 0, end[-1])
     bounds.scatter_(0, torch.where(leaf, torch.cumsum(leaf.long(), dim=0), num_paths + 1), end)
     # tokens: leaf l's path holds node j (an ancestor-or-self of l) at begin[l] + depth[j]
     on_path = leaf[:, None] & ancestors                                          # [leaf, node]
