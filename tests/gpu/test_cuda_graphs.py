@@ -150,7 +150,9 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
                         torch.cuda.set_sync_debug_mode("default")
                 reads.append(sum("synchroniz" in str(w.message) for w in caught))
             outputs[device_tree, mode, budget] = request.output_ids
-            assert set(reads) == ({1} if device_tree else {2}), (family, mode, budget, device_tree, reads)
+            # (the host build's last round drafts nothing: one read)
+            assert set(reads) == {1} if device_tree else reads.count(2) >= len(reads) - 1 and set(reads) <= {1, 2}, (
+                family, mode, budget, device_tree, reads)
         assert engine.stage_times.device_trees > 0 if device_tree else engine.stage_times.device_trees == 0
         assert engine.graphs.late_keys == [], engine.graphs.late_keys
     for (device_tree, mode, budget), tokens in outputs.items():
