@@ -85,7 +85,7 @@ def engines(family: str, tiny_models, hybrid, **settings):
         reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=200, max_tree_budget=64, **settings)
     plain = OracleDraftEngine(EngineConfig(**base, static_forward="off"), reference=reference)
-    return plain, OracleDraftEngine(EngineConfig(**base, static_forward="on"), reference=reference)
+    return plain, OracleDraftEngine(EngineConfig(**{"device_tree": True, **base}, static_forward="on"), reference=reference)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
