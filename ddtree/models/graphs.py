@@ -40,7 +40,7 @@ from ddtree.models.gdn import (
     tree_paths,
 )
 from ddtree.models.qwen3_5 import PATHS_MAX_LEN, PooledSlot
-from ddtree.tree.device import build_tree_device, fits_budget, tree_paths_device, verify_rows
+from ddtree.tree.device import build_tree_device, candidate_grid, fits_budget, tree_paths_device, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -413,11 +413,13 @@ class StaticTreeBuild:
     def _make(self, log_probs: torch.Tensor, token_ids: torch.Tensor, rows: int, num_paths: int) -> Program:
         host, inputs = self.graphs.new_inputs(3)
         depth, width = log_probs.shape[0], rows - 1
-        extra = {"log_probs": log_probs.new_zeros(depth, width), "token_ids": token_ids.new_zeros(depth, width)}
+        extra = {"log_probs": log_probs.new_zeros(depth, width), "token_ids": token_ids.new_zeros(depth, width),
+                 "grid": candidate_grid(width, width, log_probs.device)}
 
         def body():
             root, start, num_nodes = inputs
-            head = verify_rows(root, start, num_nodes, *build_tree_device(extra["log_probs"], extra["token_ids"], width))
+            tree = build_tree_device(extra["log_probs"], extra["token_ids"], width, extra["grid"])
+            head = verify_rows(root, start, num_nodes, *tree)
             return head, tree_paths_device(head[2], num_nodes, PATHS_MAX_LEN, num_paths) if num_paths else None
 
         return Program(body=body, host=host, inputs=inputs, extra=extra)

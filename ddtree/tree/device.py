@@ -6,7 +6,10 @@ verify back to back and read the device once (the verify's choices with the tree
 
 - per depth, the `budget` best prefixes of that depth are among the extensions of the previous depth's `budget`
   best (a prefix whose parent is not among them has `budget` better prefixes: the better parents extended by the
-  same rank), so one top-k over budget x k candidates per depth finds them;
+  same rank), and among those, the i-th best parent (from 1) extended by its r-th rank only where i * r <= budget
+  (the i' <= i, r' <= r extensions are at least as good): about budget x ln(budget) candidates (280 of 64 x 64 at
+  budget 64), sorted once per depth (a sort of a few hundred is a single block's work; a top-k over all budget x k
+  took 57 us a depth on the H200, most of the tree's cost);
 - the tree is the `budget` best prefixes over all depths. Since a log-probability is <= 0, a child never beats its
   parent; a stable sort by score, descending, of the depths' candidates laid out depth after depth puts every
   parent before its children (ties go to the shallower prefix), which is the pop order of build_tree.
@@ -29,29 +32,40 @@ def fits_budget(depth: int, k: int, budget: int) -> int:
     return min(total, budget)
 
 
-def build_tree_device(log_probs: torch.Tensor, token_ids: torch.Tensor, width: int
+def candidate_grid(width: int, k: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent slot, rank) of the extensions that can be among a depth's `width` best: slot i (0-based, previous
+    depth's prefixes best first) by rank r (ranks best first) where (i + 1) * (r + 1) <= width, r < k. Built on the
+    host (a static program makes it before its capture)."""
+    pairs = [(i, r) for i in range(width) for r in range(min(k, width // (i + 1)))]
+    return (torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device),
+            torch.tensor([r for _, r in pairs], dtype=torch.long, device=device))
+
+
+def build_tree_device(log_probs: torch.Tensor, token_ids: torch.Tensor, width: int,
+                      grid: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, parents, depths) of the `width` best prefixes in best-first order, nodes 1..width; parents index nodes
     (0 = the root). log_probs, token_ids  # [depth, k], ranks sorted descending per depth (-inf: no such rank)
     -> [width] each. A tree of budget b <= width is the first fits_budget(depth, k, b) of them, ranks beyond b at
     -inf: each depth's best `width` prefixes hold its best b, so one program serves every budget up to its width.
-    Past the prefixes there are (scores -inf) the nodes are arbitrary."""
+    Past the prefixes there are (scores -inf) the nodes are arbitrary. grid: candidate_grid(width, k) on log_probs'
+    device (made here if None: a host-to-device copy, which a CUDA graph's capture cannot hold)."""
     depth_limit, k = log_probs.shape
     lp = log_probs.double()
+    slot_of, rank_of = grid if grid is not None else candidate_grid(width, k, lp.device)
     # every depth keeps `width` entries (-inf: none), so each step has the same shape
     scores = torch.full((depth_limit, width), float("-inf"), dtype=torch.float64, device=lp.device)
-    picks = torch.zeros(depth_limit, width, dtype=torch.long, device=lp.device)      # parent slot * k + rank
+    slots = torch.zeros(depth_limit, width, dtype=torch.long, device=lp.device)
+    ranks = torch.zeros(depth_limit, width, dtype=torch.long, device=lp.device)
     # (no element set from a Python number: on CUDA that is a host-to-device copy, which a graph cannot capture)
     prev = torch.where(torch.arange(width, device=lp.device) == 0, 0.0, float("-inf")).double()   # the root
     for d in range(depth_limit):
-        candidates = (prev[:, None] + lp[d][None, :]).flatten()                     # [width * k]
-        top, pick = torch.topk(candidates, width)
-        scores[d], picks[d] = top, pick
-        prev = top
-    rank, slot = picks % k, picks // k                                               # [depth, width]
-    tokens = token_ids.gather(1, rank)
+        top, pick = torch.sort(prev[slot_of] + lp[d][rank_of], descending=True, stable=True)
+        scores[d], slots[d], ranks[d] = top[:width], slot_of[pick[:width]], rank_of[pick[:width]]
+        prev = scores[d]
+    tokens = token_ids.gather(1, ranks)
     level = torch.arange(depth_limit, device=lp.device)[:, None]
-    parent_flat = torch.where(level == 0, -1, (level - 1) * width + slot)            # the parent's flat index
+    parent_flat = torch.where(level == 0, -1, (level - 1) * width + slots)            # the parent's flat index
     order = torch.sort(scores.flatten(), descending=True, stable=True).indices[:width]   # [width]
     node_of = torch.zeros(depth_limit * width, dtype=torch.long, device=lp.device)
     node_of[order] = torch.arange(1, width + 1, device=lp.device)
@@ -110,4 +124,4 @@ def tree_paths_device(parents: torch.Tensor, num_nodes: int | torch.Tensor, max_
     return torch.cat([tokens[:num_tokens], bounds[: num_paths + 1], node_pos])
 
 
-__all__ = ["build_tree_device", "fits_budget", "tree_paths_device", "verify_rows"]
+__all__ = ["build_tree_device", "candidate_grid", "fits_budget", "tree_paths_device", "verify_rows"]

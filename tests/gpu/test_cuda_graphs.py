@@ -139,7 +139,7 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
                               params=SamplingParams(mode=mode, tree_budget=budget, max_tokens=40, ignore_eos=True))
             engine.add(request)
             engine.step()                       # the prefill
-            reads = []
+            reads, late, where = [], len(engine.graphs.late_keys), []
             while engine.has_work:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -148,11 +148,15 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
                         engine.step()
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
-                reads.append(sum("synchroniz" in str(w.message) for w in caught))
+                syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+                reads.append(len(syncs))
+                where.extend(syncs if len(syncs) > 1 else [])
             outputs[device_tree, mode, budget] = request.output_ids
             # (the host build's last round drafts nothing: one read)
+            # a program made on the request (not prepared by warm-up) synchronizes while it captures: named apart
+            assert engine.graphs.late_keys[late:] == [], (family, mode, budget, device_tree, engine.graphs.late_keys)
             assert set(reads) == {1} if device_tree else reads.count(2) >= len(reads) - 1 and set(reads) <= {1, 2}, (
-                family, mode, budget, device_tree, reads)
+                family, mode, budget, device_tree, reads, where[:6])
         assert engine.stage_times.device_trees > 0 if device_tree else engine.stage_times.device_trees == 0
         assert engine.graphs.late_keys == [], engine.graphs.late_keys
     for (device_tree, mode, budget), tokens in outputs.items():
