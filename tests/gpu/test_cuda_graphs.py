@@ -118,7 +118,9 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
     """A lone greedy request's round with graphs builds its tree on the device between the draft and the verify, so it
     synchronizes with the device once (torch's sync debug mode counts the synchronizing calls); with the tree built on
     the host (device_tree off) it reads twice (the draft's top-k, then the verify's choices). Same tokens either way."""
+    import traceback
     import warnings
+    from pathlib import Path
 
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
@@ -141,14 +143,21 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
             engine.step()                       # the prefill
             reads, late, where = [], len(engine.graphs.late_keys), []
             while engine.has_work:
-                with warnings.catch_warnings(record=True) as caught:
+                syncs = []
+
+                def seen(message, *_):   # each synchronizing call, named by the project's frames that led to it
+                    if "synchroniz" in str(message):
+                        syncs.append(" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
+                                                if "/ddtree/" in f.filename)[-200:])
+
+                with warnings.catch_warnings():
                     warnings.simplefilter("always")
+                    warnings.showwarning = seen
                     torch.cuda.set_sync_debug_mode("warn")
                     try:
                         engine.step()
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
-                syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
                 reads.append(len(syncs))
                 where.extend(syncs if len(syncs) > 1 else [])
             outputs[device_tree, mode, budget] = request.output_ids
