@@ -139,11 +139,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, EXTRA: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M, or M = BLOCK_M + 1 with EXTRA): each program
-    streams its BLOCK_N columns of the weight once for all the rows, multiplying on the tensor cores (float32: IEEE
-    products, no TF32). EXTRA: row BLOCK_M (a tree of 2^j nodes and its root) multiplied elementwise into a
-    [BLOCK_N, BLOCK_K] accumulator on the same weight tile, as the GEMV does, instead of a tile twice as tall."""
+                 IEEE: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
+    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32)."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -152,7 +150,6 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    last = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)   # EXTRA: the last row's products
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
@@ -162,14 +159,6 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
             acc = tl.dot(v.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(v, tl.trans(w), acc)
-        if EXTRA:
-            u = tl.load(x_ptr + BLOCK_M * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-            last += w.to(tl.float32) * u[None, :]
-    if EXTRA:
-        y = tl.sum(last, axis=1)
-        if ADD:
-            y = tl.load(add_ptr + BLOCK_M * stride_addm + offs_n, mask=n_ok, other=0.0).to(tl.float32) + y.to(dtype).to(tl.float32)
-        tl.store(out_ptr + BLOCK_M * stride_om + offs_n, y.to(dtype), mask=n_ok)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
@@ -178,15 +167,8 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 def rows_block(m: int) -> int:
-    """The rows a program of the few-rows kernel holds in its tl.dot tile (the smallest is 16); one more, 2^j + 1 rows
-    from 17 on (a tree of 2^j nodes with its root), goes beside the tile (extra_row)."""
-    return m - 1 if extra_row(m) else max(16, triton.next_power_of_2(m))
-
-
-def extra_row(m: int) -> bool:
-    """Whether a few-rows product of m rows takes its last row beside its tile: m = 2^j + 1 >= 17 (17 rows in a 32-row
-    tile streamed the 27B step's weights at 13.75 ms against cuBLAS's 13.23, 16 rows at 12.66: gemv_rows_h200.md)."""
-    return m >= 17 and (m - 1) & (m - 2) == 0
+    """The rows a program of the few-rows kernel holds (tl.dot's smallest tile is 16)."""
+    return max(16, triton.next_power_of_2(m))
 
 
 def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int) -> tuple[int, int]:
@@ -222,8 +204,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ADD=add is not None, IEEE=weight.dtype == torch.float32, EXTRA=extra_row(m), num_warps=warps,
-            num_stages=stages)
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
         return out
     mode = PROLOGUES[prologue]
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
