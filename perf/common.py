@@ -8,6 +8,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,18 +25,38 @@ def machine() -> dict:
     return info
 
 
-def commit() -> str:
-    if os.environ.get("DDTREE_COMMIT"):   # the device copy's .git shows the session's base commit, not HEAD
+def commit(root: Path = ROOT) -> str:
+    """The short commit of the code that ran: DDTREE_COMMIT, or HEAD, with "-dirty (worktree T)" where the tracked
+    files differ from it. T is the git tree id of the working tree's files (tracked and not ignored): the device copy's
+    .git shows the session's base commit, not HEAD, so a run there without DDTREE_COMMIT says "<base>-dirty", and
+    `git log --format='%h %T' | grep T` finds the commit whose files ran (worktree_tree)."""
+    if os.environ.get("DDTREE_COMMIT"):
         return os.environ["DDTREE_COMMIT"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        if not dirty:
+            return sha
+        tree = worktree_tree(root)
+        return f"{sha}-dirty" + (f" (worktree {tree[:12]})" if tree else "")
     except (OSError, subprocess.CalledProcessError):
         # the GPU machine gets a copy of the working tree without .git: perf/run_gpu.sh passes it
         return os.environ.get("DDTREE_COMMIT", "unknown")
+
+
+def worktree_tree(root: Path = ROOT) -> str | None:
+    """The git tree id of the files under root that git does not ignore, as a commit of them would record it (through
+    a throwaway index: the repository's own index and HEAD are left alone); None where git cannot say."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        try:
+            subprocess.run(["git", "add", "-A", "."], cwd=root, env=env, capture_output=True, check=True)
+            return subprocess.run(["git", "write-tree"], cwd=root, env=env, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
 
 
 def header() -> dict:

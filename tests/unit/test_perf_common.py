@@ -1,0 +1,44 @@
+"""What a benchmark result says about the code that ran (perf.common.commit): a copy whose .git is behind its files
+names the commit of those files through their tree id."""
+
+from __future__ import annotations
+
+import subprocess
+
+from perf import common
+
+
+def git(root, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.rstrip("\n")
+
+
+def test_a_dirty_copy_names_the_tree_of_the_files_that_ran(tmp_path, monkeypatch):
+    monkeypatch.delenv("DDTREE_COMMIT", raising=False)
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "config", "user.email", "t@example.com")
+    git(tmp_path, "config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("out/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "base")
+    base = git(tmp_path, "rev-parse", "--short", "HEAD")
+    assert common.commit(tmp_path) == base
+    # the files move on (a later commit's, as the device copy gets them), plus an ignored output
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "b.py").write_text("y = 3\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "result.json").write_text("{}\n")
+    reported = common.commit(tmp_path)
+    assert reported.startswith(f"{base}-dirty (worktree ")
+    index_before = git(tmp_path, "status", "--porcelain")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "later")
+    # the later commit's tree is the one the run reported, and the throwaway index left the repository's alone
+    assert reported == f"{base}-dirty (worktree {git(tmp_path, 'rev-parse', 'HEAD^{tree}')[:12]})"
+    assert index_before.splitlines() == [" M a.py", "?? b.py"]   # nothing staged in the repository's own index
+    assert common.commit(tmp_path) == git(tmp_path, "rev-parse", "--short", "HEAD")
+
+
+def test_the_environment_names_the_commit_where_it_is_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("DDTREE_COMMIT", "abc1234")
+    assert common.commit(tmp_path) == "abc1234"
