@@ -118,6 +118,7 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
     """A lone greedy request's round with graphs builds its tree on the device between the draft and the verify, so it
     synchronizes with the device once (torch's sync debug mode counts the synchronizing calls); with the tree built on
     the host (device_tree off) it reads twice (the draft's top-k, then the verify's choices). Same tokens either way."""
+    import threading
     import traceback
     import warnings
     from pathlib import Path
@@ -145,10 +146,12 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
             while engine.has_work:
                 syncs = []
 
-                def seen(message, *_):   # each synchronizing call, named by the project's frames that led to it
-                    if "synchroniz" in str(message):
-                        syncs.append(" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
-                                                if "/ddtree/" in f.filename)[-200:])
+                def seen(message, *_):   # each synchronizing call: its thread, the project's frames that led to it
+                    if "synchroniz" in str(message):   # and the last three frames of any code (a library's own call)
+                        stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+                        ours = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in stack if "/ddtree/" in f.filename)
+                        last = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack[-3:])
+                        syncs.append(f"[{threading.current_thread().name}] {ours[-200:]} | {last}")
 
                 with warnings.catch_warnings():
                     warnings.simplefilter("always")
