@@ -8,6 +8,8 @@ rows. Variants:
 - cublas: the same with torch.backends.cuda.preferred_blas_library("cublas") (the legacy API's GEMV kernels);
 - ours: ddtree.models.gemv_kernel.linear_rows with, per weight shape, the best of CONFIG_GRID (one row) or ROWS_GRID
   (more) (each shape's configurations timed first on that shape's weights alone);
+- ours_swap (more than one row, --forms swap): the few-rows kernel's swapped form (the weight's columns the tile's
+  long side, as cuBLAS tiles skinny products), each shape at the best of SWAP_GRID;
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
   gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
   (shape, prologue) at its own best configuration; more than one row: the add alone (the few-rows kernel takes no
@@ -41,6 +43,8 @@ CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 3
 # the few-rows kernel's (more than one row): tl.dot tiles of at least 16 columns; with a prologue, the best ROWS_TOP of
 # the shape's plain configurations
 ROWS_GRID = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)))
+# the swapped form's: the weight's columns are the tile's first dimension (Hopper's wgmma tiles are 64 of it a warp group)
+SWAP_GRID = list(itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4)))
 ROWS_TOP = 4
 
 
@@ -92,9 +96,12 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
     return x, kwargs
 
 
-def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int) -> dict:
+def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int,
+                 forms: tuple[str, ...] = ("rows",)) -> dict:
     """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
-    where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph)."""
+    where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph); forms
+    (more than one row): "rows" the few-rows kernel's rows-first form (variants plain, prologue), "swap" its swapped
+    one (swap, swap_prologue)."""
     from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block
 
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -106,10 +113,17 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
         x, kwargs = prologue_inputs(kind, rows, n, k, group, add, ws[0].dtype)
         gbytes = sum(w.numel() * w.element_size() for w in ws) / 1e9
         entry = {"weights": len(ws), "cublaslt_ms": graph_ms(lambda: [F.linear(x, w) for w in ws], repeats)}
-        for variant, kw in (("plain", {}), ("prologue", kwargs)) if kwargs else (("plain", {}),):
-            times, grid = {}, CONFIG_GRID if rows == 1 else ROWS_GRID
-            if rows > 1 and variant == "prologue":
-                grid = [tuple(c) for c, _ in entry["plain"]["top"][:ROWS_TOP]]
+        variants = []
+        for form in ("rows",) if rows == 1 else forms:
+            swap = {"swap": form == "swap"} if rows > 1 else {}
+            variants.append(("plain" if form == "rows" else "swap", swap))
+            if kwargs:
+                variants.append(("prologue" if form == "rows" else "swap_prologue", {**kwargs, **swap}))
+        for variant, kw in variants:
+            first = "swap" if variant.startswith("swap") else "plain"
+            times, grid = {}, CONFIG_GRID if rows == 1 else SWAP_GRID if first == "swap" else ROWS_GRID
+            if rows > 1 and variant != first:
+                grid = [tuple(c) for c, _ in entry[first]["top"][:ROWS_TOP]]
             if rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
                 grid = [c for c in grid if fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size()) == (c[1], c[3])]
             for config in grid:
@@ -125,7 +139,7 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
         chosen[(n, k, kind, group, add)] = entry
         print(f"{rows} rows {n}x{k} {kind}: cublaslt {entry['cublaslt_ms']:.3f} ms, "
               + ", ".join(f"{v} {entry[v]['ms']:.3f} ({entry[v]['tb_per_s']:.2f} TB/s) {tuple(entry[v]['config'])}"
-                          for v in ("plain", "prologue") if v in entry), flush=True)
+                          for v in ("plain", "prologue", "swap", "swap_prologue") if v in entry), flush=True)
     return chosen
 
 
@@ -143,15 +157,23 @@ def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: 
         out["cublas"] = graph_ms(lambda: [F.linear(x, w) for w, x, _, _ in plan], repeats)
     finally:
         torch.backends.cuda.preferred_blas_library(before)
-    out["ours"] = graph_ms(lambda: [linear_rows(x, w, tuple(e["plain"]["config"])) for w, x, _, e in plan], repeats)
-    out["ours_prologues"] = graph_ms(lambda: [linear_rows(x, w, tuple(e.get("prologue", e["plain"])["config"]), **kw)
-                                              for w, x, kw, e in plan], repeats)
+    first = next(iter(chosen.values()))
+    for name, plain, pro, swap in (("ours", "plain", "prologue", False), ("ours_swap", "swap", "swap_prologue", True)):
+        if plain not in first:
+            continue
+        flag = {"swap": swap} if rows > 1 else {}
+        out[name] = graph_ms(lambda: [linear_rows(x, w, tuple(e[plain]["config"]), **flag) for w, x, _, e in plan],
+                             repeats)
+        out[f"{name}_prologues"] = graph_ms(lambda: [linear_rows(x, w, tuple(e.get(pro, e[plain])["config"]),
+                                                                 **{**kw, **flag}) for w, x, kw, e in plan], repeats)
     diffs = {}
     for (n, k, kind, group, add), (x, _) in inputs.items():   # agreement with cuBLAS, plain, one weight of each shape
         w = next(w for w, *_ in weights if tuple(w.shape) == (n, k))
         ref = F.linear(x.float(), w.float())
         diffs[f"{n}x{k}"] = {"ours": (linear_rows(x, w).float() - ref).abs().max().item(),
                              "cublaslt": (F.linear(x, w).float() - ref).abs().max().item()}
+        if rows > 1 and "swap" in first:
+            diffs[f"{n}x{k}"]["ours_swap"] = (linear_rows(x, w, swap=True).float() - ref).abs().max().item()
     out["max_abs_diff_vs_fp32"] = diffs
     return out
 
@@ -162,22 +184,24 @@ def table(result: dict) -> str:
              f" TB/s (read + written); a step's Linear weights {gb:.2f} GB (floor at copy bandwidth "
              f"{gb / result['copy_bytes_per_s'] * 1e12:.2f} ms)\n",
              "Every Linear of a step in one CUDA graph replay, ms (/ floor at copy bandwidth)\n",
-             "| rows | cublaslt | cublas | ours | ours with the prologues |", "|---|---|---|---|---|"]
+             "| rows | cublaslt | cublas | ours | ours with the prologues | ours swapped | ours swapped with the prologues |",
+             "|---|---|---|---|---|---|---|"]
     floor = gb / result["copy_bytes_per_s"] * 1e12
-    variants = ("cublaslt", "cublas", "ours", "ours_prologues")
+    variants = ("cublaslt", "cublas", "ours", "ours_prologues", "ours_swap", "ours_swap_prologues")
     for rows, step in result["steps"].items():
-        lines.append(f"| {rows} | " + " | ".join(f"{step[v]:.3f} ({step[v] / floor:.3f})" for v in variants) + " |")
+        lines.append(f"| {rows} | " + " | ".join(f"{step[v]:.3f} ({step[v] / floor:.3f})" if v in step else "-"
+                                                 for v in variants) + " |")
     lines += ["", "Per weight shape and prologue (up to 16 of its weights in one graph), ms (TB/s), best configuration "
               "of ours (BLOCK_N, BLOCK_K, warps, stages)\n",
-              "| rows | N x K | prologue | weights | cublaslt | ours | config | ours with the prologue | config |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| rows | N x K | prologue | weights | cublaslt | ours | config | ours with the prologue | config "
+              "| ours swapped | config | swapped with the prologue | config |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rows, shapes in result["shapes"].items():
         for key, s in shapes.items():
-            pro = s.get("prologue")
+            cells = [f"{s[v]['ms']:.3f} ({s[v]['tb_per_s']:.2f}) | {tuple(s[v]['config'])}" if v in s else "- | -"
+                     for v in ("plain", "prologue", "swap", "swap_prologue")]
             lines.append(f"| {rows} | {key.rsplit(' ', 1)[0]} | {key.rsplit(' ', 1)[1]} | {s['weights']} | "
-                         f"{s['cublaslt_ms']:.3f} ({s['cublaslt_tb_per_s']:.2f}) | "
-                         f"{s['plain']['ms']:.3f} ({s['plain']['tb_per_s']:.2f}) | {tuple(s['plain']['config'])} | "
-                         + (f"{pro['ms']:.3f} ({pro['tb_per_s']:.2f}) | {tuple(pro['config'])} |" if pro else "- | - |"))
+                         f"{s['cublaslt_ms']:.3f} ({s['cublaslt_tb_per_s']:.2f}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -185,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen36-27b")
     parser.add_argument("--rows", default="1", help="input rows, comma-separated (one: the GEMV; more: the few-rows kernel)")
+    parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure: rows, swap or both")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")
@@ -200,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
               "shapes": {}, "steps": {}}
     print(f"read {result['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
-        chosen = best_configs(weights, rows, args.repeats)
+        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")))
         result["shapes"][rows] = {f"{n}x{k} {kind}{'+add' if add else ''}": v for (n, k, kind, _, add), v in chosen.items()}
         result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats)
         print(f"rows {rows}: {result['steps'][rows]}", flush=True)

@@ -53,6 +53,9 @@ ROWS_DEFAULT = (64, 128, 4, 4)
 ROWS_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (5120, 6144): (64, 256, 4, 4), (5120, 17408): (64, 256, 4, 4), (34816, 5120): (32, 256, 4, 4),
     (14336, 5120): (128, 128, 4, 4), (248320, 5120): (128, 128, 4, 4)}
+# the same for its swapped form (SWAP: the weight's columns the tile's long side), not yet measured
+SWAP_DEFAULT = (128, 128, 4, 4)
+SWAP_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 SHARED_BYTES = 160 * 1024   # shared memory a few-rows program's pipeline may take (the H200 has 227 KB a block)
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
@@ -139,9 +142,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, SWAP: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
-    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32)."""
+    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
+    product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
+    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -149,21 +154,37 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
         v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
+        if SWAP:
+            if IEEE:
+                acc_t = tl.dot(w.to(tl.float32), tl.trans(v.to(tl.float32)), acc_t, input_precision="ieee")
+            else:
+                acc_t = tl.dot(w, tl.trans(v), acc_t)
+        elif IEEE:
             acc = tl.dot(v.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(v, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acc_t)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
+
+
+def swap_ab() -> bool:
+    """Whether the few-rows kernel takes its product as (w @ x.T).T (_rows_kernel's SWAP): DDTREE_GEMV_SWAP=1; off by
+    default until measured against the rows-first form."""
+    return os.environ.get("DDTREE_GEMV_SWAP", "0") not in ("", "0")
 
 
 def rows_block(m: int) -> int:
@@ -184,11 +205,13 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
-                eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None) -> torch.Tensor:
+                eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None
+                ) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
-    weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group])."""
+    weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
+    kernel's form (None: swap_ab())."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -198,13 +221,15 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m > 1:
         block_m = rows_block(m)
-        block_n, block_k, warps, stages = config or ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)
+        swap = swap_ab() if swap is None else swap
+        block_n, block_k, warps, stages = config or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
+                                                     else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT))
         if config is None:   # the pipeline's stages of weight and input tiles within shared memory
             block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ADD=add is not None, IEEE=weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, num_warps=warps, num_stages=stages)
         return out
     mode = PROLOGUES[prologue]
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))

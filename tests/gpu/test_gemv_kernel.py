@@ -17,14 +17,15 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("norm_first", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
-@pytest.mark.parametrize("rows", [1, 16, 65])   # more than one: the few-rows kernel, without a prologue
-def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, monkeypatch):
+@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (65, "0"), (16, "1"), (17, "1"), (65, "1")])
+def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, swap, monkeypatch):
     """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
     rounds; the norms' default form does not round their input), plus the residual stream where the epilogue adds
     it: to float32 rounding in float32, to a bf16 ulp or two of the output's scale in bf16."""
     from ddtree.models.gemv_kernel import linear_rows
 
     monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
+    monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)   # more than one row: the few-rows kernel's form
 
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k**0.5).to("cuda", dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -39,9 +40,11 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
             assert (got - want.float()).abs().max() <= tolerance * scale, f"{prologue} {dtype} {n}x{k} {rows} rows"
 
 
-@pytest.mark.parametrize("rows", [1, 16])
-def test_gemv_replays_from_a_cuda_graph(rows):
+@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (17, "1")])
+def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
     from ddtree.models.gemv_kernel import linear_rows
+
+    monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)
 
     x, w = torch.randn(rows, 4096, device="cuda"), torch.randn(1000, 4096, device="cuda")
     linear_rows(x, w)

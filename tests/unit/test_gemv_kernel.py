@@ -26,12 +26,17 @@ def gemv_module():
 @pytest.mark.parametrize("m, n, k, config", [(1, 37, 300, (8, 128, 4, 3)), (1, 64, 512, (16, 256, 4, 2)),
                                              (1, 10, 1030, (4, 512, 8, 4)), (1, 5, 64, None), (2, 37, 300, (16, 128, 4, 3)),
                                              (17, 64, 512, (32, 256, 4, 2)), (65, 10, 1030, None)])
-def test_linear_rows_equals_f_linear(m, n, k, config):
-    """Partial tiles in both dimensions (rows too: 2, 17 and 65 rows in programs of 16, 32 and 128)."""
+@pytest.mark.parametrize("swap", [False, True])
+def test_linear_rows_equals_f_linear(m, n, k, config, swap):
+    """Partial tiles in both dimensions (rows too: 2, 17 and 65 rows in programs of 16, 32 and 128), in both forms of
+    the few-rows kernel (rows first, or swapped: the weight's columns first) and with the residual added."""
     gen = torch.Generator().manual_seed(n * k)
     x = torch.randn(m, 2 * k, generator=gen)[:, ::2].contiguous()
     w = torch.randn(n, k, generator=gen)
-    torch.testing.assert_close(gemv_module().linear_rows(x, w, config), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    add = torch.randn(m, n, generator=gen)
+    linear_rows = gemv_module().linear_rows
+    torch.testing.assert_close(linear_rows(x, w, config, swap=swap), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear_rows(x, w, config, swap=swap, add=add), add + F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
