@@ -5,7 +5,7 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # SHAPES (27B) ratios, VARIANTS beside the default
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # SHAPE's VARIANTS beside the default in turns (graph_turns)
-#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh gemv     # the 27B Linears at ROWS input rows: cuBLAS vs ours
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh gemv     # the 27B Linears at ROWS input rows: cuBLAS vs ours (FORMS: rows, swap)
 # tests takes TESTS (pytest paths) instead of the kernels' whole list.
 # Results are named with TAG (default h200). The device tool brings back at most 8 files from $OUT: a call that runs
 # several steps should write logs into as few files as it can (ratios alone writes 5). gpu_ratios writes its verifies
@@ -33,7 +33,7 @@ case "${1:-ratios}" in
     python3 perf/graph_turns.py --device cuda --dtype bfloat16 --shape "${SHAPE:-qwen36-27b}" \
       --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --turns "${TURNS:-15}" --out "$OUT" --name "graph_turns_$TAG" ;;
   gemv)
-    python3 perf/gemv_bench.py --rows "${ROWS:-16,17,65}" --out "$OUT" --name "gemv_rows_$TAG" ;;
+    python3 perf/gemv_bench.py --rows "${ROWS:-16,17,65}" --forms "${FORMS:-rows}" --out "$OUT" --name "gemv_rows_$TAG" ;;
   *)
     echo "usage: $0 tests|ratios|bench|turns|gemv" >&2
     exit 2 ;;
