@@ -60,8 +60,10 @@ def worktree_tree(root: Path = ROOT) -> str | None:
 
 
 def header() -> dict:
+    """The run's command, commit, machine, date and the engine settings it ran under (the DDTREE_* environment)."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DDTREE_") and k != "DDTREE_COMMIT"}
     return {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), "commit": commit(),
-            "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "environment": env}
 
 
 def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
@@ -69,7 +71,9 @@ def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     meta = result["header"]
     md = (f"# {name}\n\n- command: `{meta['command']}`\n- commit: `{meta['commit']}`\n"
-          f"- machine: `{json.dumps(meta['machine'])}`\n- date: {meta['date']}\n\n{table}\n")
+          f"- machine: `{json.dumps(meta['machine'])}`\n- date: {meta['date']}\n"
+          + (f"- environment: `{json.dumps(meta['environment'])}`\n" if meta.get("environment") else "")
+          + f"\n{table}\n")
     (out_dir / f"{name}.md").write_text(md)
     print(md)
 

@@ -42,9 +42,9 @@ CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 3
                if bn * bk <= 16384]
 # the few-rows kernel's (more than one row): tl.dot tiles of at least 16 columns; with a prologue, the best ROWS_TOP of
 # the shape's plain configurations
-ROWS_GRID = list(itertools.product((32, 64, 128), (128, 256), (4, 8), (3, 4)))
+ROWS_GRID = list(itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4)))
 # the swapped form's: the weight's columns are the tile's first dimension (Hopper's wgmma tiles are 64 of it a warp group)
-SWAP_GRID = list(itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4)))
+SWAP_GRID = list(itertools.product((16, 32, 64, 128, 256), (64, 128), (4, 8), (3, 4)))
 ROWS_TOP = 4
 
 

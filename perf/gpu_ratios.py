@@ -60,14 +60,15 @@ DENSE_DRAFTERS = {
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
-            "static-gemv128", "static-swap128", "static-hosttree")
+            "static-gemv128", "static-gemv32", "static-swap32", "static-hosttree")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
     "static-cublas": {"DDTREE_GEMV_KERNEL": "0"}, "static-treepaths": {"DDTREE_TREE_CHUNKS": "0"},
     "static-normfirst": {"DDTREE_GEMV_NORM_FIRST": "1"}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"},
     "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}, "static-gemv1": {"DDTREE_GEMV_ROWS": "1"},
-    "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}, "static-swap128": {"DDTREE_GEMV_ROWS": "128", "DDTREE_GEMV_SWAP": "1"}}
+    "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}, "static-gemv32": {"DDTREE_GEMV_ROWS": "32"},
+    "static-swap32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "1"}}
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -210,8 +211,9 @@ def table(result: dict) -> str:
              "the head dim (DDTREE_ATTENTION_KERNEL=128); static-cublas: every Linear through cuBLAS, the chains before them "
              "separate, instead of our GEMV (one row, the chains in its prologue) and few-rows kernel (up to 16 rows, "
              "the residual add in its epilogue) (DDTREE_GEMV_KERNEL=0); static-gemv1: only one-row Linears through ours "
-             "(DDTREE_GEMV_ROWS=1); static-gemv128: up to 128 rows (DDTREE_GEMV_ROWS=128); static-swap128: up to 128 rows "
-             "through the few-rows kernel's swapped form (the weight's columns the tile's long side; DDTREE_GEMV_SWAP=1); "
+             "(DDTREE_GEMV_ROWS=1); static-gemv128: up to 128 rows (DDTREE_GEMV_ROWS=128); static-gemv32: up to 32 "
+             "rows (DDTREE_GEMV_ROWS=32); static-swap32: the same through the few-rows kernel's swapped form (the "
+             "weight's columns the tile's long side; DDTREE_GEMV_SWAP=1); "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

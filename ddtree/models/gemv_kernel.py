@@ -29,6 +29,8 @@ residual add needs no kernel either: the next norm's prologue reads the stream w
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 
 import torch
@@ -181,6 +183,25 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
 
 
+@functools.cache
+def tuned_configs(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, int, int, int]]:
+    """The few-rows configurations a perf/gemv_bench.py result chose, by (N, K, swapped, rows_block(rows)):
+    DDTREE_GEMV_TUNED=<its json>:<rows> (a benchmark's run measuring a search's choices before they are written into
+    ROWS_CONFIGS or SWAP_CONFIGS; only for programs of that many rows); empty when unset."""
+    if not spec:
+        return {}
+    path, rows = spec.rsplit(":", 1)
+    with open(path) as f:
+        shapes = json.load(f)["shapes"][rows]
+    out = {}
+    for key, entry in shapes.items():
+        n, k = (int(d) for d in key.split(" ", 1)[0].split("x"))
+        for variant, swapped in (("plain", False), ("swap", True)):
+            if variant in entry:
+                out.setdefault((n, k, swapped, rows_block(int(rows))), tuple(entry[variant]["config"]))
+    return out
+
+
 def swap_ab() -> bool:
     """Whether the few-rows kernel takes its product as (w @ x.T).T (_rows_kernel's SWAP): DDTREE_GEMV_SWAP=1; off by
     default until measured against the rows-first form."""
@@ -222,8 +243,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     if m > 1:
         block_m = rows_block(m)
         swap = swap_ab() if swap is None else swap
-        block_n, block_k, warps, stages = config or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
-                                                     else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT))
+        block_n, block_k, warps, stages = (config or tuned_configs(os.environ.get("DDTREE_GEMV_TUNED", "")).get((n, k, swap, block_m))
+                                           or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
+                                               else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
         if config is None:   # the pipeline's stages of weight and input tiles within shared memory
             block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
         _rows_kernel[(triton.cdiv(n, block_n),)](

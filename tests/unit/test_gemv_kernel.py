@@ -116,3 +116,21 @@ def test_engines_with_linears_through_the_kernels_decode_what_they_decode_withou
     assert {p for _, p, _ in calls} == want, set(calls)
     assert {add for _, _, add in calls} == {True, False}   # residual adds in epilogues, the others plain
 
+
+
+def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
+    """DDTREE_GEMV_TUNED=<gemv_bench json>:<rows> gives linear_rows the configurations that run chose, per form."""
+    import json
+
+    module = gemv_module()
+    shapes = {"17": {"64x512 None": {"plain": {"config": [16, 128, 4, 2]}, "swap": {"config": [32, 64, 4, 2]}}}}
+    path = tmp_path / "gemv.json"
+    path.write_text(json.dumps({"shapes": shapes}))
+    assert module.tuned_configs(f"{path}:17") == {(64, 512, False, 32): (16, 128, 4, 2), (64, 512, True, 32): (32, 64, 4, 2)}
+    assert module.tuned_configs("") == {}
+    monkeypatch.setenv("DDTREE_GEMV_TUNED", f"{path}:17")
+    x, w = torch.randn(17, 512), torch.randn(64, 512)
+    for rows in (17, 16):   # 16 rows: a program of 16, not the one tuned
+        for swap in (False, True):
+            torch.testing.assert_close(module.linear_rows(x[:rows], w, swap=swap), F.linear(x[:rows], w), rtol=1e-5,
+                                       atol=1e-4)

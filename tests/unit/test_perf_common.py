@@ -42,3 +42,14 @@ def test_a_dirty_copy_names_the_tree_of_the_files_that_ran(tmp_path, monkeypatch
 def test_the_environment_names_the_commit_where_it_is_set(monkeypatch, tmp_path):
     monkeypatch.setenv("DDTREE_COMMIT", "abc1234")
     assert common.commit(tmp_path) == "abc1234"
+
+
+def test_results_record_the_engine_settings_they_ran_under(tmp_path, monkeypatch):
+    from perf import common
+
+    monkeypatch.setenv("DDTREE_GEMV_SWAP", "1")
+    monkeypatch.setenv("DDTREE_COMMIT", "abc1234")
+    meta = common.header()
+    assert meta["environment"].get("DDTREE_GEMV_SWAP") == "1" and "DDTREE_COMMIT" not in meta["environment"]
+    common.write_results(tmp_path, "r", {"header": meta}, "table")
+    assert '"DDTREE_GEMV_SWAP": "1"' in (tmp_path / "r.md").read_text()
