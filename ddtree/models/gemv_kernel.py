@@ -55,9 +55,13 @@ ROWS_DEFAULT = (64, 128, 4, 4)
 ROWS_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (5120, 6144): (64, 256, 4, 4), (5120, 17408): (64, 256, 4, 4), (34816, 5120): (32, 256, 4, 4),
     (14336, 5120): (128, 128, 4, 4), (248320, 5120): (128, 128, 4, 4)}
-# the same for its swapped form (SWAP: the weight's columns the tile's long side), not yet measured
-SWAP_DEFAULT = (128, 128, 4, 4)
-SWAP_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# the same for its swapped form (SWAP: the weight's columns the tile's long side), the best measured on the H200 for
+# 17 rows (programs of 32) of the 27B shapes (perf/results/gemv_rows_h200_17.md: the step's products 13.14 ms against
+# cuBLASLt's 13.26 and the rows-first form's 13.73)
+SWAP_DEFAULT = (64, 128, 4, 4)
+SWAP_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (5120, 6144): (64, 128, 4, 4), (16480, 5120): (64, 128, 4, 4), (5120, 17408): (64, 128, 4, 4),
+    (34816, 5120): (64, 64, 4, 3), (14336, 5120): (128, 128, 4, 4), (248320, 5120): (128, 128, 4, 4)}
 SHARED_BYTES = 160 * 1024   # shared memory a few-rows program's pipeline may take (the H200 has 227 KB a block)
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
@@ -202,10 +206,15 @@ def tuned_configs(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, int,
     return out
 
 
-def swap_ab() -> bool:
-    """Whether the few-rows kernel takes its product as (w @ x.T).T (_rows_kernel's SWAP): DDTREE_GEMV_SWAP=1; off by
-    default until measured against the rows-first form."""
-    return os.environ.get("DDTREE_GEMV_SWAP", "0") not in ("", "0")
+def swap_ab(block_m: int) -> bool:
+    """Whether the few-rows kernel's program of block_m rows takes its product as (w @ x.T).T (_rows_kernel's SWAP).
+    By default programs of 32 rows (17 to 32: a budget-16 tree's 17): on the H200 the 27B step's products at 17 rows
+    took 13.14 ms that way against 13.73 rows first (and cuBLASLt's 13.26; perf/results/gemv_rows_h200_17.md), while
+    at 16 the rows-first form was as fast (12.83 against 12.91, two runs: gemv_rows_h200_extra.md,
+    gemv_rows_h200_swap.md) and at 65 the swapped one lost to cuBLAS (19.48 against 13.86). DDTREE_GEMV_SWAP=1 swaps
+    every program, 0 none."""
+    env = os.environ.get("DDTREE_GEMV_SWAP", "")
+    return block_m == 32 if env == "" else env != "0"
 
 
 def rows_block(m: int) -> int:
@@ -232,7 +241,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
-    kernel's form (None: swap_ab())."""
+    kernel's form (None: swap_ab's)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -242,7 +251,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m > 1:
         block_m = rows_block(m)
-        swap = swap_ab() if swap is None else swap
+        swap = swap_ab(block_m) if swap is None else swap
         block_n, block_k, warps, stages = (config or tuned_configs(os.environ.get("DDTREE_GEMV_TUNED", "")).get((n, k, swap, block_m))
                                            or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
                                                else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
