@@ -60,15 +60,15 @@ DENSE_DRAFTERS = {
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
-            "static-gemv128", "static-gemv16", "static-gemv32", "static-splitk", "static-hosttree")
+            "static-gemv128", "static-swap32", "static-gemv32", "static-hosttree")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
     "static-cublas": {"DDTREE_GEMV_KERNEL": "0"}, "static-treepaths": {"DDTREE_TREE_CHUNKS": "0"},
     "static-normfirst": {"DDTREE_GEMV_NORM_FIRST": "1"}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"},
     "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}, "static-gemv1": {"DDTREE_GEMV_ROWS": "1"},
-    "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}, "static-gemv16": {"DDTREE_GEMV_ROWS": "16"},
-    "static-gemv32": {"DDTREE_GEMV_SWAP": "0"}, "static-splitk": {"DDTREE_GEMV_SPLIT": "1"}}
+    "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}, "static-swap32": {"DDTREE_GEMV_ROWS": "32"},
+    "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"}}
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -222,13 +222,11 @@ def table(result: dict) -> str:
              "go through our split-KV kernel, and trees' too where heads are 256 wide); static-sdpatrees: only `ar` "
              "steps' through our kernel (DDTREE_ATTENTION_KERNEL=1); static-treeattn: trees' through it too whatever "
              "the head dim (DDTREE_ATTENTION_KERNEL=128); static-cublas: every Linear through cuBLAS, the chains before them "
-             "separate, instead of our GEMV (one row, the chains in its prologue) and few-rows kernel (up to 32 rows, "
+             "separate, instead of our GEMV (one row, the chains in its prologue) and few-rows kernel (up to 16 rows, "
              "the residual add in its epilogue) (DDTREE_GEMV_KERNEL=0); static-gemv1: only one-row Linears through ours "
-             "(DDTREE_GEMV_ROWS=1); static-gemv128: up to 128 rows (DDTREE_GEMV_ROWS=128); static-gemv16: up to 16 "
-             "rows (DDTREE_GEMV_ROWS=16: a budget-16 tree's 17 through cuBLAS); static-gemv32: programs of 17 to 32 "
-             "rows in the few-rows kernel's rows-first form (DDTREE_GEMV_SWAP=0) instead of its swapped one (the "
-             "weight's columns the tile's long side); static-splitk: the few-rows kernel's narrow weights (column blocks "
-             "fewer than the SMs) split over two programs each (DDTREE_GEMV_SPLIT=1); "
+             "(DDTREE_GEMV_ROWS=1); static-gemv128: up to 128 rows (DDTREE_GEMV_ROWS=128); static-swap32: up to 32 "
+             "rows (DDTREE_GEMV_ROWS=32: a budget-16 tree's 17 through the few-rows kernel's swapped form, the weight's "
+             "columns the tile's long side); static-gemv32: the same in its rows-first form (DDTREE_GEMV_SWAP=0); "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

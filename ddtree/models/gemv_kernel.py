@@ -146,36 +146,27 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
-def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm, ws_ptr, count_ptr,
+def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr):
+                 IEEE: tl.constexpr, SWAP: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
     weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
     product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
-    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension.
-
-    SPLIT 2: two programs per column block, each over half of K (a narrow weight's blocks fill the GPU's SMs); each
-    adds its float32 sums into the workspace ws [M, N] and counts itself in count [column blocks], and the second to
-    arrive takes the total (and writes zeros back, so the workspace is clean for the next call and a graph's next
-    replay) and writes the output. Two addends reach a zeroed float the same way in either order: deterministic."""
+    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension."""
     pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    k_lo, k_hi = 0, K
-    if SPLIT > 1:
-        part = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-        k_lo = tl.program_id(1) * part
-        k_hi = tl.minimum(K, k_lo + part)
     if SWAP:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        k_ok = k < k_hi
+        k_ok = k < K
         v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if SWAP:
@@ -190,50 +181,10 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     if SWAP:
         acc = tl.trans(acc_t)
     out_ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT > 1:
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.atomic_add(ws, acc, mask=out_ok)
-        tl.debug_barrier()   # every thread's sums in before the count says so
-        if tl.atomic_add(count_ptr + pid, 1) == SPLIT - 1:
-            zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            acc = tl.atomic_add(ws, zeros, mask=out_ok)   # the total, read where the atomics summed it (L2)
-            tl.store(ws, zeros, mask=out_ok)
-            tl.store(count_ptr + pid, 0)
-            _rows_store(acc, out_ptr, offs_m, offs_n, out_ok, stride_om, add_ptr, stride_addm, ADD)
-    else:
-        _rows_store(acc, out_ptr, offs_m, offs_n, out_ok, stride_om, add_ptr, stride_addm, ADD)
-
-
-@triton.jit
-def _rows_store(acc, out_ptr, offs_m, offs_n, out_ok, stride_om, add_ptr, stride_addm, ADD: tl.constexpr):
-    dtype = out_ptr.dtype.element_ty
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
-
-
-def split_k(n: int, block_n: int, device: torch.device) -> int:
-    """How many programs share a column block's K in the few-rows kernel: 2 where the column blocks are fewer than the
-    GPU's SMs (a 5120-wide output in blocks of 64: 80 on the H200's 132) with DDTREE_GEMV_SPLIT=1; 1 otherwise, and by
-    default until measured."""
-    if os.environ.get("DDTREE_GEMV_SPLIT", "0") in ("", "0"):
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return 2 if triton.cdiv(n, block_n) < sms else 1
-
-
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def split_workspace(device: torch.device, n: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split kernel's float32 sums [MAX_ROWS, n] and counts [column blocks], zeroed once and left zeroed by every
-    call (so one pair serves every call of that width and block, in order on a stream, graphs' replays included)."""
-    key = (device, n, block_n)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.zeros(MAX_ROWS, n, device=device, dtype=torch.float32),
-                            torch.zeros(triton.cdiv(n, block_n), device=device, dtype=torch.int32))
-    return _WORKSPACES[key]
 
 
 @functools.cache
@@ -257,11 +208,12 @@ def tuned_configs(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, int,
 
 def swap_ab(block_m: int) -> bool:
     """Whether the few-rows kernel's program of block_m rows takes its product as (w @ x.T).T (_rows_kernel's SWAP).
-    By default programs of 32 rows (17 to 32: a budget-16 tree's 17): on the H200 the 27B step's products at 17 rows
-    took 13.14 ms that way against 13.73 rows first (and cuBLASLt's 13.26; perf/results/gemv_rows_h200_17.md), while
-    at 16 the rows-first form was as fast (12.83 against 12.91, two runs: gemv_rows_h200_extra.md,
-    gemv_rows_h200_swap.md) and at 65 the swapped one lost to cuBLAS (19.48 against 13.86). DDTREE_GEMV_SWAP=1 swaps
-    every program, 0 none."""
+    By default programs of 32 rows (17 to 32, a budget-16 tree's 17, which reach the kernel only with
+    DDTREE_GEMV_ROWS=32: kernels.gemv_max_rows): on the H200 the 27B step's products at 17 rows took 13.14 ms that way
+    against 13.73 rows first and cuBLASLt's 13.26 (perf/results/gemv_rows_h200_17.md), but inside the engine's
+    budget-16 verify they tied cuBLAS (15.20 against 15.23 ms of device time: gpu_ratios_h200_swap17.md). At 16 rows
+    the rows-first form was as fast (12.83 against 12.91, two runs: gemv_rows_h200_extra.md, gemv_rows_h200_swap.md)
+    and at 65 the swapped one lost to cuBLAS (19.48 against 13.86). DDTREE_GEMV_SWAP=1 swaps every program, 0 none."""
     env = os.environ.get("DDTREE_GEMV_SWAP", "")
     return block_m == 32 if env == "" else env != "0"
 
@@ -306,13 +258,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                                                else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
         if config is None:   # the pipeline's stages of weight and input tiles within shared memory
             block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
-        split = split_k(n, block_n, x.device)
-        ws, counts = split_workspace(x.device, n, block_n) if split > 1 else (out, out)
-        _rows_kernel[(triton.cdiv(n, block_n), split)](
+        _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
-            0 if add is None else add.stride(0), ws, counts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, SPLIT=split, num_warps=warps,
-            num_stages=stages)
+            0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, num_warps=warps, num_stages=stages)
         return out
     mode = PROLOGUES[prologue]
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))

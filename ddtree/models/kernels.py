@@ -89,11 +89,12 @@ def gemv_kernel(device: torch.device) -> Callable | None:
 def gemv_max_rows() -> int:
     """The most rows of a static forward whose Linears go through our kernels (gemv_kernel: one row through the GEMV,
     up to this many through its few-rows kernel, which streams each weight once for all of them); more go through
-    cuBLAS. DDTREE_GEMV_ROWS, default 32: a drafter's block, a dflash verify, a budget-16 tree's 17 rows, a batch of up
-    to 32 `ar` steps (the 27B step's products on the H200 at 16 rows 12.86 ms against cuBLASLt's 13.56, at 4 12.66
-    against 13.46: perf/results/gemv_rows_h200_4_16.md; at 17, in the kernel's swapped form (gemv_kernel.swap_ab),
-    13.14 against 13.26: gemv_rows_h200_17.md; at 65 cuBLAS is faster); 1: the GEMV alone."""
-    return max(1, min(int(os.environ.get("DDTREE_GEMV_ROWS", "32") or "1"), 128))
+    cuBLAS. DDTREE_GEMV_ROWS, default 16: a drafter's block, a dflash verify, a batch of up to 16 `ar` steps (the 27B
+    step's products on the H200 at 16 rows 12.86 ms against cuBLASLt's 13.56, at 4 12.66 against 13.46:
+    perf/results/gemv_rows_h200_4_16.md). A budget-16 tree's 17 rows stay on cuBLAS: through the kernel's swapped form
+    (DDTREE_GEMV_ROWS=32; gemv_kernel.swap_ab) the products alone were 1% faster, the engine's verify no faster
+    (gpu_ratios_h200_swap17.md); at 65 cuBLAS is faster. 1: the GEMV alone."""
+    return max(1, min(int(os.environ.get("DDTREE_GEMV_ROWS", "16") or "1"), 128))
 
 
 @functools.cache

@@ -134,26 +134,3 @@ def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
         for swap in (False, True):
             torch.testing.assert_close(module.linear_rows(x[:rows], w, swap=swap), F.linear(x[:rows], w), rtol=1e-5,
                                        atol=1e-4)
-
-
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("m, k, add", [(17, 1030, False), (5, 512, True)])
-def test_split_k_sums_two_halves_and_leaves_its_workspace_clean(m, k, add, swap, monkeypatch):
-    """DDTREE_GEMV_SPLIT=1: a narrow weight's column blocks (fewer than the SMs) each split over two programs, the
-    second to finish writing the output; repeated calls (a graph's replays) find the workspace and counts zeroed."""
-    module = gemv_module()
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT", "1")
-    gen = torch.Generator().manual_seed(k)
-    w = torch.randn(70, k, generator=gen)
-    config = (32, 128, 4, 2)
-    assert module.split_k(70, 32, torch.device("cpu")) == 2
-    for _ in range(3):
-        x = torch.randn(m, k, generator=gen)
-        residual = torch.randn(m, 70, generator=gen) if add else None
-        want = F.linear(x, w) if residual is None else residual + F.linear(x, w)
-        got = module.linear_rows(x, w, config, swap=swap, add=residual)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-        ws, counts = module.split_workspace(torch.device("cpu"), 70, 32)
-        assert not ws.any() and not counts.any()
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT", "0")
-    assert module.split_k(70, 32, torch.device("cpu")) == 1
