@@ -38,6 +38,7 @@ from perf.hybrid_verify import (  # noqa: E402
     copy_bandwidth,
     measure_batched_rounds,
     measure_rounds,
+    measure_rounds_in_turns,
     measure_verify,
     random_drafter,
     random_target,
@@ -166,7 +167,20 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # rounds with the draft's top-k read and the tree built on the host (two reads a round), for comparison
         rounds["static-hosttree"] = measure_rounds(target, drafter, args.device, args.dtype, round_budgets,
                                                    args.prompt_len, args.rounds, static_forward="on", device_tree=False)
-    for form in (f for f in args.round_variants.split(",") if f in VARIANT_ENV and args.device.startswith("cuda")):
+    round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV]
+    round_turns = {}
+    if args.round_turns and "static" in forwards:
+        # the static forward's rounds and its variants' in turns (pairs under the same machine state)
+        try:
+            round_turns = measure_rounds_in_turns(target, drafter, args.device, args.dtype, round_budgets,
+                                                  args.prompt_len, args.rounds,
+                                                  {"static": {}, **{f: VARIANT_ENV[f] for f in round_forms}},
+                                                  args.round_turns)
+        except Exception as exc:   # the run's other measurements stand
+            errors["round turns"] = f"{type(exc).__name__}: {exc}"
+            print(f"rounds in turns failed: {errors['round turns']}", flush=True)
+        round_forms = []
+    for form in (f for f in round_forms if args.device.startswith("cuda")):
         # whole rounds under a variant's environment, otherwise as the static forward's, for comparison with them
         try:
             with mock.patch.dict(os.environ, VARIANT_ENV[form]):
@@ -203,7 +217,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"weight_bytes": floor_bytes, "floor_ms": floor_ms, "ar_step_ms": verify["static"]["ar_step_ms"],
-            "verify": verify, "rounds": rounds, "batched": batched, "ratios": ratios, "errors": errors}
+            "verify": verify, "rounds": rounds, "round_turns": round_turns, "batched": batched, "ratios": ratios,
+            "errors": errors}
 
 
 def stage(entry: dict, name: str) -> str:
@@ -268,6 +283,19 @@ def table(result: dict) -> str:
                   + "; programs whose CUDA graph capture "
                   "failed (they run eagerly): " + (", ".join(sorted({k for rounds in r["rounds"].values() for e in rounds.values()
                                                                   for k in e.get("eager_programs", [])})) or "none")]
+        if r.get("round_turns"):
+            turns = len(next(iter(next(iter(r["round_turns"].values())).values()))["turns_ms"])
+            lines += ["", f"{shape}: whole rounds in turns ({turns} turns, every form's engine built first; medians over "
+                      "turns, ms; / ar: the median of each turn's ratio to the form's own `ar`; against static: the "
+                      "form's round over the static forward's in the same turn, median [min, max])", "",
+                      "| form | method | round | / ar | draft | verify | commit | against static |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for form, methods in r["round_turns"].items():
+                for name, e in methods.items():
+                    paired = e.get("over_first")
+                    lines.append(f"| {form} | {name} | {e['round_ms']:.2f} | {e['round_over_ar']:.3f} | {stage(e, 'draft')} | "
+                                 f"{stage(e, 'verify')} | {stage(e, 'commit')} | "
+                                 + (f"{paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}] |" if paired else "- |"))
         lines += ["", "commit stage's host time by part, ms per round (acceptance walks / cache commits / kept features / "
                   "token bookkeeping): " + "; ".join(
                       f"{forward} {name} " + " / ".join(f"{v:.2f}" for v in e["commit_parts_ms"].values())
@@ -387,6 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,2,4,8", help="concurrent requests of the batched-round table ('' skips it)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="the static forward's comparison forms to measure beside it (comma-separated)")
+    parser.add_argument("--round-turns", type=int, default=0,
+                        help="measure the static forward's whole rounds and --round-variants' in this many turns")
     parser.add_argument("--round-variants", default="",
                         help="environment variants (of --variants' list) whose whole rounds to measure too")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -349,13 +351,10 @@ def draft_tail_profile(engine: Engine, mode: str, budget: int) -> dict:
 
 
 @torch.inference_mode()
-def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
-                   prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True) -> dict:
-    """Whole engine rounds at batch 1: ar, dflash and ddtree at each budget (random drafter: ~1 token a round,
-    so every round drafts and verifies a full tree). Stage times come from the engine's own counters (host times,
-    and on CUDA the GPU timelines of the draft, verify and commit stages: *_gpu_ms).
-    static_forward: the engine's setting (auto: static forwards captured as CUDA graphs on CUDA); device_tree: its
-    setting (off: the draft's top-k read and the tree built on the host)."""
+def rounds_engine(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
+                  prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True) -> Engine:
+    """measure_rounds' engine, warmed up: static_forward: the engine's setting (auto: static forwards captured as CUDA
+    graphs on CUDA); device_tree: its setting (off: the draft's top-k read and the tree built on the host)."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
                           max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets),
                           static_forward=static_forward, device_tree=device_tree)
@@ -365,45 +364,113 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
     # the warm-up request below, whose first call runs eagerly: their replays, and the static commits from their
     # fixed stashes, were first made (captured) inside the measured rounds
     engine.warm_up()
-    prompt = torch.randint(0, target.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    return engine
+
+
+def round_methods(budgets: list[int]) -> list[tuple[str, str, int]]:
+    """(name, mode, budget) of measure_rounds' methods: ar, dflash and ddtree at each budget."""
+    return [("ar", "ar", 1), ("dflash", "dflash", 1)] + [(f"ddtree-{b}", "ddtree", b) for b in budgets]
+
+
+def round_prompt(target: HybridTarget, prompt_len: int) -> list[int]:
+    return torch.randint(0, target.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def measure_method(engine: Engine, prompt: list[int], mode: str, budget: int, rounds: int, profile: bool = True
+                   ) -> dict:
+    """One request of `rounds` rounds in `mode` after an unmeasured one: the engine's stage times per round (host
+    times, and on CUDA the GPU timelines of the draft, verify and commit stages: *_gpu_ms); profile: on CUDA also
+    the round's device time, kernels, programs and the draft's eager tail (each run again under the profiler)."""
+    params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds + 1, ignore_eos=True)   # +1: the prefill token
+    engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
+    late = len(engine.graphs.late_keys)
+    stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
+    before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits", "device_trees")}
+    parts_before = list(engine.stage_times.commit_parts)
+    ran, stop = record_programs(engine.graphs)   # the programs the measured request runs
+    try:
+        engine.generate_ids(prompt, params)
+    finally:
+        stop()
+    t = engine.stage_times
+    n = t.batch_rounds - before["batch_rounds"]
+    entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
+    entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
+    entry["static_commit_share"] = (t.static_commits - before["static_commits"]) / n
+    entry["device_tree_share"] = (t.device_trees - before["device_trees"]) / n   # rounds read once
+    entry["commit_parts_ms"] = {name: (after - prior) / n * 1e3
+                                for name, after, prior in zip(COMMIT_PARTS, t.commit_parts, parts_before)}
+    # programs whose capture failed run eagerly (logged once): which kinds
+    entry["eager_programs"] = sorted({key[0] for key, p in engine.graphs.programs.items() if p.graph is False})
+    # programs made (compiled, captured) inside the measured rounds: their cost is in the stage times above
+    entry["late_programs"] = [list(map(str, key)) for key in engine.graphs.late_keys[late:]]
+    entry["rounds"] = n
+    if profile and engine.device.type == "cuda" and engine.config.static_forward != "off":
+        entry.update(round_device_time(engine, prompt, params, n, entry["round_ms"]))
+        entry["programs"] = program_profiles(engine, ran, n)
+        if mode != "ar":
+            entry["draft_tail"] = draft_tail_profile(engine, mode, budget)
+    return entry
+
+
+def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
+                   prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True) -> dict:
+    """Whole engine rounds at batch 1: ar, dflash and ddtree at each budget (random drafter: ~1 token a round,
+    so every round drafts and verifies a full tree), each method's measure_method entry with round_over_ar.
+    static_forward, device_tree: rounds_engine's."""
+    engine = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, static_forward, device_tree)
+    prompt = round_prompt(target, prompt_len)
     results = {}
-    for mode, budget in [("ar", 1), ("dflash", 1)] + [("ddtree", b) for b in budgets]:
-        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=rounds + 1, ignore_eos=True)   # +1: the prefill token
-        engine.generate_ids(prompt, params)      # warm-up (allocator, kernels)
-        late = len(engine.graphs.late_keys)
-        stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
-        before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits", "device_trees")}
-        parts_before = list(engine.stage_times.commit_parts)
-        ran, stop = record_programs(engine.graphs)   # the programs the measured request runs
-        try:
-            engine.generate_ids(prompt, params)
-        finally:
-            stop()
-        t = engine.stage_times
-        n = t.batch_rounds - before["batch_rounds"]
-        entry = {k: (getattr(t, k) - before[k]) / n * 1e3 for k in stages}
-        entry = {f"{k}_ms" if k != "decode" else "round_ms": v for k, v in entry.items()}
-        entry["static_commit_share"] = (t.static_commits - before["static_commits"]) / n
-        entry["device_tree_share"] = (t.device_trees - before["device_trees"]) / n   # rounds read once
-        entry["commit_parts_ms"] = {name: (after - prior) / n * 1e3
-                                    for name, after, prior in zip(COMMIT_PARTS, t.commit_parts, parts_before)}
-        # programs whose capture failed run eagerly (logged once): which kinds
-        entry["eager_programs"] = sorted({key[0] for key, p in engine.graphs.programs.items() if p.graph is False})
-        # programs made (compiled, captured) inside the measured rounds: their cost is in the stage times above
-        entry["late_programs"] = [list(map(str, key)) for key in engine.graphs.late_keys[late:]]
-        entry["rounds"] = n
-        if device.startswith("cuda") and static_forward != "off":
-            entry.update(round_device_time(engine, prompt, params, n, entry["round_ms"]))
-            entry["programs"] = program_profiles(engine, ran, n)
-            if mode != "ar":
-                entry["draft_tail"] = draft_tail_profile(engine, mode, budget)
-        name = mode if mode != "ddtree" else f"ddtree-{budget}"
-        results[name] = entry
-        print(f"{name}: {entry}", flush=True)
+    for name, mode, budget in round_methods(budgets):
+        results[name] = measure_method(engine, prompt, mode, budget, rounds)
+        print(f"{name}: {results[name]}", flush=True)
     ar = results["ar"]["round_ms"]
     for entry in results.values():
         entry["round_over_ar"] = entry["round_ms"] / ar
     return results
+
+
+def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
+                            prompt_len: int, rounds: int, forms: dict[str, dict[str, str]], turns: int) -> dict:
+    """Whole rounds of several engine forms (name -> the environment it runs under, read when its programs are
+    captured and in its turns) measured in turns: every engine built and warmed first, then in each turn every form
+    runs every method once, the forms in an order that starts one later each turn. Sequential runs on one GPU drift
+    by up to 0.5 ms a verify at 27B dims; pairs of the same turn share the machine's state. Per form and method: the
+    median round over turns (round_ms, round_over_ar: the median of each turn's ratio to the form's own `ar`), the
+    turns' rounds, and per form other than the first its round against the first form's in the same turn (median,
+    min, max)."""
+    engines, prompt = {}, round_prompt(target, prompt_len)
+    for form, env in forms.items():
+        with mock.patch.dict(os.environ, env):
+            engines[form] = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, "on")
+    names = list(forms)
+    runs: dict[str, dict[str, list[dict]]] = {form: {name: [] for name, _, _ in round_methods(budgets)} for form in names}
+    for turn in range(turns):
+        for form in names[turn % len(names):] + names[:turn % len(names)]:
+            with mock.patch.dict(os.environ, forms[form]):
+                for name, mode, budget in round_methods(budgets):
+                    runs[form][name].append(measure_method(engines[form], prompt, mode, budget, rounds, profile=False))
+        print(f"turn {turn + 1}/{turns}: " + ", ".join(
+            f"{form} {name} {runs[form][name][-1]['round_ms']:.2f}" for form in names for name in runs[form]), flush=True)
+    first, out = names[0], {}
+    for form in names:
+        out[form] = {}
+        for name, entries in runs[form].items():
+            ms = [e["round_ms"] for e in entries]
+            entry = {k: statistics.median(e[k] for e in entries) for k, v in entries[0].items()
+                     if k.endswith("_ms") and isinstance(v, float)}
+            entry.update(turns_ms=ms, rounds=entries[0]["rounds"],
+                         round_over_ar=statistics.median(m / a["round_ms"] for m, a in zip(ms, runs[form]["ar"])),
+                         static_commit_share=statistics.median(e["static_commit_share"] for e in entries),
+                         device_tree_share=statistics.median(e["device_tree_share"] for e in entries),
+                         commit_parts_ms={k: statistics.median(e["commit_parts_ms"][k] for e in entries)
+                                          for k in entries[0]["commit_parts_ms"]})
+            if form != first:
+                paired = [m / f["round_ms"] for m, f in zip(ms, runs[first][name])]
+                entry["over_first"] = {"form": first, "median": statistics.median(paired), "min": min(paired),
+                                       "max": max(paired)}
+            out[form][name] = entry
+    return out
 
 
 @torch.inference_mode()

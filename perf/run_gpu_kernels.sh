@@ -2,7 +2,7 @@
 # Our Triton kernels on the GPU machine (device tool), one step per call; carry .deps/xa (the fla wheels:
 # `pip download --no-deps -d .deps/xa flash-linear-attention==0.6.0 fla-core==0.6.0`). $OUT on the device.
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh tests    # the kernels' GPU tests (TIMEOUT, default 500 s)
-#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # SHAPES (27B) ratios, VARIANTS beside the default (ROUND_VARIANTS: their whole rounds too)
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh ratios   # SHAPES (27B) ratios, VARIANTS beside the default (ROUND_VARIANTS: their whole rounds too; ROUND_TURNS=N: in N turns with the default's)
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # SHAPE's VARIANTS beside the default in turns (graph_turns)
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh gemv     # the 27B Linears at ROWS input rows: cuBLAS vs ours (FORMS: rows, swap)
@@ -25,7 +25,7 @@ case "${1:-ratios}" in
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes "${SHAPES:-qwen36-27b}" --budgets 16,64 \
       --batches "" --rounds "${ROUNDS:-12}" --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" \
-      --round-variants "${ROUND_VARIANTS:-}" --out "$OUT" --name "gpu_ratios_$TAG" ;;
+      --round-variants "${ROUND_VARIANTS:-}" --round-turns "${ROUND_TURNS:-0}" --out "$OUT" --name "gpu_ratios_$TAG" ;;
   bench)
     python3 perf/tree_kernel_bench.py --budgets "${BUDGETS:-64}" --requests 1,8 --peaks peaked=8 --configs 16x1x2 \
       --repeats 10 --out "$OUT" --name "tree_chunks_$TAG" ;;

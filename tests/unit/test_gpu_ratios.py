@@ -51,6 +51,32 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
     assert checkpoint["verify_ms"]["static"]["budgets_ms"]["64"] == verify["budgets"]["64"]["verify_ms"]
 
 
+def test_rounds_in_turns_pair_each_form_with_the_static_forward(tmp_path):
+    """--round-turns: the static forward's rounds and a variant's (its environment set in its turns) measured in
+    turns: medians over turns, each turn's ratio to the form's own `ar`, and the variant against the static forward
+    in the same turn; the sequential variant rounds are not run then."""
+    gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--forwards", "static",
+                     "--batches", "", "--variants", "static-gemv32", "--round-variants", "static-gemv32",
+                     "--round-turns", "3", "--prompt-len", "24", "--repeats", "1", "--rounds", "3",
+                     "--out", str(tmp_path), "--name", "t"])
+    shape = json.loads((tmp_path / "t.json").read_text())["shapes"]["tiny-dense"]
+    assert set(shape["rounds"]) == {"static"} and not shape["errors"]
+    turns = shape["round_turns"]
+    assert list(turns) == ["static", "static-gemv32"]
+    for form, methods in turns.items():
+        assert list(methods) == ["ar", "dflash", "ddtree-16"]
+        for e in methods.values():
+            assert len(e["turns_ms"]) == 3 and e["round_ms"] == sorted(e["turns_ms"])[1] and e["rounds"] == 3
+        assert methods["ar"]["round_over_ar"] == 1.0 and methods["ddtree-16"]["draft_ms"] > 0
+        paired = methods["ddtree-16"].get("over_first")
+        if form == "static":
+            assert paired is None
+        else:
+            ratios = [m / f for m, f in zip(methods["ddtree-16"]["turns_ms"], turns["static"]["ddtree-16"]["turns_ms"])]
+            assert paired["form"] == "static" and paired["min"] == min(ratios) and paired["max"] == max(ratios)
+    assert "whole rounds in turns (3 turns" in (tmp_path / "t.md").read_text()
+
+
 def test_kernels_per_round_subtract_the_prefill():
     from perf.hybrid_verify import kernels_per_round
 
