@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=
 case "${1:-ratios}" in
   tests)
     # shellcheck disable=SC2086
-    timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_tree_kernel.py \
+    timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_tree_kernel.py tests/gpu/test_tree_build_kernel.py \
       tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py tests/gpu/test_cuda_graphs.py::test_hybrid_target_graphs_equal_dynamic \
       tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic} 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
   ratios)

@@ -59,6 +59,27 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
     return _tree_kernel()
 
 
+def tree_build_kernel(device: torch.device) -> Callable | None:
+    """The device tree build in one Triton program (ddtree.models.tree_build_kernel.build_tree_kernel, equal to
+    tree.device.build_tree_device, whose ~100 small kernels cost a static tree program ~0.4 ms on the H200) on CUDA
+    with DDTREE_TREE_BUILD_KERNEL=1, else None: off by default until measured in whole rounds."""
+    if device.type != "cuda" or os.environ.get("DDTREE_TREE_BUILD_KERNEL", "0") in ("", "0"):
+        return None
+    return _tree_build_kernel()
+
+
+def tree_build_scratch(depth: int, width: int, grid_size: int, device: torch.device):
+    """tree_build_kernel's scratch for one program shape (made before its capture)."""
+    from ddtree.models.tree_build_kernel import TreeBuildScratch
+    return TreeBuildScratch(depth, width, grid_size, device)
+
+
+@functools.cache
+def _tree_build_kernel() -> Callable:
+    from ddtree.models.tree_build_kernel import build_tree_kernel
+    return build_tree_kernel
+
+
 def tree_chunk_kernel(device: torch.device) -> Callable | None:
     """Our Triton kernel for whole trees in the ancestor-masked chunk form (ddtree.models.tree_kernel.
     batched_tree_chunks: per tree, value head and block of columns, the root as one step, the rest as matrix products

@@ -58,6 +58,38 @@ def test_device_build_equals_the_host_build(seed):
     assert head[2].tolist() == tree.parents + [-1] * pad
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_one_program_build_equals_the_tensor_build(seed):
+    """ddtree.models.tree_build_kernel (Triton's interpreter here) == build_tree_device, all `width` nodes, exact ties
+    (rounded log-probabilities), -0.0 and ranks at -inf included; twice in a row on one scratch (a replay's reuse)."""
+    from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+
+    if not AVAILABLE:
+        pytest.skip("needs triton (its interpreter runs the kernel on the CPU)")
+    tree_kernel_module()   # the interpreter's patches
+    from ddtree.models.tree_build_kernel import TreeBuildScratch, build_tree_kernel
+    from ddtree.tree.device import candidate_grid
+
+    gen = torch.Generator().manual_seed(seed)
+    depth, width = int(torch.randint(1, 16, (), generator=gen)), int(torch.randint(1, 70, (), generator=gen))
+    k = 1 if seed % 4 == 0 else int(torch.randint(1, width + 1, (), generator=gen))
+    grid = candidate_grid(width, k)
+    scratch = TreeBuildScratch(depth, width, grid[0].shape[0], torch.device("cpu"))
+    for trial in range(2):
+        log_probs = torch.log_softmax(3 * torch.randn(depth, max(k, 2), generator=gen), dim=-1)[:, :k]
+        log_probs = log_probs.sort(dim=-1, descending=True).values
+        if seed % 3 == 1:      # exact ties within and across depths
+            log_probs = (log_probs * 2).round() / 2
+        if seed % 5 == 2:      # ranks past a budget at -inf, and -0.0
+            log_probs[:, k // 2 + 1 :] = float("-inf")
+            log_probs[0, 0] = -0.0
+        token_ids = torch.randint(0, 1000, (depth, k), generator=gen)
+        want = build_tree_device(log_probs, token_ids, width, grid)
+        got = build_tree_kernel(log_probs.contiguous(), token_ids, width, grid, scratch)
+        for name, w, g in zip(("tokens", "parents", "depths"), want, got):
+            assert g.tolist() == w.tolist(), (name, trial)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_device_paths_equal_the_host_paths(seed):
     (log_probs, token_ids), _, budget = random_case(seed)
@@ -101,6 +133,29 @@ def test_rounds_on_the_device_decode_the_targets_greedy_tokens(family, tiny_mode
             if mode != "auto":   # auto may run `ar` throughout
                 assert engine.stage_times.device_trees > before, f"{mode}-{budget} never built on the device"
                 assert max(request.acceptance_lengths) > 2, "the oracle drafter's trees were never accepted"
+
+
+def test_rounds_with_the_one_program_build_decode_the_targets_greedy_tokens(tiny_models, hybrid, monkeypatch):
+    """The engine's tree programs built by tree_build_kernel (Triton's interpreter here; on CUDA with
+    DDTREE_TREE_BUILD_KERNEL=1) decode the target's greedy tokens, every tree built on the device."""
+    from ddtree.models import kernels
+    from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+
+    if not AVAILABLE:
+        pytest.skip("needs triton (its interpreter runs the kernel on the CPU)")
+    tree_kernel_module()
+    from ddtree.models.tree_build_kernel import build_tree_kernel
+
+    calls = []
+    monkeypatch.setattr(kernels, "tree_build_kernel", lambda device: lambda *a: calls.append(1) or build_tree_kernel(*a))
+    plain, engine = engines("qwen3", tiny_models, hybrid)
+    prompt = [5, 9, 17, 33, 2, 71]
+    expected = plain.generate_ids(prompt, greedy("ar", 1, max_tokens=12)).output_ids
+    for mode, budget in [("dflash", 1), ("ddtree", 16)]:
+        before = engine.stage_times.device_trees
+        assert engine.generate_ids(prompt, greedy(mode, budget, max_tokens=12)).output_ids == expected, f"{mode}-{budget}"
+        assert engine.stage_times.device_trees > before
+    assert calls
 
 
 @pytest.mark.parametrize("kernel", ["ours", "fla"])

@@ -1,0 +1,122 @@
+"""The device tree build (ddtree.tree.device.build_tree_device) in one Triton program.
+
+build_tree_device is ~6 small kernels a depth (a gather, an add, a sort, three slice copies) and a final sort: ~100
+launches inside the tree's static program, whose ~0.4 ms on the H200 cost more than the host handover it removes
+(perf/results/gpu_ratios_h200_devtree_f32.md). Here one program of one block does the same steps in order, each
+depth's candidates sorted in registers (tl.sort) and handed to the next depth through a small scratch in global
+memory (a barrier between a step's writes and the next step's reads):
+
+- per depth d: the candidates (parent slot i, rank r) of the grid (candidate_grid), score prev[i] + log_probs[d, r],
+  sorted descending, ties in grid order (torch.sort's stable order); the first `width` are the depth's prefixes;
+- then every depth's `width` scores, sorted the same way, ties in depth-major order; the first `width` are the tree.
+
+A sort key is the score's order-preserving 32 bits above the position's complement, so one integer sort is a
+stable descending sort by score. The arithmetic is build_tree_device's (float32 sums in the same order), so the two
+give the same tree, ties included (tests/unit/test_device_tree.py). -0.0 scores count as 0.0.
+
+Imported only where it runs (CUDA, or Triton's interpreter in a test).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INDEX_BITS = 20   # a candidate's position in the key's low bits: grids and depth x width up to 2**20 entries
+
+
+@triton.jit
+def _sort_key(score, index, INDEX_BITS: tl.constexpr):
+    """int64 keys whose descending order is score descending, then index ascending."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)   # + 0.0: -0.0 counts as 0.0
+    wide = bits.to(tl.int64)
+    ordered = tl.where(bits >= 0, wide + 2147483648, (~bits).to(tl.int64))   # order-preserving, in [0, 2**32)
+    return (ordered << INDEX_BITS) | ((1 << INDEX_BITS) - 1 - index.to(tl.int64))
+
+
+@triton.jit
+def _tree_build_kernel(lp_ptr, ids_ptr, slot_ptr, rank_ptr, cand_ptr, sorted_ptr, score_ptr, slots_ptr, ranks_ptr,
+                       node_ptr, tokens_ptr, parents_ptr, depths_ptr, depth_limit, k, grid_size,
+                       WIDTH: tl.constexpr, W_P: tl.constexpr, G_P: tl.constexpr, DW_P: tl.constexpr,
+                       INDEX_BITS: tl.constexpr):
+    mask_bits = (1 << INDEX_BITS) - 1
+    g = tl.arange(0, G_P)
+    g_ok = g < grid_size
+    slot = tl.load(slot_ptr + g, mask=g_ok, other=0)
+    rank = tl.load(rank_ptr + g, mask=g_ok, other=0)
+    w = tl.arange(0, W_P)
+    w_ok = w < WIDTH
+    # score row 0: the root (slot 0 at 0.0, the others -inf); row d + 1: depth d's prefixes
+    tl.store(score_ptr + w, tl.where(w == 0, 0.0, float("-inf")), mask=w_ok)
+    tl.debug_barrier()
+    for d in range(depth_limit):
+        prev = tl.load(score_ptr + d * WIDTH + slot, mask=g_ok, other=float("-inf"))
+        lp = tl.load(lp_ptr + d * k + rank, mask=g_ok, other=float("-inf"))
+        cand = tl.where(g_ok, prev + lp, float("-inf"))
+        tl.store(cand_ptr + g, cand)
+        tl.store(sorted_ptr + g, tl.sort(_sort_key(cand, g, INDEX_BITS), descending=True))
+        tl.debug_barrier()
+        pick = (mask_bits - (tl.load(sorted_ptr + w, mask=w_ok, other=0) & mask_bits)).to(tl.int32)
+        row = (d + 1) * WIDTH + w
+        tl.store(score_ptr + row, tl.load(cand_ptr + pick, mask=w_ok, other=float("-inf")), mask=w_ok)
+        tl.store(slots_ptr + row, tl.load(slot_ptr + pick, mask=w_ok, other=0), mask=w_ok)
+        tl.store(ranks_ptr + row, tl.load(rank_ptr + pick, mask=w_ok, other=0), mask=w_ok)
+        tl.debug_barrier()
+    # the tree: the best `width` prefixes of every depth, stable in depth-major order
+    e = tl.arange(0, DW_P)
+    e_ok = e < depth_limit * WIDTH
+    scores = tl.load(score_ptr + WIDTH + e, mask=e_ok, other=float("-inf"))
+    tl.store(node_ptr + e, tl.zeros([DW_P], dtype=tl.int32))
+    tl.store(sorted_ptr + e, tl.sort(_sort_key(tl.where(e_ok, scores, float("-inf")), e, INDEX_BITS), descending=True))
+    tl.debug_barrier()
+    order = (mask_bits - (tl.load(sorted_ptr + w, mask=w_ok, other=0) & mask_bits)).to(tl.int32)   # flat (depth, slot)
+    tl.store(node_ptr + order, w + 1, mask=w_ok)   # node numbers 1..width
+    tl.debug_barrier()
+    level = order // WIDTH
+    parent_flat = (level - 1) * WIDTH + tl.load(slots_ptr + WIDTH + order, mask=w_ok, other=0)
+    parent = tl.where(level == 0, 0, tl.load(node_ptr + tl.maximum(parent_flat, 0), mask=w_ok, other=0))
+    rank_taken = tl.load(ranks_ptr + WIDTH + order, mask=w_ok, other=0)
+    tl.store(tokens_ptr + w, tl.load(ids_ptr + level * k + rank_taken, mask=w_ok, other=0), mask=w_ok)
+    tl.store(parents_ptr + w, parent.to(tl.int64), mask=w_ok)
+    tl.store(depths_ptr + w, (level + 1).to(tl.int64), mask=w_ok)
+
+
+class TreeBuildScratch:
+    """The kernel's scratch and outputs for one (depth limit, width, grid) shape, made before a static program's
+    capture (no allocation inside it)."""
+
+    def __init__(self, depth_limit: int, width: int, grid_size: int, device: torch.device) -> None:
+        self.g_p, self.w_p = triton.next_power_of_2(grid_size), triton.next_power_of_2(width)
+        self.dw_p = triton.next_power_of_2(depth_limit * width)
+        assert max(self.g_p, self.dw_p) <= 2**INDEX_BITS, (grid_size, depth_limit, width)
+        sort = max(self.g_p, self.dw_p)
+        self.cand = torch.empty(self.g_p, dtype=torch.float32, device=device)
+        self.sorted = torch.empty(sort, dtype=torch.int64, device=device)
+        self.scores = torch.empty((depth_limit + 1) * width, dtype=torch.float32, device=device)
+        self.slots = torch.empty((depth_limit + 1) * width, dtype=torch.int32, device=device)
+        self.ranks = torch.empty((depth_limit + 1) * width, dtype=torch.int32, device=device)
+        self.node = torch.empty(self.dw_p, dtype=torch.int32, device=device)
+        self.tokens, self.parents, self.depths = (torch.empty(width, dtype=torch.long, device=device) for _ in range(3))
+
+
+def build_tree_kernel(log_probs: torch.Tensor, token_ids: torch.Tensor, width: int,
+                      grid: tuple[torch.Tensor, torch.Tensor], scratch: TreeBuildScratch | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """build_tree_device's (tokens, parents, depths)  # [width] long each, in one program. log_probs float32 and
+    token_ids long, both [depth, k] and contiguous; grid: candidate_grid(width, k) on their device; scratch: a
+    TreeBuildScratch of this shape (made here if None). The outputs are the scratch's (a later call overwrites them)."""
+    depth_limit, k = log_probs.shape
+    assert log_probs.dtype == torch.float32 and log_probs.is_contiguous() and token_ids.is_contiguous()
+    slot_of, rank_of = grid
+    if scratch is None:
+        scratch = TreeBuildScratch(depth_limit, width, slot_of.shape[0], log_probs.device)
+    s = scratch
+    _tree_build_kernel[(1,)](
+        log_probs, token_ids, slot_of, rank_of, s.cand, s.sorted, s.scores, s.slots, s.ranks, s.node,
+        s.tokens, s.parents, s.depths, depth_limit, k, slot_of.shape[0],
+        WIDTH=width, W_P=s.w_p, G_P=s.g_p, DW_P=s.dw_p, INDEX_BITS=INDEX_BITS, num_warps=4)
+    return s.tokens, s.parents, s.depths
+
+
+__all__ = ["TreeBuildScratch", "build_tree_kernel"]

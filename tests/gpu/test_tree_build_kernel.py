@@ -1,0 +1,45 @@
+"""The device tree build in one Triton program (ddtree.models.tree_build_kernel) compiled on the GPU against
+build_tree_device, alone and replayed from a CUDA graph on new inputs. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def case(gen: torch.Generator, depth: int, k: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    log_probs = torch.log_softmax(3 * torch.randn(depth, max(k, 2), generator=gen), dim=-1)[:, :k]
+    log_probs = log_probs.sort(dim=-1, descending=True).values
+    if ties:
+        log_probs = (log_probs * 2).round() / 2
+    return log_probs.cuda(), torch.randint(0, 248320, (depth, k), generator=gen).cuda()
+
+
+@pytest.mark.parametrize("depth, width, k", [(15, 16, 16), (15, 64, 64), (15, 128, 128), (15, 64, 1), (3, 40, 7)])
+def test_kernel_equals_the_tensor_build_and_replays(depth, width, k):
+    from ddtree.models.tree_build_kernel import TreeBuildScratch, build_tree_kernel
+    from ddtree.tree.device import build_tree_device, candidate_grid
+
+    gen = torch.Generator().manual_seed(depth * width + k)
+    grid = candidate_grid(width, k, "cuda")
+    scratch = TreeBuildScratch(depth, width, grid[0].shape[0], torch.device("cuda"))
+    for ties in (False, True):
+        log_probs, token_ids = case(gen, depth, k, ties)
+        want = build_tree_device(log_probs, token_ids, width, grid)
+        got = build_tree_kernel(log_probs, token_ids, width, grid, scratch)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), ties
+    static_lp, static_ids = case(gen, depth, k, False)
+    build_tree_kernel(static_lp, static_ids, width, grid, scratch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = build_tree_kernel(static_lp, static_ids, width, grid, scratch)
+    for ties in (False, True, False):
+        log_probs, token_ids = case(gen, depth, k, ties)
+        static_lp.copy_(log_probs)
+        static_ids.copy_(token_ids)
+        graph.replay()
+        want = build_tree_device(log_probs, token_ids, width, grid)
+        assert all(torch.equal(w, g) for w, g in zip(want, out)), ties
