@@ -415,16 +415,16 @@ class StaticTreeBuild:
         depth, width = log_probs.shape[0], rows - 1
         extra = {"log_probs": log_probs.new_zeros(depth, width), "token_ids": token_ids.new_zeros(depth, width),
                  "grid": candidate_grid(width, width, log_probs.device)}
-        build = kernels.tree_build_kernel(log_probs.device)   # the build in one program, or None: build_tree_device
+        build = kernels.tree_build_kernel(log_probs.device)   # the body in two Triton launches, or None: tensor forms
         if build is not None:
             scratch = kernels.tree_build_scratch(depth, width, extra["grid"][0].shape[0], log_probs.device)
 
         def body():
-            root, start, num_nodes = inputs
             if build is not None:
-                tree = build(extra["log_probs"], extra["token_ids"], width, extra["grid"], scratch)
-            else:
-                tree = build_tree_device(extra["log_probs"], extra["token_ids"], width, extra["grid"])
+                return build(extra["log_probs"], extra["token_ids"], width, extra["grid"], scratch, inputs, num_paths,
+                             PATHS_MAX_LEN)
+            root, start, num_nodes = inputs
+            tree = build_tree_device(extra["log_probs"], extra["token_ids"], width, extra["grid"])
             head = verify_rows(root, start, num_nodes, *tree)
             return head, tree_paths_device(head[2], num_nodes, PATHS_MAX_LEN, num_paths) if num_paths else None
 

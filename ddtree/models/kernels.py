@@ -60,9 +60,10 @@ def tree_gdn_kernel(device: torch.device) -> Callable | None:
 
 
 def tree_build_kernel(device: torch.device) -> Callable | None:
-    """The device tree build in one Triton program (ddtree.models.tree_build_kernel.build_tree_kernel, equal to
-    tree.device.build_tree_device, whose ~100 small kernels cost a static tree program ~0.4 ms on the H200) on CUDA
-    with DDTREE_TREE_BUILD_KERNEL=1, else None: off by default until measured in whole rounds."""
+    """A static tree program's body in two Triton launches (ddtree.models.tree_build_kernel.tree_program: the tree,
+    equal to tree.device.build_tree_device, then verify_rows' head and tree_paths_device's paths; their tensor forms
+    take ~300 small kernels, ~0.4 ms of the H200 a round) on CUDA with DDTREE_TREE_BUILD_KERNEL=1, else None: off by
+    default until measured in whole rounds."""
     if device.type != "cuda" or os.environ.get("DDTREE_TREE_BUILD_KERNEL", "0") in ("", "0"):
         return None
     return _tree_build_kernel()
@@ -76,8 +77,8 @@ def tree_build_scratch(depth: int, width: int, grid_size: int, device: torch.dev
 
 @functools.cache
 def _tree_build_kernel() -> Callable:
-    from ddtree.models.tree_build_kernel import build_tree_kernel
-    return build_tree_kernel
+    from ddtree.models.tree_build_kernel import tree_program
+    return tree_program
 
 
 def tree_chunk_kernel(device: torch.device) -> Callable | None:

@@ -82,6 +82,59 @@ def _tree_build_kernel(lp_ptr, ids_ptr, slot_ptr, rank_ptr, cand_ptr, sorted_ptr
     tl.store(depths_ptr + w, (level + 1).to(tl.int64), mask=w_ok)
 
 
+@triton.jit
+def _tree_inputs_kernel(inputs_ptr, tokens_ptr, parents_ptr, depths_ptr, head_ptr, paths_ptr, children_ptr, first_ptr,
+                        WIDTH: tl.constexpr, R_P: tl.constexpr, NUM_PATHS: tl.constexpr, MAX_LEN: tl.constexpr,
+                        TOK_P: tl.constexpr, B_P: tl.constexpr):
+    """verify_rows' head [3, WIDTH + 1] and, with NUM_PATHS, tree_paths_device's (tokens, cu_seqlens, node_pos) from
+    the build's tokens, parents and depths; children (zeros, [R_P]) and first ([R_P]) are scratch."""
+    rows = WIDTH + 1
+    root = tl.load(inputs_ptr)
+    start = tl.load(inputs_ptr + 1)
+    num_nodes = tl.load(inputs_ptr + 2)
+    r = tl.arange(0, R_P)
+    r_ok = r < rows
+    node = (r >= 1) & (r < num_nodes)
+    below = tl.maximum(r - 1, 0)
+    token = tl.load(tokens_ptr + below, mask=node, other=0)
+    depth = tl.load(depths_ptr + below, mask=node, other=0)
+    parent = tl.load(parents_ptr + below, mask=node, other=-1)
+    tl.store(head_ptr + r, tl.where(r == 0, root, token), mask=r_ok)
+    tl.store(head_ptr + rows + r, start + depth, mask=r_ok)
+    tl.store(head_ptr + 2 * rows + r, parent, mask=r_ok)
+    if NUM_PATHS > 0:
+        num_tokens = NUM_PATHS * MAX_LEN
+        valid = r < num_nodes
+        has_parent = valid & (parent >= 0)
+        tl.atomic_add(children_ptr + tl.maximum(parent, 0), tl.full([R_P], 1, tl.int32), mask=has_parent)
+        tl.store(first_ptr + r, tl.full([R_P], num_tokens, tl.int32))
+        t = tl.arange(0, TOK_P)
+        tl.store(paths_ptr + t, tl.zeros([TOK_P], dtype=tl.int64), mask=t < num_tokens)
+        tl.debug_barrier()
+        leaf = valid & (tl.load(children_ptr + r) == 0)
+        length = tl.where(leaf, depth + 1, 0)
+        end = tl.cumsum(length, axis=0)
+        begin = end - length
+        total = tl.sum(length, axis=0)
+        b = tl.arange(0, B_P)   # cu_seqlens: 0, each leaf's end in leaf order, the total for the padding paths
+        tl.store(paths_ptr + num_tokens + b, tl.where(b == 0, 0, total), mask=b <= NUM_PATHS)
+        tl.debug_barrier()
+        ordinal = tl.cumsum(leaf.to(tl.int32), axis=0)
+        tl.store(paths_ptr + num_tokens + ordinal, end, mask=leaf & (ordinal <= NUM_PATHS))
+        # each leaf's path, root first: node a (the leaf, then its ancestors) at begin + depth(a)
+        a = tl.where(leaf, r, -1)
+        for _ in range(MAX_LEN):
+            on = a >= 0
+            d = tl.load(depths_ptr + tl.maximum(a - 1, 0), mask=on & (a >= 1), other=0)
+            tl.store(paths_ptr + begin + d, a.to(tl.int64), mask=on)
+            tl.atomic_min(first_ptr + tl.maximum(a, 0), begin.to(tl.int32), mask=on)
+            a = tl.where(on & (a >= 1), tl.load(parents_ptr + tl.maximum(a - 1, 0), mask=on & (a >= 1), other=-1), -1)
+        tl.debug_barrier()
+        first = tl.load(first_ptr + r)
+        tl.store(paths_ptr + num_tokens + NUM_PATHS + 1 + r, tl.where(valid, first + depth, 0).to(tl.int64), mask=r_ok)
+        tl.store(children_ptr + r, tl.zeros([R_P], dtype=tl.int32))   # clean for the next call
+
+
 class TreeBuildScratch:
     """The kernel's scratch and outputs for one (depth limit, width, grid) shape, made before a static program's
     capture (no allocation inside it)."""
@@ -98,6 +151,9 @@ class TreeBuildScratch:
         self.ranks = torch.empty((depth_limit + 1) * width, dtype=torch.int32, device=device)
         self.node = torch.empty(self.dw_p, dtype=torch.int32, device=device)
         self.tokens, self.parents, self.depths = (torch.empty(width, dtype=torch.long, device=device) for _ in range(3))
+        self.r_p = triton.next_power_of_2(width + 1)
+        self.children = torch.zeros(self.r_p, dtype=torch.int32, device=device)
+        self.first = torch.empty(self.r_p, dtype=torch.int32, device=device)
 
 
 def build_tree_kernel(log_probs: torch.Tensor, token_ids: torch.Tensor, width: int,
@@ -119,4 +175,30 @@ def build_tree_kernel(log_probs: torch.Tensor, token_ids: torch.Tensor, width: i
     return s.tokens, s.parents, s.depths
 
 
-__all__ = ["TreeBuildScratch", "build_tree_kernel"]
+def tree_inputs_kernel(inputs: torch.Tensor, scratch: TreeBuildScratch, num_paths: int, max_len: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """verify_rows' head  # [3, width + 1] and tree_paths_device's paths (None without num_paths) from the tree that
+    build_tree_kernel left in scratch; inputs  # [3] long on the device: root, start, num_nodes. Outputs are new
+    tensors (a static program's body allocates them from its graph's pool)."""
+    s = scratch
+    width = s.tokens.shape[0]
+    head = torch.empty(3, width + 1, dtype=torch.long, device=inputs.device)
+    paths = (torch.empty(num_paths * max_len + num_paths + 1 + width + 1, dtype=torch.long, device=inputs.device)
+             if num_paths else head)
+    _tree_inputs_kernel[(1,)](inputs, s.tokens, s.parents, s.depths, head, paths, s.children, s.first,
+                              WIDTH=width, R_P=s.r_p, NUM_PATHS=num_paths, MAX_LEN=max_len,
+                              TOK_P=triton.next_power_of_2(max(num_paths * max_len, 1)),
+                              B_P=triton.next_power_of_2(num_paths + 1), num_warps=4)
+    return head, paths if num_paths else None
+
+
+def tree_program(log_probs: torch.Tensor, token_ids: torch.Tensor, width: int, grid: tuple[torch.Tensor, torch.Tensor],
+                 scratch: TreeBuildScratch, inputs: torch.Tensor, num_paths: int, max_len: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """graphs.StaticTreeBuild's body in two launches: the tree (build_tree_kernel), then the verify's head and paths
+    (tree_inputs_kernel)."""
+    build_tree_kernel(log_probs, token_ids, width, grid, scratch)
+    return tree_inputs_kernel(inputs, scratch, num_paths, max_len)
+
+
+__all__ = ["TreeBuildScratch", "build_tree_kernel", "tree_inputs_kernel", "tree_program"]

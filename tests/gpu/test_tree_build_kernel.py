@@ -1,5 +1,6 @@
 """The device tree build in one Triton program (ddtree.models.tree_build_kernel) compiled on the GPU against
-build_tree_device, alone and replayed from a CUDA graph on new inputs. Skipped without CUDA."""
+build_tree_device (and its verify inputs and paths against verify_rows and tree_paths_device), alone and replayed
+from a CUDA graph on new inputs. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def case(gen: torch.Generator, depth: int, k: int, ties: bool) -> tuple[torch.Te
 
 @pytest.mark.parametrize("depth, width, k", [(15, 16, 16), (15, 64, 64), (15, 128, 128), (15, 64, 1), (3, 40, 7)])
 def test_kernel_equals_the_tensor_build_and_replays(depth, width, k):
-    from ddtree.models.tree_build_kernel import TreeBuildScratch, build_tree_kernel
-    from ddtree.tree.device import build_tree_device, candidate_grid
+    from ddtree.models.qwen3_5 import PATHS_MAX_LEN
+    from ddtree.models.tree_build_kernel import TreeBuildScratch, build_tree_kernel, tree_inputs_kernel
+    from ddtree.tree.device import build_tree_device, candidate_grid, tree_paths_device, verify_rows
 
     gen = torch.Generator().manual_seed(depth * width + k)
     grid = candidate_grid(width, k, "cuda")
@@ -31,6 +33,12 @@ def test_kernel_equals_the_tensor_build_and_replays(depth, width, k):
         want = build_tree_device(log_probs, token_ids, width, grid)
         got = build_tree_kernel(log_probs, token_ids, width, grid, scratch)
         assert all(torch.equal(w, g) for w, g in zip(want, got)), ties
+        for n in (1, width // 2 + 1, width):   # the verify's inputs and paths of a tree of n nodes
+            inputs = torch.tensor([7, 30, n + 1], device="cuda")
+            head = verify_rows(inputs[0], inputs[1], inputs[2], *want)
+            got_head, got_paths = tree_inputs_kernel(inputs, scratch, width + 1, PATHS_MAX_LEN)
+            assert torch.equal(got_head, head)
+            assert torch.equal(got_paths, tree_paths_device(head[2], n + 1, PATHS_MAX_LEN, width + 1))
     static_lp, static_ids = case(gen, depth, k, False)
     build_tree_kernel(static_lp, static_ids, width, grid, scratch)
     graph = torch.cuda.CUDAGraph()

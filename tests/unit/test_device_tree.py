@@ -67,7 +67,7 @@ def test_the_one_program_build_equals_the_tensor_build(seed):
     if not AVAILABLE:
         pytest.skip("needs triton (its interpreter runs the kernel on the CPU)")
     tree_kernel_module()   # the interpreter's patches
-    from ddtree.models.tree_build_kernel import TreeBuildScratch, build_tree_kernel
+    from ddtree.models.tree_build_kernel import TreeBuildScratch, build_tree_kernel, tree_inputs_kernel
     from ddtree.tree.device import candidate_grid
 
     gen = torch.Generator().manual_seed(seed)
@@ -88,6 +88,18 @@ def test_the_one_program_build_equals_the_tensor_build(seed):
         got = build_tree_kernel(log_probs.contiguous(), token_ids, width, grid, scratch)
         for name, w, g in zip(("tokens", "parents", "depths"), want, got):
             assert g.tolist() == w.tolist(), (name, trial)
+        # the verify's inputs and paths form from it (tree_inputs_kernel == verify_rows, tree_paths_device), for a
+        # tree of the first n nodes (the rest padding), with and without the paths
+        n = int(torch.randint(1, width + 1, (), generator=gen))
+        inputs = torch.tensor([7, 30, n + 1])
+        head = verify_rows(inputs[0], inputs[1], inputs[2], *want)
+        num_paths = width + 1 if trial else 0
+        got_head, got_paths = tree_inputs_kernel(inputs, scratch, num_paths, PATHS_MAX_LEN)
+        assert got_head.tolist() == head.tolist(), trial
+        if num_paths and int(want[2][:n].max()) < PATHS_MAX_LEN:
+            assert got_paths.tolist() == tree_paths_device(head[2], n + 1, PATHS_MAX_LEN, num_paths).tolist()
+        else:
+            assert got_paths is None or int(want[2][:n].max()) >= PATHS_MAX_LEN
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -135,27 +147,33 @@ def test_rounds_on_the_device_decode_the_targets_greedy_tokens(family, tiny_mode
                 assert max(request.acceptance_lengths) > 2, "the oracle drafter's trees were never accepted"
 
 
-def test_rounds_with_the_one_program_build_decode_the_targets_greedy_tokens(tiny_models, hybrid, monkeypatch):
-    """The engine's tree programs built by tree_build_kernel (Triton's interpreter here; on CUDA with
-    DDTREE_TREE_BUILD_KERNEL=1) decode the target's greedy tokens, every tree built on the device."""
-    from ddtree.models import kernels
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_rounds_with_the_one_program_build_decode_the_targets_greedy_tokens(family, tiny_models, hybrid, monkeypatch):
+    """The engine's tree programs run by tree_build_kernel's two launches (Triton's interpreter here; on CUDA with
+    DDTREE_TREE_BUILD_KERNEL=1) decode the target's greedy tokens, every tree built on the device; the hybrid's
+    verify in the paths form on our kernel, so the programs make the paths too."""
+    from ddtree.models import kernels, qwen3_5
+    from ddtree.models.gdn import reference_recurrent
     from tests.triton_interpreter import AVAILABLE, tree_kernel_module
 
     if not AVAILABLE:
         pytest.skip("needs triton (its interpreter runs the kernel on the CPU)")
     tree_kernel_module()
-    from ddtree.models.tree_build_kernel import build_tree_kernel
+    from ddtree.models.tree_build_kernel import tree_program
 
     calls = []
-    monkeypatch.setattr(kernels, "tree_build_kernel", lambda device: lambda *a: calls.append(1) or build_tree_kernel(*a))
-    plain, engine = engines("qwen3", tiny_models, hybrid)
+    monkeypatch.setattr(kernels, "tree_build_kernel", lambda device: lambda *a: calls.append(a[6]) or tree_program(*a))
+    if family == "hybrid":
+        monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+        monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: tree_kernel_module().batched_tree_paths)
+    plain, engine = engines(family, tiny_models, hybrid)
     prompt = [5, 9, 17, 33, 2, 71]
     expected = plain.generate_ids(prompt, greedy("ar", 1, max_tokens=12)).output_ids
     for mode, budget in [("dflash", 1), ("ddtree", 16)]:
         before = engine.stage_times.device_trees
         assert engine.generate_ids(prompt, greedy(mode, budget, max_tokens=12)).output_ids == expected, f"{mode}-{budget}"
         assert engine.stage_times.device_trees > before
-    assert calls
+    assert calls and (all(calls) if family == "hybrid" else not any(calls))   # num_paths: the paths form's programs
 
 
 @pytest.mark.parametrize("kernel", ["ours", "fla"])
