@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -61,7 +62,7 @@ DENSE_DRAFTERS = {
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
-            "static-gemv128", "static-swap32", "static-gemv32", "static-buildkernel", "static-hosttree")
+            "static-gemv128", "static-swap32", "static-gemv32", "static-hosttree")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -113,6 +114,19 @@ def checkpoint(args, shape: str, verify: dict) -> None:
     path.write_text(json.dumps({"header": header(), "verify_ms": table_}, indent=2) + "\n")
 
 
+def diagnostic(errors: dict, name: str, env: dict[str, str], measure: Callable[..., dict], *args, **kwargs
+               ) -> dict | None:
+    """measure(*args, **kwargs) under env, for comparison: a failure is recorded as errors[name] (and printed) instead
+    of ending the run, whose other measurements stand; None then."""
+    try:
+        with mock.patch.dict(os.environ, env):
+            return measure(*args, **kwargs)
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+        print(f"{name} failed: {errors[name]}", flush=True)
+        return None
+
+
 def measure_shape(shape: str, args, bandwidth: float) -> dict:
     dtype = getattr(torch, args.dtype)
     target, drafter = build(shape, dtype, args.device)
@@ -131,14 +145,11 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     if "static-flapaths" in variants and hasattr(target, "uses_paths") and target.uses_paths(17, torch.device(args.device)):
         # the paths form through fla's kernel per request (a state copy per path; at most FLA_PATHS_MAX_ROWS rows)
         # instead of ours (ddtree.models.tree_kernel, the default), for comparison
-        try:
-            with mock.patch.dict(os.environ, {"DDTREE_TREE_KERNEL": "0"}):
-                verify["static-flapaths"] = measure_verify(target, args.device,
-                                                           [b for b in args.budgets if b < qwen3_5.FLA_PATHS_MAX_ROWS],
-                                                           args.prompt_len, args.repeats, static=True, profile=(16,))
-        except Exception as exc:   # a diagnostic variant: its failure must not cost the run's other measurements
-            errors["static-flapaths"] = f"{type(exc).__name__}: {exc}"
-            print(f"fla paths variant failed: {errors['static-flapaths']}", flush=True)
+        result = diagnostic(errors, "static-flapaths", {"DDTREE_TREE_KERNEL": "0"}, measure_verify, target, args.device,
+                            [b for b in args.budgets if b < qwen3_5.FLA_PATHS_MAX_ROWS], args.prompt_len, args.repeats,
+                            static=True, profile=(16,))
+        if result is not None:
+            verify["static-flapaths"] = result
     if "static-uncompiled" in variants and args.device.startswith("cuda") and fused.enabled():
         # the same static forward with the elementwise chains uncompiled (ddtree.models.fused), for comparison
         with mock.patch.dict(os.environ, {"DDTREE_COMPILE": "0"}):
@@ -151,13 +162,11 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         for form, env in VARIANT_ENV.items():
             if form not in variants:
                 continue
-            try:
-                with mock.patch.dict(os.environ, env):
-                    verify[form] = measure_verify(target, args.device, [b for b in args.budgets if b in (16, 64)],
-                                                  args.prompt_len, args.repeats, static=True, profile=(16,))
-            except Exception as exc:   # a diagnostic variant: its failure must not cost the run's other measurements
-                errors[form] = f"{type(exc).__name__}: {exc}"
-                print(f"variant {form} failed: {errors[form]}", flush=True)
+            result = diagnostic(errors, form, env, measure_verify, target, args.device,
+                                [b for b in args.budgets if b in (16, 64)], args.prompt_len, args.repeats, static=True,
+                                profile=(16,))
+            if result is not None:
+                verify[form] = result
             checkpoint(args, shape, verify)
     checkpoint(args, shape, verify)
     round_budgets = [b for b in (16, 64) if b in args.budgets] or args.budgets[:1]
@@ -172,24 +181,16 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     round_turns = {}
     if args.round_turns and "static" in forwards:
         # the static forward's rounds and its variants' in turns (pairs under the same machine state)
-        try:
-            round_turns = measure_rounds_in_turns(target, drafter, args.device, args.dtype, round_budgets,
-                                                  args.prompt_len, args.rounds,
-                                                  {"static": {}, **{f: VARIANT_ENV[f] for f in round_forms}},
-                                                  args.round_turns)
-        except Exception as exc:   # the run's other measurements stand
-            errors["round turns"] = f"{type(exc).__name__}: {exc}"
-            print(f"rounds in turns failed: {errors['round turns']}", flush=True)
+        round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
+                                 args.dtype, round_budgets, args.prompt_len, args.rounds,
+                                 {"static": {}, **{f: VARIANT_ENV[f] for f in round_forms}}, args.round_turns) or {}
         round_forms = []
     for form in (f for f in round_forms if args.device.startswith("cuda")):
         # whole rounds under a variant's environment, otherwise as the static forward's, for comparison with them
-        try:
-            with mock.patch.dict(os.environ, VARIANT_ENV[form]):
-                rounds[form] = measure_rounds(target, drafter, args.device, args.dtype, round_budgets, args.prompt_len,
-                                              args.rounds, static_forward="on")
-        except Exception as exc:   # as the verify variants': the run's other measurements stand
-            errors[f"{form} rounds"] = f"{type(exc).__name__}: {exc}"
-            print(f"variant {form}'s rounds failed: {errors[f'{form} rounds']}", flush=True)
+        result = diagnostic(errors, f"{form} rounds", VARIANT_ENV[form], measure_rounds, target, drafter, args.device,
+                            args.dtype, round_budgets, args.prompt_len, args.rounds, static_forward="on")
+        if result is not None:
+            rounds[form] = result
     batched = (measure_batched_rounds(target, drafter, args.device, args.dtype, args.batches, args.prompt_len,
                                       args.rounds) if args.batches else {})
     if batched and hasattr(target, "uses_paths") and qwen3_5.tree_gdn_kernel(torch.device(args.device)) is not None:

@@ -14,6 +14,10 @@ A sort key is the score's order-preserving 32 bits above the position's compleme
 stable descending sort by score. The arithmetic is build_tree_device's (float32 sums in the same order), so the two
 give the same tree, ties included (tests/unit/test_device_tree.py). -0.0 scores count as 0.0.
 
+A second program (tree_inputs_kernel) writes what the verify reads from that tree: verify_rows' ids, positions and
+parents and, for the paths form, tree_paths_device's paths; tree_program runs both (graphs.StaticTreeBuild's body
+with DDTREE_TREE_BUILD_KERNEL=1).
+
 Imported only where it runs (CUDA, or Triton's interpreter in a test).
 """
 
