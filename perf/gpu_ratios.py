@@ -177,15 +177,16 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # rounds with the draft's top-k read and the tree built on the host (two reads a round), for comparison
         rounds["static-hosttree"] = measure_rounds(target, drafter, args.device, args.dtype, round_budgets,
                                                    args.prompt_len, args.rounds, static_forward="on", device_tree=False)
-    round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV]
+    round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV or f == "static-hosttree"]
     round_turns = {}
     if args.round_turns and "static" in forwards:
         # the static forward's rounds and its variants' in turns (pairs under the same machine state)
         round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
                                  args.dtype, round_budgets, args.prompt_len, args.rounds,
-                                 {"static": {}, **{f: VARIANT_ENV[f] for f in round_forms}}, args.round_turns) or {}
+                                 {"static": {}, **{f: VARIANT_ENV.get(f, {}) for f in round_forms}}, args.round_turns,
+                                 host_tree=("static-hosttree",)) or {}
         round_forms = []
-    for form in (f for f in round_forms if args.device.startswith("cuda")):
+    for form in (f for f in round_forms if args.device.startswith("cuda") and f in VARIANT_ENV):
         # whole rounds under a variant's environment, otherwise as the static forward's, for comparison with them
         result = diagnostic(errors, f"{form} rounds", VARIANT_ENV[form], measure_rounds, target, drafter, args.device,
                             args.dtype, round_budgets, args.prompt_len, args.rounds, static_forward="on")
@@ -422,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--round-turns", type=int, default=0,
                         help="measure the static forward's whole rounds and --round-variants' in this many turns")
     parser.add_argument("--round-variants", default="",
-                        help="environment variants (of --variants' list) whose whole rounds to measure too")
+                        help="environment variants (of --variants' list) whose whole rounds to measure too; with "
+                             "--round-turns also static-hosttree")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)

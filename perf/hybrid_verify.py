@@ -431,9 +431,10 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
 
 
 def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
-                            prompt_len: int, rounds: int, forms: dict[str, dict[str, str]], turns: int) -> dict:
+                            prompt_len: int, rounds: int, forms: dict[str, dict[str, str]], turns: int,
+                            host_tree: tuple[str, ...] = ()) -> dict:
     """Whole rounds of several engine forms (name -> the environment it runs under, read when its programs are
-    captured and in its turns) measured in turns: every engine built and warmed first, then in each turn every form
+    captured and in its turns; forms named in host_tree with the engine's device_tree off) measured in turns: every engine built and warmed first, then in each turn every form
     runs every method once, the forms in an order that starts one later each turn. Sequential runs on one GPU drift
     by up to 0.5 ms a verify at 27B dims; pairs of the same turn share the machine's state. Per form and method: the
     median round over turns (round_ms, round_over_ar: the median of each turn's ratio to the form's own `ar`), the
@@ -442,7 +443,8 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
     engines, prompt = {}, round_prompt(target, prompt_len)
     for form, env in forms.items():
         with mock.patch.dict(os.environ, env):
-            engines[form] = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, "on")
+            engines[form] = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, "on",
+                                          device_tree=form not in host_tree)
     names = list(forms)
     runs: dict[str, dict[str, list[dict]]] = {form: {name: [] for name, _, _ in round_methods(budgets)} for form in names}
     for turn in range(turns):
