@@ -53,9 +53,10 @@ class EngineConfig:
     static_forward: str = "auto"
     cuda_graphs: bool = True           # capture static forwards as CUDA graphs (off: run them eagerly)
     # with static forwards, a lone greedy request's draft tree is built on the device between its draft and its
-    # verify (one device-to-host read per round); off: read the draft's top-k and build the tree on the host. Off by
-    # default until its CUDA graph capture is checked and its rounds measured on the GPU (tests/gpu, gpu_ratios)
-    device_tree: bool = False
+    # verify (one device-to-host read per round); off: read the draft's top-k and build the tree on the host. None
+    # ("auto"): on where the static forwards are CUDA graphs on CUDA (on the H200 its rounds beat the host build's in
+    # every turn: perf/results/gpu_ratios_h200_treeturns.md), off elsewhere
+    device_tree: bool | None = None
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 
@@ -100,7 +101,8 @@ class EngineConfig:
             if "int" in str(kind) and "str" not in str(kind):
                 kwargs[name] = int(raw)
             elif "bool" in str(kind):
-                kwargs[name] = _as_bool(raw)
+                auto = "None" in str(kind) and str(raw).strip().lower() == "auto"
+                kwargs[name] = None if auto else _as_bool(raw)
             else:
                 kwargs[name] = str(raw)
         for key in ("target_path", "drafter_path", "cost_model_path"):

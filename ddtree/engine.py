@@ -195,7 +195,9 @@ class Engine:
         self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs, scratch) if static and drafter else None
         self.static_commit = StaticCommit(self.graphs) if static else None   # a lone hybrid request's replay commit
         # a lone greedy request's tree built on the device, between its static draft and verify
-        self.static_tree = StaticTreeBuild(self.graphs) if static and drafter and config.device_tree else None
+        device_tree = (config.device_tree if config.device_tree is not None
+                       else self.device.type == "cuda" and config.cuda_graphs)
+        self.static_tree = StaticTreeBuild(self.graphs) if static and drafter and device_tree else None
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1

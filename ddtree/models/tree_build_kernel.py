@@ -16,7 +16,7 @@ give the same tree, ties included (tests/unit/test_device_tree.py). -0.0 scores 
 
 A second program (tree_inputs_kernel) writes what the verify reads from that tree: verify_rows' ids, positions and
 parents and, for the paths form, tree_paths_device's paths; tree_program runs both (graphs.StaticTreeBuild's body
-with DDTREE_TREE_BUILD_KERNEL=1).
+on CUDA; DDTREE_TREE_BUILD_KERNEL=0: the tensor forms instead).
 
 Imported only where it runs (CUDA, or Triton's interpreter in a test).
 """

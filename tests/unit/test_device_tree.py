@@ -149,8 +149,8 @@ def test_rounds_on_the_device_decode_the_targets_greedy_tokens(family, tiny_mode
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_rounds_with_the_one_program_build_decode_the_targets_greedy_tokens(family, tiny_models, hybrid, monkeypatch):
-    """The engine's tree programs run by tree_build_kernel's two launches (Triton's interpreter here; on CUDA with
-    DDTREE_TREE_BUILD_KERNEL=1) decode the target's greedy tokens, every tree built on the device; the hybrid's
+    """The engine's tree programs run by tree_build_kernel's two launches (Triton's interpreter here; on CUDA by
+    default) decode the target's greedy tokens, every tree built on the device; the hybrid's
     verify in the paths form on our kernel, so the programs make the paths too."""
     from ddtree.models import kernels, qwen3_5
     from ddtree.models.gdn import reference_recurrent
@@ -200,3 +200,18 @@ def test_rounds_on_the_device_in_the_paths_form(kernel, hybrid, monkeypatch):
         assert paths and all(paths), engine.graphs.programs.keys()   # every device build made the paths too
     else:
         assert engine.stage_times.device_trees == 0 and not paths
+
+
+def test_device_tree_is_on_by_default_only_for_cuda_graphs(tiny_models):
+    """device_tree None ("auto" in config.pbtxt): the tree program where static forwards are CUDA graphs on CUDA;
+    on the CPU (static forwards run eagerly) the host build unless asked for."""
+    from ddtree.engine import Engine
+
+    base = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                max_model_len=64, static_forward="on")
+    for raw, value in (("auto", None), ("on", True), ("0", False)):
+        assert EngineConfig.from_dict({**base, "device_tree": raw}).device_tree is value
+    with pytest.raises(ValueError, match="not a boolean"):
+        EngineConfig.from_dict({**base, "device_tree": "sometimes"})
+    assert EngineConfig(**base).device_tree is None and Engine(EngineConfig(**base)).static_tree is None
+    assert Engine(EngineConfig(**base, device_tree=True)).static_tree is not None
