@@ -54,8 +54,8 @@ class EngineConfig:
     cuda_graphs: bool = True           # capture static forwards as CUDA graphs (off: run them eagerly)
     # with static forwards, a lone greedy request's draft tree is built on the device between its draft and its
     # verify (one device-to-host read per round); off: read the draft's top-k and build the tree on the host. None
-    # ("auto"): on where the static forwards are CUDA graphs on CUDA (on the H200 its rounds beat the host build's in
-    # every turn: perf/results/gpu_ratios_h200_treeturns.md), off elsewhere
+    # ("auto"): on where the static forwards are CUDA graphs on CUDA (on the H200 its rounds against their own `ar`:
+    # ddtree-16 1.355, ddtree-64 1.568 against the host build's 1.403 / 1.641: perf/results/gpu_ratios_h200_treeturns.md), off elsewhere
     device_tree: bool | None = None
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)

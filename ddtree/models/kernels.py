@@ -63,8 +63,8 @@ def tree_build_kernel(device: torch.device) -> Callable | None:
     """A static tree program's body in two Triton launches (ddtree.models.tree_build_kernel.tree_program: the tree,
     equal to tree.device.build_tree_device, then verify_rows' head and tree_paths_device's paths; their tensor forms
     take ~300 small kernels, ~0.4 ms of the H200 a round) on CUDA unless DDTREE_TREE_BUILD_KERNEL=0, else None. On
-    the H200 its rounds were 2.4% shorter than the tensor forms' in 5 turns (ddtree-16 / ar 1.355 against 1.369:
-    perf/results/gpu_ratios_h200_treeturns.md)."""
+    the H200 in 5 turns the draft stage's GPU timeline was 2.4 ms against 2.9 and the rounds against their own `ar`
+    ddtree-16 1.355 / dflash 1.286 against 1.369 / 1.301, ddtree-64 equal (perf/results/gpu_ratios_h200_treeturns.md)."""
     if device.type != "cuda" or os.environ.get("DDTREE_TREE_BUILD_KERNEL", "1") in ("", "0"):
         return None
     return _tree_build_kernel()
