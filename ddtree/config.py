@@ -57,6 +57,9 @@ class EngineConfig:
     # ("auto"): on where the static forwards are CUDA graphs on CUDA (on the H200 its rounds against their own `ar`:
     # ddtree-16 1.355, ddtree-64 1.568 against the host build's 1.403 / 1.641: perf/results/gpu_ratios_h200_treeturns.md), off elsewhere
     device_tree: bool | None = None
+    # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
+    # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
+    draft_vocab: int = 0
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 
@@ -82,6 +85,8 @@ class EngineConfig:
         if not 1 <= self.default_stream_interval <= MAX_STREAM_INTERVAL:
             raise ValueError(f"default_stream_interval must be in [1, {MAX_STREAM_INTERVAL}], "
                              f"got {self.default_stream_interval}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         parse_arms(self.auto_arms)   # raises ValueError on an unknown arm

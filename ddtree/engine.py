@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, default_cost_model, node_weights, parse_arms
 from ddtree.config import EngineConfig
+from ddtree.draft_vocab import DraftVocab
 from ddtree.errors import InvalidRequest
 from ddtree.models.base import to_device
 from ddtree.models.dense import KVCache, Segment
@@ -173,6 +174,8 @@ class Engine:
                                  f"{self.target.config.num_hidden_layers} layers")
             if drafter.config.hidden_size != self.target.config.hidden_size:
                 raise ValueError("drafter hidden_size differs from the target's")
+        self.draft_vocab = DraftVocab(self.target.lm_head.weight.shape[0], config.draft_vocab,
+                                      self.target.eos_token_ids, self.device)
         cache_len = config.max_model_len + config.max_tree_budget + 1
         static = config.static_forward == "on" or (config.static_forward == "auto" and self.device.type == "cuda")
         # static forwards pad a batch's request count with requests that work in one more slot, held by none
@@ -500,11 +503,12 @@ class Engine:
         depth = min(block - 1, max(seqs[i].depth_limit for i in drafting))
         draft_logits = self.draft_logits(hidden[:, 1 : 1 + depth], [seqs[i].request for i in drafting])  # [R, depth, V]
         plans = {i: self._draft_plan(seqs[i]) for i in drafting}               # (chain?, budget)
-        k = max(1 if chain else budget for chain, budget in plans.values())
+        k = min(max(1 if chain else budget for chain, budget in plans.values()), draft_logits.shape[-1])
         if all(chain for chain, _ in plans.values()):   # chains only: their tokens, no log-probabilities
             log_probs, token_ids = None, top_ids(draft_logits)                # [R, depth, 1] on the host (a sync)
         else:
             log_probs, token_ids = top_log_probs(draft_logits, k)              # [R, depth, k] on the host (a sync)
+        token_ids = self.draft_vocab.token_ids(token_ids)
         t1 = time.perf_counter()
         self._events.record("drafted")   # after the read: the GPU is idle, the event completes at once
         self.stage_times.draft_gpu += self._events.seconds("draft", "drafted")
@@ -556,7 +560,7 @@ class Engine:
         if depth <= 0:
             return None
         chain, budget = self._draft_plan(seq)
-        k = 1 if chain else min(budget, self.target.config.vocab_size)
+        k = 1 if chain else min(budget, self.draft_vocab.width)
         budget = depth if chain else budget
         nodes = fits_budget(depth, k, budget)
         shape = self.static_target.device_tree_shape(self.caches[seq.slot], seq.start, nodes + 1)
@@ -581,6 +585,7 @@ class Engine:
         # the whole block's depths (one program per block depth: the tree takes the first `depth`)
         draft_logits = self.draft_logits(hidden[:, 1:], [seq.request])[0]                   # [block - 1, vocab]
         log_probs, token_ids = torch.topk(torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32), k)
+        token_ids = self.draft_vocab.token_ids(token_ids)
         head, paths = self.static_tree(log_probs, token_ids, budget, depth, seq.root, seq.start, *shape)   # [3, rows]
         self._events.record("drafted")
         t1 = time.perf_counter()
@@ -645,8 +650,12 @@ class Engine:
         return True
 
     def draft_logits(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Drafter outputs -> logits through the target's lm_head; hidden  # [R, depth, hidden] -> [R, depth, vocab]"""
-        return self.target.logits(hidden)
+        """Drafter outputs -> logits through the target's lm_head over the draft vocabulary (ddtree.draft_vocab:
+        positions in it, which draft_vocab.token_ids maps to token ids); hidden  # [R, depth, hidden] ->
+        [R, depth, draft_vocab.width]"""
+        if self.draft_vocab.full:
+            return self.target.logits(hidden)
+        return self.draft_vocab.logits(self.target.lm_head, hidden)
 
     def _suppressed(self, params: SamplingParams) -> list[int]:
         return sorted(self.target.eos_token_ids) if params.min_tokens else []
