@@ -72,6 +72,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}, "static-swap32": {"DDTREE_GEMV_ROWS": "32"},
     "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"},
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}}
+# whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
+ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768}}
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -177,14 +179,14 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # rounds with the draft's top-k read and the tree built on the host (two reads a round), for comparison
         rounds["static-hosttree"] = measure_rounds(target, drafter, args.device, args.dtype, round_budgets,
                                                    args.prompt_len, args.rounds, static_forward="on", device_tree=False)
-    round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV or f == "static-hosttree"]
+    round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV or f in ROUND_SETTINGS]
     round_turns = {}
     if args.round_turns and "static" in forwards:
         # the static forward's rounds and its variants' in turns (pairs under the same machine state)
         round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
                                  args.dtype, round_budgets, args.prompt_len, args.rounds,
                                  {"static": {}, **{f: VARIANT_ENV.get(f, {}) for f in round_forms}}, args.round_turns,
-                                 host_tree=("static-hosttree",)) or {}
+                                 ROUND_SETTINGS) or {}
         round_forms = []
     for form in (f for f in round_forms if args.device.startswith("cuda") and f in VARIANT_ENV):
         # whole rounds under a variant's environment, otherwise as the static forward's, for comparison with them
@@ -255,7 +257,9 @@ def table(result: dict) -> str:
              "(DDTREE_QKV_KERNEL=0) instead of our one kernel; static-convchain: a tree batch's GDN conv as the compiled "
              "chain (DDTREE_TREE_CONV_KERNEL=0) instead of our kernel; static-hosttree (whole rounds only): the draft's "
              "top-k read and the tree built on the host, two reads a round (device_tree off), instead of the tree and the "
-             "verify's inputs built on the device and one read.", "",
+             "verify's inputs built on the device and one read; static-vocab32k (whole rounds in turns only): the drafter "
+             "proposing only the first 32,768 ids and the EOS ids (draft_vocab), its logits from those rows of the "
+             "lm_head.", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -424,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="measure the static forward's whole rounds and --round-variants' in this many turns")
     parser.add_argument("--round-variants", default="",
                         help="environment variants (of --variants' list) whose whole rounds to measure too; with "
-                             "--round-turns also static-hosttree")
+                             "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)

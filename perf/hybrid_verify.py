@@ -352,12 +352,14 @@ def draft_tail_profile(engine: Engine, mode: str, budget: int) -> dict:
 
 @torch.inference_mode()
 def rounds_engine(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
-                  prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True) -> Engine:
+                  prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True,
+                  **settings) -> Engine:
     """measure_rounds' engine, warmed up: static_forward: the engine's setting (auto: static forwards captured as CUDA
-    graphs on CUDA); device_tree: its setting (off: the draft's top-k read and the tree built on the host)."""
+    graphs on CUDA); device_tree: its setting (off: the draft's top-k read and the tree built on the host); settings:
+    other EngineConfig fields."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
                           max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets),
-                          static_forward=static_forward, device_tree=device_tree)
+                          static_forward=static_forward, device_tree=device_tree, **settings)
     engine = Engine(config, target=target, drafter=drafter)
     # as the Triton model does at load: the static programs of every mode, row and path bucket. Without it a dflash
     # chain's programs (a row bucket per round as the chain shortens towards max_tokens) were each called once by
@@ -432,19 +434,19 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
 
 def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
                             prompt_len: int, rounds: int, forms: dict[str, dict[str, str]], turns: int,
-                            host_tree: tuple[str, ...] = ()) -> dict:
-    """Whole rounds of several engine forms (name -> the environment it runs under, read when its programs are
-    captured and in its turns; forms named in host_tree with the engine's device_tree off) measured in turns: every engine built and warmed first, then in each turn every form
-    runs every method once, the forms in an order that starts one later each turn. Sequential runs on one GPU drift
-    by up to 0.5 ms a verify at 27B dims; pairs of the same turn share the machine's state. Per form and method: the
-    median round over turns (round_ms, round_over_ar: the median of each turn's ratio to the form's own `ar`), the
-    turns' rounds, and per form other than the first its round against the first form's in the same turn (median,
-    min, max)."""
+                            settings: dict[str, dict] | None = None) -> dict:
+    """Whole rounds of several engine forms (name -> the environment it runs under, read when its programs are captured and
+    in its turns; settings: form -> rounds_engine keywords, e.g. device_tree False) measured in turns: every engine
+    built and warmed first, then in each turn every form runs every method once, the forms in an order that starts one
+    later each turn. Sequential runs on one GPU drift by up to 0.5 ms a verify at 27B dims; pairs of the same turn share
+    the machine's state. Per form and method: the median round over turns (round_ms, round_over_ar: the median of each
+    turn's ratio to the form's own `ar`), the turns' rounds, and per form other than the first its round against the
+    first form's in the same turn (median, min, max)."""
     engines, prompt = {}, round_prompt(target, prompt_len)
     for form, env in forms.items():
         with mock.patch.dict(os.environ, env):
             engines[form] = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, "on",
-                                          device_tree=form not in host_tree)
+                                          **(settings or {}).get(form, {}))
     names = list(forms)
     runs: dict[str, dict[str, list[dict]]] = {form: {name: [] for name, _, _ in round_methods(budgets)} for form in names}
     for turn in range(turns):
