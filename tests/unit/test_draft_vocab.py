@@ -77,3 +77,24 @@ def test_greedy_tokens_are_the_targets_and_every_proposal_is_in_the_subset(tiny_
     assert max(seen[0]) >= 40                                     # the subset binds here
     assert all(t < 40 or t in target.eos_token_ids for t in seen[40]), sorted(seen[40])
     assert 300 in seen[40]   # the kept EOS row, proposed by its id (not its position, 40, in the subset)
+
+
+def test_the_benchmark_reports_tau_and_the_tokens_outside(tiny_models, tmp_path):
+    """perf/draft_vocab.py on tiny checkpoints: per size its tau, the lm_head rows read, the share of the target's
+    greedy tokens outside the subset (computed from the texts), and every text the target's."""
+    import json
+
+    from perf import draft_vocab
+
+    result = draft_vocab.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
+                               str(tiny_models / "qwen3-dflash"), "--sizes", "0,40", "--budgets", "16",
+                               "--num-prompts", "2", "--max-new-tokens", "8", "--out", str(tmp_path), "--name", "v"])
+    assert draft_vocab.outside_share([[1, 50], [300, 39]], 40, {300}) == 0.25   # 50; EOS 300 is kept
+    whole, subset = result["sizes"]["0"], result["sizes"]["40"]
+    assert whole["draft_rows_share"] == 1.0 and whole["target_tokens_outside"] == 0.0
+    assert subset["draft_rows"] == 40 and 0 < subset["draft_rows_share"] < 1
+    assert set(subset["tau"]) == {"ar", "dflash", "ddtree-16"} and subset["tau"]["ar"] == 1.0
+    assert not whole["greedy_mismatches"] and not subset["greedy_mismatches"]
+    saved = json.loads((tmp_path / "v.json").read_text())
+    assert saved["sizes"]["40"]["target_tokens_outside"] == subset["target_tokens_outside"]
+    assert "| 40 | 40 (12%) |" in (tmp_path / "v.md").read_text()
