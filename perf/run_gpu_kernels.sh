@@ -6,7 +6,8 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # SHAPE's VARIANTS beside the default in turns (graph_turns)
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh gemv     # the 27B Linears at ROWS input rows: cuBLAS vs ours (FORMS: rows, swap)
-# tests takes TESTS (pytest paths) instead of the kernels' whole list.
+# tests takes TESTS (pytest paths) instead of the kernels' whole list; its log is pytest's whole output (a failure's
+# detail is written as it happens: tests/gpu/conftest.py), so a run cut off by TIMEOUT keeps it.
 # Results are named with TAG (default h200). The device tool brings back at most 8 files from $OUT: a call that runs
 # several steps should write logs into as few files as it can (ratios alone writes 5). gpu_ratios writes its verifies
 # as they land, so a call cut off by its time limit keeps them (<name>_qwen36-27b_verify.json).
@@ -21,7 +22,8 @@ case "${1:-ratios}" in
     # shellcheck disable=SC2086
     timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_tree_kernel.py tests/gpu/test_tree_build_kernel.py \
       tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py tests/gpu/test_cuda_graphs.py::test_hybrid_target_graphs_equal_dynamic \
-      tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic} 2>&1 | tail -40 | tee "$OUT/gpu_tests_$TAG.log" ;;
+      tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic} > "$OUT/gpu_tests_$TAG.log" 2>&1 || true
+    tail -40 "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes "${SHAPES:-qwen36-27b}" --budgets 16,64 \
       --batches "" --rounds "${ROUNDS:-12}" --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" \
