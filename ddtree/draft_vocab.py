@@ -24,8 +24,7 @@ class DraftVocab:
     Draft logits are over this subset ([..., width]); token_ids maps a position in it back to the target's id."""
 
     def __init__(self, rows: int, size: int, eos_ids: set[int] | list[int], device: torch.device) -> None:
-        if size < 0:
-            raise ValueError(f"draft_vocab must be >= 0, got {size}")
+        # size >= 0: EngineConfig checks it
         self.full = size == 0 or size >= rows
         self.size = rows if self.full else size
         extra = [] if self.full else sorted({t for t in eos_ids if size <= t < rows})

@@ -60,12 +60,13 @@ def measure(args) -> dict:
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "budgets": args.budgets, "sizes": {}}
-    reference = None
+    reference, engine = None, None
     for size in args.sizes:
         config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
                               max_tree_budget=max(args.budgets), max_num_seqs=args.batch, draft_vocab=size,
                               max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens + 1)
-        engine = Engine(config)
+        # the checkpoints loaded once: each size's engine serves the first one's target and drafter
+        engine = Engine(config) if engine is None else Engine(config, target=engine.target, drafter=engine.drafter)
         start = time.perf_counter()
         taus, outputs = acceptance_phase(engine, prompt_ids, methods, [0.0], args.max_new_tokens, args.seed)
         taus, outputs = taus["0"], outputs["0"]

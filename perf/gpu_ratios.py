@@ -178,7 +178,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     if "static-hosttree" in variants and "static" in forwards:
         # rounds with the draft's top-k read and the tree built on the host (two reads a round), for comparison
         rounds["static-hosttree"] = measure_rounds(target, drafter, args.device, args.dtype, round_budgets,
-                                                   args.prompt_len, args.rounds, static_forward="on", device_tree=False)
+                                                   args.prompt_len, args.rounds, static_forward="on",
+                                                   **ROUND_SETTINGS["static-hosttree"])
     round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV or f in ROUND_SETTINGS]
     round_turns = {}
     if args.round_turns and "static" in forwards:

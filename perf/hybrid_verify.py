@@ -416,11 +416,13 @@ def measure_method(engine: Engine, prompt: list[int], mode: str, budget: int, ro
 
 
 def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
-                   prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True) -> dict:
+                   prompt_len: int, rounds: int, static_forward: str = "auto", device_tree: bool = True,
+                   **settings) -> dict:
     """Whole engine rounds at batch 1: ar, dflash and ddtree at each budget (random drafter: ~1 token a round,
     so every round drafts and verifies a full tree), each method's measure_method entry with round_over_ar.
-    static_forward, device_tree: rounds_engine's."""
-    engine = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, static_forward, device_tree)
+    static_forward, device_tree, settings: rounds_engine's."""
+    engine = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, static_forward, device_tree,
+                           **settings)
     prompt = round_prompt(target, prompt_len)
     results = {}
     for name, mode, budget in round_methods(budgets):
