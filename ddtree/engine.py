@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -200,7 +200,8 @@ class Engine:
         # a lone greedy request's tree built on the device, between its static draft and verify
         device_tree = (config.device_tree if config.device_tree is not None
                        else self.device.type == "cuda" and config.cuda_graphs)
-        self.static_tree = StaticTreeBuild(self.graphs) if static and drafter and device_tree else None
+        self.static_tree = (StaticTreeBuild(self.graphs, self.draft_vocab.token_ids) if static and drafter and device_tree
+                            else None)
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -582,11 +583,10 @@ class Engine:
         self._auto_drafted = seq.request.params.mode == "auto"
         n = nodes + 1
         hidden = self._draft_hidden([seq])
-        # the whole block's depths (one program per block depth: the tree takes the first `depth`)
-        draft_logits = self.draft_logits(hidden[:, 1:], [seq.request])[0]                   # [block - 1, vocab]
-        log_probs, token_ids = torch.topk(torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32), k)
-        token_ids = self.draft_vocab.token_ids(token_ids)
-        head, paths = self.static_tree(log_probs, token_ids, budget, depth, seq.root, seq.start, *shape)   # [3, rows]
+        # the whole block's depths (one program per block depth: the tree takes the first `depth`); the draft's
+        # logits and top-k run inside the tree's program
+        head, paths = self.static_tree(hidden[0, 1:], self._draft_head([seq.request]), k, budget, depth, seq.root,
+                                       seq.start, *shape)                                   # [3, rows]
         self._events.record("drafted")
         t1 = time.perf_counter()
         self._events.record("verify")
@@ -656,6 +656,11 @@ class Engine:
         if self.draft_vocab.full:
             return self.target.logits(hidden)
         return self.draft_vocab.logits(self.target.lm_head, hidden)
+
+    def _draft_head(self, requests: list[Request]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """draft_logits for one request's hidden states  # [depth, hidden] -> [depth, draft_vocab.width] (the tree
+        program's head: StaticTreeBuild)."""
+        return lambda hidden: self.draft_logits(hidden[None], requests)[0]
 
     def _suppressed(self, params: SamplingParams) -> list[int]:
         return sorted(self.target.eos_token_ids) if params.min_tokens else []
@@ -754,11 +759,14 @@ class Engine:
         if self.static_tree is None:
             return
         depth = self.drafter.block_size - 1
+        weight = self.target.lm_head.weight   # the drafter's outputs are in the target's hidden space
+        hidden = torch.zeros(depth, weight.shape[1], dtype=weight.dtype, device=self.device)
+        head = lambda h: Engine.draft_logits(self, h[None], [])[0]   # noqa: E731 (the engine's own, whatever a subclass drafts)
         for rows in sorted({row_bucket(n) for n in range(2, max_rows + 1)}):
             shape = self.static_target.device_tree_shape(self.caches[0], start, rows)
             if shape is not None:
-                log_probs = -torch.arange(rows - 1, dtype=torch.float32, device=self.device).expand(depth, rows - 1)
-                self.static_tree(log_probs, torch.zeros_like(log_probs, dtype=torch.long), rows - 1, depth, 1, start, *shape)
+                k = min(rows - 1, self.draft_vocab.width)
+                self.static_tree(hidden, head, k, rows - 1, depth, 1, start, *shape)
 
     @torch.inference_mode()
     def _warm_shapes(self, start: int, max_rows: int) -> None:

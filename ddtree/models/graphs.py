@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ddtree.models import fused, kernels, qwen3_5
 from ddtree.models.dense import ForwardPlan, PackedAttention, Segment
@@ -383,48 +384,58 @@ class StaticCommit:
 
 
 class StaticTreeBuild:
-    """A lone request's draft tree and its verify's tree inputs, built on the device from the draft's top-k
-    (tree.device) as a static program: queued behind the drafter and read by the verify's program (StaticTarget.batch's
-    `tree`), so that a round reads the device once, after its verify. A program per (depth, rows, paths), as the
-    verify's: a tree of any budget up to rows - 1 (its ranks past the budget at -inf, its rows past the tree padding)."""
+    """A lone request's draft tree and its verify's tree inputs, built on the device from the drafter's hidden states
+    (tree.device) as a static program: the draft's logits, log-probabilities and top-k, then the tree, queued behind
+    the drafter and read by the verify's program (StaticTarget.batch's `tree`), so that a round reads the device once,
+    after its verify, and launches one program between them where the draft's head, top-k and the copies into the
+    tree's inputs took ~10 launches (the host's time in the draft stage: in Triton's slower stub interpreter, 1.5 ms of
+    a 135M model's round against 0.9 in process, perf/results/humaneval_h200_devtree.md). A program per (block depth,
+    rows, paths), as the verify's: a tree of any budget up to rows - 1 (its ranks past k or the depth at -inf, its rows
+    past the tree padding)."""
 
-    def __init__(self, graphs: GraphPool) -> None:
-        self.graphs = graphs
+    def __init__(self, graphs: GraphPool, token_ids: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """token_ids: the draft vocabulary's positions -> token ids (DraftVocab.token_ids)."""
+        self.graphs, self.token_ids = graphs, token_ids
 
-    def __call__(self, log_probs: torch.Tensor, token_ids: torch.Tensor, budget: int, depth: int, root: int, start: int,
-                 rows: int, num_paths: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the verify's ids, positions and parents  # [3, rows], its paths form or None); log_probs, token_ids
-        # [block depth, k] on the device, ranks sorted descending, k <= budget < rows; the tree takes the first `depth`
-        levels (the others at -inf: a program per block depth serves a request's last, shorter drafts too). The first
-        (a copy, which later programs leave alone) holds the tree: of its first fits_budget(depth, k, budget) + 1 rows,
-        ids[1:] are the nodes' tokens, positions[1:] - start their depths, parents[1:] their parents."""
-        k = log_probs.shape[1]
-        key = ("tree", log_probs.shape[0], rows, num_paths)
-        program = self.graphs.program(key, lambda: self._make(log_probs, token_ids, rows, num_paths))
-        program.host.numpy()[:] = root, start, fits_budget(depth, k, budget) + 1
-        ranks, ids = program.extra["log_probs"], program.extra["token_ids"]
-        ranks[:, :k].copy_(log_probs)
-        ranks[:, k:] = float("-inf")
-        ranks[depth:] = float("-inf")
-        ids[:, :k].copy_(token_ids)
-        head, paths = self.graphs.run(key, program)
-        return head.clone(), paths
+    def __call__(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], k: int, budget: int,
+                 depth: int, root: int, start: int, rows: int, num_paths: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the verify's ids, positions and parents  # [3, rows], its paths form or None) of the tree over the top k of
+        each of the first `depth` levels; hidden  # [block depth, hidden] the drafter's outputs after its root, head:
+        hidden -> draft logits  # [block depth, draft vocabulary] (the engine's, the same function at every call: under
+        CUDA graphs the first call's is what replays), k <= budget < rows. The first output (a copy, which later programs
+        leave alone) holds the tree: of its first fits_budget(depth, k, budget) + 1 rows, ids[1:] are the nodes' tokens,
+        positions[1:] - start their depths, parents[1:] their parents."""
+        key = ("tree", hidden.shape[0], rows, num_paths)
+        program = self.graphs.program(key, lambda: self._make(hidden, rows, num_paths))
+        program.host.numpy()[:] = root, start, fits_budget(depth, k, budget) + 1, k, depth
+        program.extra["hidden"].copy_(hidden)
+        program.extra["head"] = head
+        out, paths = self.graphs.run(key, program)
+        return out.clone(), paths
 
-    def _make(self, log_probs: torch.Tensor, token_ids: torch.Tensor, rows: int, num_paths: int) -> Program:
-        host, inputs = self.graphs.new_inputs(3)
-        depth, width = log_probs.shape[0], rows - 1
-        extra = {"log_probs": log_probs.new_zeros(depth, width), "token_ids": token_ids.new_zeros(depth, width),
-                 "grid": candidate_grid(width, width, log_probs.device)}
-        build = kernels.tree_build_kernel(log_probs.device)   # the body in two Triton launches, or None: tensor forms
+    def _make(self, hidden: torch.Tensor, rows: int, num_paths: int) -> Program:
+        host, inputs = self.graphs.new_inputs(5)   # root, start, nodes + 1, k, depth
+        levels, width, device = hidden.shape[0], rows - 1, hidden.device
+        extra = {"hidden": torch.zeros_like(hidden), "head": None, "grid": candidate_grid(width, width, device)}
+        columns, depths = torch.arange(width, device=device), torch.arange(levels, device=device)
+        build = kernels.tree_build_kernel(device)   # the body in two Triton launches, or None: tensor forms
         if build is not None:
-            scratch = kernels.tree_build_scratch(depth, width, extra["grid"][0].shape[0], log_probs.device)
+            scratch = kernels.tree_build_scratch(levels, width, extra["grid"][0].shape[0], device)
 
         def body():
+            logits = extra["head"](extra["hidden"])                                        # [levels, vocab]
+            top = min(width, logits.shape[-1])
+            log_probs, positions = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top)
+            token_ids = self.token_ids(positions)
+            if top < width:   # a vocabulary smaller than the row bucket (tiny models): padding ranks at -inf
+                log_probs = F.pad(log_probs, (0, width - top), value=float("-inf"))
+                token_ids = F.pad(token_ids, (0, width - top))
+            past = (columns[None, :] >= inputs[3]) | (depths[:, None] >= inputs[4])     # ranks past k, levels past depth
+            log_probs = log_probs.masked_fill(past, float("-inf"))
             if build is not None:
-                return build(extra["log_probs"], extra["token_ids"], width, extra["grid"], scratch, inputs, num_paths,
-                             PATHS_MAX_LEN)
-            root, start, num_nodes = inputs
-            tree = build_tree_device(extra["log_probs"], extra["token_ids"], width, extra["grid"])
+                return build(log_probs, token_ids, width, extra["grid"], scratch, inputs, num_paths, PATHS_MAX_LEN)
+            root, start, num_nodes = inputs[:3]
+            tree = build_tree_device(log_probs, token_ids, width, extra["grid"])
             head = verify_rows(root, start, num_nodes, *tree)
             return head, tree_paths_device(head[2], num_nodes, PATHS_MAX_LEN, num_paths) if num_paths else None
 

@@ -167,8 +167,9 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
             # (the host build's last round drafts nothing: one read)
             # a program made on the request (not prepared by warm-up) synchronizes while it captures: named apart
             assert engine.graphs.late_keys[late:] == [], (family, mode, budget, device_tree, engine.graphs.late_keys)
+            # the message as one string: pytest shortens a non-string message's repr (it cut the frames before)
             assert set(reads) == {1} if device_tree else reads.count(2) >= len(reads) - 1 and set(reads) <= {1, 2}, (
-                family, mode, budget, device_tree, reads, where[:6])
+                f"{family} {mode}-{budget} device_tree={device_tree} reads {reads}\n" + "\n".join(where[:6]))
         assert engine.stage_times.device_trees > 0 if device_tree else engine.stage_times.device_trees == 0
         assert engine.graphs.late_keys == [], engine.graphs.late_keys
     for (device_tree, mode, budget), tokens in outputs.items():

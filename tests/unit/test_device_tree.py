@@ -117,6 +117,33 @@ def greedy(mode: str, budget: int, max_tokens: int = 40) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
 
 
+@pytest.mark.parametrize("seed", range(24))
+def test_the_tree_program_builds_the_host_tree_from_the_drafters_outputs(seed):
+    """StaticTreeBuild takes the drafter's hidden states and runs the draft's head, log-softmax and top-k itself (one
+    program between the drafter and the verify): its tree is build_tree's over the host's top k of the first `depth`
+    levels, the ids mapped by the draft vocabulary, whatever the row bucket (a vocabulary narrower than it: tiny models)."""
+    from ddtree.models.graphs import GraphPool, StaticTreeBuild
+
+    gen = torch.Generator().manual_seed(seed)
+    levels, size = 15, 8
+    vocab = int(torch.randint(2, 90, (), generator=gen))
+    rows = [16, 32, 64, 128][seed % 4]
+    depth = int(torch.randint(1, levels + 1, (), generator=gen))
+    budget = int(torch.randint(1, rows, (), generator=gen))
+    k = 1 if seed % 5 == 0 else min(budget, vocab)
+    weight = 3 * torch.randn(vocab, size, generator=gen)
+    hidden = torch.randn(levels, size, generator=gen)
+    program = StaticTreeBuild(GraphPool(torch.device("cpu"), capture=False), token_ids=lambda positions: positions * 3 + 1)
+    out, paths = program(hidden, lambda h: h @ weight.T, k, budget, depth, 7, 30, rows, 0)
+    log_probs, positions = top_log_probs(hidden[:depth] @ weight.T, k)
+    tree = build_tree(log_probs, positions * 3 + 1, budget)
+    n, pad = tree.num_nodes, rows - 1 - tree.num_nodes
+    assert paths is None and n == fits_budget(depth, k, budget)
+    assert out[0].tolist() == [7] + tree.tokens[1:] + [0] * pad
+    assert out[1].tolist() == [30 + d for d in tree.depths] + [30] * pad
+    assert out[2].tolist() == tree.parents + [-1] * pad
+
+
 def engines(family: str, tiny_models, hybrid, **settings):
     """(target-only engine, engine with device trees) on the tiny dense target ("qwen3") or the tiny hybrid."""
     if family == "hybrid":
