@@ -653,8 +653,6 @@ class Engine:
         """Drafter outputs -> logits through the target's lm_head over the draft vocabulary (ddtree.draft_vocab:
         positions in it, which draft_vocab.token_ids maps to token ids); hidden  # [R, depth, hidden] ->
         [R, depth, draft_vocab.width]"""
-        if self.draft_vocab.full:
-            return self.target.logits(hidden)
         return self.draft_vocab.logits(self.target.lm_head, hidden)
 
     def _draft_head(self, requests: list[Request]) -> Callable[[torch.Tensor], torch.Tensor]:
