@@ -7,7 +7,9 @@ request, one packed target verify, and per request the acceptance walk and the c
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -212,6 +214,9 @@ class Engine:
         self._round_end: float | None = None   # when the last step's decoding round ended (None: the last step had none)
         self._events = StageEvents(self.device)
         self._auto_drafted = False   # whether a mode-auto request drafted this round (auto's arm accounting)
+        # set while a round's host waits on the device (None: nobody asks): GenerationService's outbox does its
+        # Python work inside these windows, not while this thread prepares and launches a round (ddtree.serving.Outbox)
+        self.wait_gate: threading.Event | None = None
 
     @property
     def cache(self):
@@ -379,9 +384,10 @@ class Engine:
             # the target's greedy choices of every row, launched behind the verify and read in the same wait: one
             # device-to-host read after the verify (rows of requests that sample or suppress tokens are recomputed per request)
             greedy = any(s.request.params.is_greedy for s in seqs)
-            choices = logits.argmax(dim=-1).tolist() if greedy else None
-            if not greedy:
-                self._sync()
+            with self._waiting():
+                choices = logits.argmax(dim=-1).tolist() if greedy else None
+                if not greedy:
+                    self._sync()
         t_commit = time.perf_counter()
         self._events.settle()   # the last round's commit: the device has passed it
         times.verify_gpu += self._events.seconds("verify", "verified")
@@ -505,10 +511,11 @@ class Engine:
         draft_logits = self.draft_logits(hidden[:, 1 : 1 + depth], [seqs[i].request for i in drafting])  # [R, depth, V]
         plans = {i: self._draft_plan(seqs[i]) for i in drafting}               # (chain?, budget)
         k = min(max(1 if chain else budget for chain, budget in plans.values()), draft_logits.shape[-1])
-        if all(chain for chain, _ in plans.values()):   # chains only: their tokens, no log-probabilities
-            log_probs, token_ids = None, top_ids(draft_logits)                # [R, depth, 1] on the host (a sync)
-        else:
-            log_probs, token_ids = top_log_probs(draft_logits, k)              # [R, depth, k] on the host (a sync)
+        with self._waiting():
+            if all(chain for chain, _ in plans.values()):   # chains only: their tokens, no log-probabilities
+                log_probs, token_ids = None, top_ids(draft_logits)             # [R, depth, 1] on the host (a sync)
+            else:
+                log_probs, token_ids = top_log_probs(draft_logits, k)          # [R, depth, k] on the host (a sync)
         token_ids = self.draft_vocab.token_ids(token_ids)
         t1 = time.perf_counter()
         self._events.record("drafted")   # after the read: the GPU is idle, the event completes at once
@@ -595,7 +602,8 @@ class Engine:
                                                 tree=(head, paths))
         self._events.record("verified")
         # the round's one device-to-host read: the verify's choices, the tree's ids, positions and parents
-        read = torch.cat([logits.argmax(dim=-1), head[:, :n].flatten()]).tolist()
+        with self._waiting():
+            read = torch.cat([logits.argmax(dim=-1), head[:, :n].flatten()]).tolist()
         t2 = time.perf_counter()
         choices, ids, positions, parents = (read[i * n : (i + 1) * n] for i in range(4))
         tree = _empty_tree()
@@ -694,6 +702,20 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Around a round's device-to-host read: wait_gate open while this thread waits on the device (the read
+        releases the GIL), closed when it goes back to host work."""
+        gate = self.wait_gate
+        if gate is None:
+            yield
+            return
+        gate.set()
+        try:
+            yield
+        finally:
+            gate.clear()
 
     # -- single-request use (tests, benchmarks) --------------------------------------
     def generate(self, request: Request) -> Iterator[RequestOutput]:

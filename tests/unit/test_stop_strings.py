@@ -173,11 +173,16 @@ def pick_stop(tokenizer, ids, length: int = 5) -> str:
     raise AssertionError(f"no stop string to pick in {text!r}")
 
 
-@pytest.mark.parametrize("mode, inline", [("ar", False), ("ddtree", False), ("ddtree", True)])
-def test_service_stops_the_request_at_the_round_that_completes_the_stop_string(engine, tokenizer, mode, inline,
+@pytest.mark.parametrize("mode, sends", [("ar", "outbox"), ("ddtree", "outbox"), ("ddtree", "inline"),
+                                         ("ar", "gated"), ("ddtree", "gated")])
+def test_service_stops_the_request_at_the_round_that_completes_the_stop_string(engine, tokenizer, mode, sends,
                                                                                monkeypatch):
-    """inline: DDTREE_INLINE_SENDS=1, responses sent from the engine thread (no outbox thread): the same stream."""
+    """inline: DDTREE_INLINE_SENDS=1, responses sent from the engine thread (no outbox thread); gated:
+    DDTREE_OUTBOX_GATE=1, the outbox's calls held for the engine thread's device reads (a CUDA engine's default): the
+    same stream."""
+    inline = sends == "inline"
     monkeypatch.setenv("DDTREE_INLINE_SENDS", "1" if inline else "0")
+    monkeypatch.setenv("DDTREE_OUTBOX_GATE", "1" if sends == "gated" else "0")
     sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": mode, "tree_budget": 8}
     free_ids = engine.generate_ids(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, mode=mode,
                                                           tree_budget=8)).output_ids
@@ -185,6 +190,7 @@ def test_service_stops_the_request_at_the_round_that_completes_the_stop_string(e
     expected = free[: free.find(stop)]
     service = GenerationService(engine, tokenizer, max_queue_size=4)
     assert service._outbox._thread.is_alive() is not inline
+    assert (engine.wait_gate is not None) is (sends == "gated") and engine.wait_gate is service._outbox.gate
     try:
         streamed = serve(service, tokenizer, {**sampling, "stop": ["\u2603", stop]}, stream=True)
         whole = serve(service, tokenizer, {**sampling, "stop": stop}, stream=False)

@@ -1,0 +1,94 @@
+"""The outbox's gate: its calls wait for the engine thread's device reads (Engine.wait_gate), for at most GATE_WAIT_S;
+the engine opens the gate around every read of a round and closes it after; closing the outbox drains it at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ddtree import serving
+from ddtree.config import EngineConfig
+from ddtree.engine import Engine
+from ddtree.sampling_params import SamplingParams
+from ddtree.serving import Outbox
+
+PROMPT = [100, 200, 300]
+
+
+class RecordingGate(threading.Event):
+    """A gate that counts its openings and closings, and checks that they alternate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = self.closed = 0
+
+    def set(self) -> None:
+        assert not self.is_set(), "opened twice without closing"
+        self.opened += 1
+        super().set()
+
+    def clear(self) -> None:
+        assert self.is_set(), "closed without opening"
+        self.closed += 1
+        super().clear()
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return predicate()
+
+
+def test_a_call_waits_for_the_gate(monkeypatch):
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 30.0)
+    gate, done = threading.Event(), []
+    outbox = Outbox(gate=gate)
+    outbox.put(done.append, 1)
+    time.sleep(0.2)
+    assert done == [], "the call ran while the gate was closed"
+    gate.set()
+    assert wait_for(lambda: done == [1])
+    outbox.close(5.0)
+
+
+def test_a_closed_gate_holds_a_call_only_so_long(monkeypatch):
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 0.05)
+    done = []
+    outbox = Outbox(gate=threading.Event())   # never opened
+    for i in range(3):
+        outbox.put(done.append, i)
+    assert wait_for(lambda: done == [0, 1, 2])
+    outbox.close(5.0)
+
+
+def test_closing_drains_without_waiting_for_the_gate(monkeypatch):
+    """Only a call already waiting when the outbox closes can wait (GATE_WAIT_S at most); the rest go at once."""
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 2.0)
+    done = []
+    outbox = Outbox(gate=threading.Event())   # never opened
+    start = time.monotonic()
+    for i in range(3):
+        outbox.put(done.append, i)
+    outbox.close(30.0)
+    assert done == [0, 1, 2] and time.monotonic() - start < 4.5   # 6 s if each had waited
+
+
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_the_engine_opens_the_gate_around_each_read(tiny_models, mode):
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=128, max_num_seqs=2))
+    params = SamplingParams(max_tokens=12, ignore_eos=True, mode=mode, tree_budget=8)
+    expected = engine.generate_ids(PROMPT, params).output_ids
+    engine.wait_gate = gate = RecordingGate()
+    times = engine.stage_times
+    rounds, drafts = times.batch_rounds, times.draft_passes
+    request = engine.generate_ids(PROMPT, params)
+    rounds, drafts = times.batch_rounds - rounds, times.draft_passes - drafts
+    assert request.output_ids == expected
+    assert (drafts == 0) is (mode == "ar") and drafts < rounds   # the last round (one token left) drafts nothing
+    # a read a round (the verify's choices), and on the host path one more for each draft (its top ids or top-k):
+    # each inside an opening
+    assert gate.opened == gate.closed == rounds + drafts and not gate.is_set()
