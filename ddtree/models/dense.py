@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ddtree.models import fused
@@ -27,6 +26,7 @@ from ddtree.models.layers import (
     apply_rotary,
     attend,
     linear,
+    sdpa,
     through_gemv,
 )
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
@@ -217,8 +217,7 @@ class PackedAttention:
             keys = pool_k[self.slots, : self.end].transpose(1, 2)              # [R, kv_heads, E, d]
             values = pool_v[self.slots, : self.end].transpose(1, 2)
         queries = (q.reshape(r, q_len, *q.shape[1:]) if self.in_order else q[self.q_index]).transpose(1, 2)   # [R, heads, Q, d]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
-                                             enable_gqa=q.shape[1] != pool_k.shape[2]).transpose(1, 2)
+        out = sdpa(queries, keys, values, self.mask, scale).transpose(1, 2)
         return out.reshape(r * q_len, *out.shape[2:]) if self.in_order else out.flatten(0, 1)[self.out_index]   # [N, heads, d]
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from ddtree.models import fused
 from ddtree.models.dense import KVPool
 from ddtree.models.kernels import draft_attention_kernel
-from ddtree.models.layers import FusedProjections, GatedMLP, NormedRows, RMSNorm, Rotary, attend, linear
+from ddtree.models.layers import FusedProjections, GatedMLP, NormedRows, RMSNorm, Rotary, attend, linear, sdpa
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
 logger = logging.getLogger(__name__)
@@ -260,10 +260,8 @@ class DFlashDrafter(nn.Module):
                 pool, slots, context, masks = pooled
                 keys = torch.cat([pool.k[i, slots, :context], k_block.view(r, b, *k_block.shape[1:])], dim=1)
                 values = torch.cat([pool.v[i, slots, :context], v_block.view(r, b, *v_block.shape[1:])], dim=1)
-                out = F.scaled_dot_product_attention(
-                    q.view(r, b, attn.num_heads, attn.head_dim).transpose(1, 2), keys.transpose(1, 2),
-                    values.transpose(1, 2), attn_mask=masks[attn.window], scale=attn.head_dim**-0.5,
-                    enable_gqa=attn.num_heads != attn.num_kv_heads).transpose(1, 2)          # [R, b, heads, d]
+                out = sdpa(q.view(r, b, attn.num_heads, attn.head_dim).transpose(1, 2), keys.transpose(1, 2),
+                           values.transpose(1, 2), masks[attn.window], attn.head_dim**-0.5).transpose(1, 2)  # [R, b, heads, d]
                 h = linear(out.reshape(r * b, -1), attn.o_proj, h)
             else:
                 outputs = []

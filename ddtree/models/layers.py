@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ddtree.models import fused, kernels
 
@@ -226,12 +228,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return fused.rotary(x, cos, sin)
 
 
+# Masked attention on CUDA goes without cuDNN's backend, which PyTorch picks for a masked GQA call in bf16 on the
+# H200: it builds a plan for every new shape, 57-85 ms and up to 1.7 s at a new length against 0.3-0.5 ms for the
+# call after (perf/results/sdpa_probe_h200.md), so every prompt of a length not seen before paid that in its prefill.
+# Captured programs take the same form, so a static forward computes what the dynamic one does (in fp32, where cuDNN
+# never ran, both went through the math kernel before; now both through the fused ones). DDTREE_SDPA_CUDNN=1 (a
+# diagnostic) leaves the choice to PyTorch.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         repeat_kv: bool | None = None) -> torch.Tensor:
+    """F.scaled_dot_product_attention with K/V heads shared by groups of query heads (GQA); q  # [B, heads, Q, d];
+    k, v  # [B, kv_heads, K, d]; mask broadcastable to [B, heads, Q, K], bool (True = visible). repeat_kv (None:
+    masked on CUDA, DDTREE_SDPA_CUDNN unset): the K/V heads repeated for the fused kernels (they take no GQA
+    broadcast), through SDPA_BACKENDS (no cuDNN)."""
+    if repeat_kv is None:
+        repeat_kv = mask is not None and q.is_cuda and os.environ.get("DDTREE_SDPA_CUDNN", "0") in ("", "0")
+    gqa = q.shape[1] != k.shape[1]
+    if not repeat_kv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            scale: float) -> torch.Tensor:
     """q  # [n, heads, d]; k, v  # [m, kv_heads, d]; mask  # [n, m] bool (True = visible)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=None if mask is None else mask[None, None], scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+    out = sdpa(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+               None if mask is None else mask[None, None], scale)
     return out[0].transpose(0, 1)  # [n, heads, d]
