@@ -57,6 +57,10 @@ class EngineConfig:
     # ("auto"): on where the static forwards are CUDA graphs on CUDA (on the H200 its rounds against their own `ar`:
     # ddtree-16 1.355, ddtree-64 1.568 against the host build's 1.403 / 1.641: perf/results/gpu_ratios_h200_treeturns.md), off elsewhere
     device_tree: bool | None = None
+    # a lone greedy `ar` request's next step queued before this one's token is read (its input id copied on the
+    # device from this step's argmax), so the device never waits for the host between steps; discarded when the
+    # request stops. Off until measured on the GPU (perf/gpu_ratios.py --round-variants static-arahead)
+    ar_lookahead: bool = False
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0

@@ -45,7 +45,7 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree, build_chain, build_tree, compile_tree, top_ids, top_log_probs
 from ddtree.tree.build import _add_node, _empty_tree
 from ddtree.tree.device import fits_budget
-from ddtree.verify import accept
+from ddtree.verify import Acceptance, accept
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class StageTimes:
     draft_passes: int = 0        # packed drafter passes
     static_commits: int = 0      # rounds whose cache commit ran as a static program (graphs.StaticCommit)
     device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
+    lookahead_steps: int = 0     # `ar` steps queued before the last one's token was read (Engine._lookahead_round)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
     #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
@@ -114,6 +115,22 @@ class Sequence:
     def depth_limit(self) -> int:
         """Deeper drafts can never be used: the bonus token always adds one."""
         return self.max_tokens - self.request.num_output_tokens - 1
+
+
+@dataclass(slots=True)
+class QueuedStep:
+    """A lone greedy `ar` request's step queued on the device (Engine._queue_step): the target's argmax at `start`,
+    copied to the host behind an event."""
+    seq: Sequence
+    start: int
+    token: torch.Tensor            # [1] on the device: the step's argmax, the next step's input id
+    host: torch.Tensor             # [1] on the host (pinned on CUDA), written by the copy the event follows
+    event: torch.cuda.Event | None  # None off CUDA (the argmax is on the host already)
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()   # releases the GIL while it waits
+        return int(self.host[0])
 
 
 class StageEvents:
@@ -217,6 +234,7 @@ class Engine:
         # set while a round's host waits on the device (None: nobody asks): GenerationService's outbox does its
         # Python work inside these windows, not while this thread prepares and launches a round (ddtree.serving.Outbox)
         self.wait_gate: threading.Event | None = None
+        self._ahead: QueuedStep | None = None   # config.ar_lookahead: the running `ar` request's next step, queued
 
     @property
     def cache(self):
@@ -264,6 +282,8 @@ class Engine:
                 return True
         for seq in self.running:
             if seq.request.request_id == request_id:
+                if self._ahead is not None and self._ahead.seq is seq:
+                    self._ahead = None   # its queued step runs on a slot nobody reads until a prefill rewrites it
                 self._release(seq)
                 return True
         return False
@@ -276,9 +296,12 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests (prefill), then one decoding round for the others."""
-        decoding = list(self.running)
+        outputs = []
+        if self._ahead is not None and not (self._lookahead_ok(self.running) and self.running[0] is self._ahead.seq):
+            outputs += self._settle_ahead()   # a request arrives (or the batch changes): the queued step is a round
+        decoding = [s for s in self.running if s.request.finish_reason is None]
         t_prefill = time.perf_counter()
-        outputs = self._prefill(self._admit())
+        outputs += self._prefill(self._admit())
         prefill_s = time.perf_counter() - t_prefill
         if decoding:
             outputs += self._round(decoding, prefill_s)
@@ -339,15 +362,17 @@ class Engine:
         cycle_start = self._cycle_start(t_round, prefill_s)
         budgets = [s.request.params.tree_budget for s in seqs if s.request.params.mode == "auto"]
         self.arm = self.arm_selector.choose(len(seqs), max(budgets)) if budgets else None
-        plan = self._device_tree_plan(seqs)
-        if plan is not None:
-            trees, verified = self._round_on_device(seqs[0], *plan)
-            batches = []
-        else:
-            trees, verified = self._draft(seqs), None
-            batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
-        times.tree_nodes += sum(tree.num_nodes for tree in trees)
-        outputs = self._verify_and_commit(seqs, trees, batches, verified)
+        outputs = self._lookahead_round(seqs[0]) if self._lookahead_ok(seqs) else None
+        if outputs is None:
+            plan = self._device_tree_plan(seqs)
+            if plan is not None:
+                trees, verified = self._round_on_device(seqs[0], *plan)
+                batches = []
+            else:
+                trees, verified = self._draft(seqs), None
+                batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
+            times.tree_nodes += sum(tree.num_nodes for tree in trees)
+            outputs = self._verify_and_commit(seqs, trees, batches, verified)
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(len(out.new_token_ids) for seq, out in zip(seqs, outputs) if seq.request.params.mode == "auto")
@@ -450,19 +475,90 @@ class Engine:
             self.auto_calibration = 0.5 * self.auto_calibration + 0.5 * seq.calibration   # prior for new requests
         return acceptance
 
-    def _commit_caches(self, seqs: list[Sequence], accepted: list[list[int]]) -> None:
+    # -- `ar` lookahead (config.ar_lookahead) ----------------------------------------------
+    def _lookahead_ok(self, seqs: list[Sequence]) -> bool:
+        """Whether this round is a lone greedy `ar` request's step that may queue the next before reading its token."""
+        if not self.config.ar_lookahead or self.static_target is None or len(seqs) != 1 or self.waiting:
+            return False
+        params = seqs[0].request.params
+        return params.mode == "ar" and params.is_greedy and not self._suppressed(params)
+
+    def _lookahead_round(self, seq: Sequence) -> list[RequestOutput] | None:
+        """One `ar` step of a lone greedy request, the next one queued behind it before its token is read: the next
+        step's input id is this step's argmax, copied on the device, so the device runs the steps back to back while
+        the host reads, reports and prepares (an `ar` step's acceptance is its root alone and its commit moves no row:
+        nothing in it waits for the host). The queued step is kept while the request goes on, consumed by the next
+        round (or by _settle_ahead when the batch changes), dropped when the request stops (EOS, max_tokens, abort):
+        its writes land past the request's committed tokens, on a slot nobody reads until a prefill rewrites it.
+        None: no static program fits (the round runs the usual way)."""
+        times, t0 = self.stage_times, time.perf_counter()
+        step, self._ahead = self._ahead, None
+        if step is None or step.seq is not seq or step.start != seq.start:
+            step = self._queue_step(seq, seq.root, seq.start)
+            if step is None:
+                return None
+        following = None
+        if seq.request.num_output_tokens + 1 < seq.max_tokens:   # room for a token after this one
+            following = self._queue_step(seq, step.token, seq.start + 1)
+        with self._waiting():
+            token = step.read()
+        t2 = time.perf_counter()
+        output = self._advance(seq, _empty_tree(), Acceptance(accepted=[0], bonus_token=token))
+        if output.finish_reason is None:
+            self._ahead = following
+        times.lookahead_steps += following is not None
+        times.verify += t2 - t0   # queueing the steps, then the wait for this one's token
+        times.commit += time.perf_counter() - t2
+        return [output]
+
+    def _queue_step(self, seq: Sequence, token: int | torch.Tensor, start: int) -> QueuedStep | None:
+        """Queue a lone `ar` request's step at `start` (its input id from the host, or on the device: the last queued
+        step's argmax), its commit, and its argmax's copy to the host; None where no static program fits."""
+        on_device = isinstance(token, torch.Tensor)
+        cache = self.caches[seq.slot]
+        result = self.static_target.batch([cache], [start], [[0 if on_device else token]], [[start]], [[-1]],
+                                          tree=(token, None) if on_device else None, staged=True)
+        if result is None:
+            return None
+        self._commit_caches([seq], [[0]], [start])
+        argmax = result[0][:1].argmax(dim=-1)
+        if self.device.type != "cuda":
+            return QueuedStep(seq, start, argmax, argmax, None)
+        host = torch.empty(1, dtype=torch.long, pin_memory=True)
+        host.copy_(argmax, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return QueuedStep(seq, start, argmax, host, event)
+
+    def _settle_ahead(self) -> list[RequestOutput]:
+        """The queued `ar` step as a round of its own (before a round that would decode its request the usual way)."""
+        step, self._ahead = self._ahead, None
+        seq = step.seq
+        if seq not in self.running or seq.request.finish_reason is not None or step.start != seq.start:
+            return []
+        t0 = time.perf_counter()
+        with self._waiting():
+            token = step.read()
+        output = self._advance(seq, _empty_tree(), Acceptance(accepted=[0], bonus_token=token))
+        self.stage_times.verify += time.perf_counter() - t0
+        self.stage_times.batch_rounds += 1
+        return [output]
+
+    def _commit_caches(self, seqs: list[Sequence], accepted: list[list[int]], starts: list[int] | None = None) -> None:
         """Move each request's accepted rows to its committed prefix: for a dense target one gather and one scatter
         over the whole KV pool for all of them (per request, that was an index copy and two kernels); a hybrid
         cache also commits its recurrent state (for a batch of trees on our paths kernel in one replay for all; for a
-        lone request after a static verify as a static program)."""
+        lone request after a static verify as a static program). starts: where each request's rows begin (default:
+        its committed length)."""
         caches = [self.caches[seq.slot] for seq in seqs]
+        starts = [seq.start for seq in seqs] if starts is None else starts
         if isinstance(caches[0], KVCache):
-            caches[0].pool.move_rows([(c.slot, seq.start, a) for c, seq, a in zip(caches, seqs, accepted)])
+            caches[0].pool.move_rows([(c.slot, start, a) for c, start, a in zip(caches, starts, accepted)])
             return
-        if self.static_commit is not None and len(caches) == 1 and self.static_commit(caches[0], seqs[0].start, accepted[0]):
+        if self.static_commit is not None and len(caches) == 1 and self.static_commit(caches[0], starts[0], accepted[0]):
             self.stage_times.static_commits += 1
             return
-        compact_all(caches, [seq.start for seq in seqs], accepted)
+        compact_all(caches, starts, accepted)
 
     def _keep_taps(self, seqs: list[Sequence], accepted: list[list[int]], taps: torch.Tensor | None,
                    starts: list[int]) -> None:

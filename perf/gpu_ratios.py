@@ -73,7 +73,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"},
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
-ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768}}
+ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
+                  "static-arahead": {"ar_lookahead": True}}
 GOALS = {"ar_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -260,7 +261,8 @@ def table(result: dict) -> str:
              "top-k read and the tree built on the host, two reads a round (device_tree off), instead of the tree and the "
              "verify's inputs built on the device and one read; static-vocab32k (whole rounds in turns only): the drafter "
              "proposing only the first 32,768 ids and the EOS ids (draft_vocab), its logits from those rows of the "
-             "lm_head.", "",
+             "lm_head; static-arahead (whole rounds in turns only): a lone greedy `ar` request's next step queued "
+             "before its token is read (ar_lookahead).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | uncompiled ar / floor | dynamic ar / floor | "
              "ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -429,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="measure the static forward's whole rounds and --round-variants' in this many turns")
     parser.add_argument("--round-variants", default="",
                         help="environment variants (of --variants' list) whose whole rounds to measure too; with "
-                             "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k)")
+                             "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k, static-arahead)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)

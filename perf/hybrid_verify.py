@@ -317,7 +317,7 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
 def record_programs(graphs) -> tuple[list[tuple], Callable[[], None]]:
     """(the keys of the static programs `graphs` runs from now on, in order; a call that stops recording)."""
     ran, run = [], graphs.run
-    graphs.run = lambda key, program, writes=(): (ran.append(key), run(key, program, writes))[1]
+    graphs.run = lambda key, program, *args: (ran.append(key), run(key, program, *args))[1]
 
     def stop() -> None:
         graphs.run = run

@@ -100,10 +100,14 @@ class GraphPool:
         host = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
         return host, torch.zeros(size, dtype=torch.long, device=self.device)
 
-    def run(self, key: tuple, program: Program, writes: tuple = ()) -> Any:
+    def run(self, key: tuple, program: Program, writes: tuple = (), staged: bool = False) -> Any:
         """Copy the program's host inputs to the device and run it (replay its graph, capturing it the first time).
-        writes: (offset, device tensor) pairs copied over the inputs after the host's (inputs computed on the device)."""
-        program.inputs.copy_(program.host, non_blocking=True)
+        writes: (offset, device tensor) pairs copied over the inputs after the host's (inputs computed on the device).
+        staged: the host inputs copied from a pinned copy of their own (the caching host allocator keeps it until the
+        copy has run), for a caller that refills the program's host inputs before the device has read the last ones
+        (Engine's `ar` lookahead: two steps queued at once)."""
+        host = program.host.clone().pin_memory() if staged and self.device.type == "cuda" else program.host
+        program.inputs.copy_(host, non_blocking=True)
         for offset, values in writes:
             program.inputs[offset : offset + values.numel()].copy_(values.flatten())
         with fused.static():   # the elementwise chains compiled (CUDA): paid once per capture, not per call
@@ -165,18 +169,19 @@ class StaticTarget:
         return self.batch([cache], [start], [input_ids], [positions], [parents])
 
     def batch(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]],
-              tree: tuple[torch.Tensor, torch.Tensor | None] | None = None
+              tree: tuple[torch.Tensor, torch.Tensor | None] | None = None, staged: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Several requests' trees (the lists hold one entry per request): logits and taps of their rows packed in
         request order, or None (the caller runs the dynamic forward).
         tree: a lone request's tree inputs on the device (StaticTreeBuild's: its rows' ids, positions and parents, and
         its paths where device_tree_shape says it takes them), which the program reads instead of the host's
-        input_ids, positions and parents (placeholders of the tree's length)."""
+        input_ids, positions and parents (placeholders of the tree's length); (ids, None) for the ids alone.
+        staged: see GraphPool.run."""
         shape = self._shape(caches, starts, parents)
         if shape is None:
             return None
         if self.conv_kernel is not None:
-            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree)
+            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged)
         reqs, rows, keys = shape
         # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
         # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
@@ -185,7 +190,7 @@ class StaticTarget:
         key = ("batch", reqs, rows, keys) + ((fixed_slot,) if reqs == 1 else ())
         program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot))
         total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
-        logits, taps = self.graphs.run(key, program, () if tree is None else ((0, tree[0]),))
+        logits, taps = self.graphs.run(key, program, () if tree is None else ((0, tree[0]),), staged)
         return logits[:total], None if taps is None else taps[:total]
 
     def device_tree_shape(self, cache, start: int, num_rows: int) -> tuple[int, int] | None:
@@ -246,8 +251,8 @@ class StaticTarget:
         return Program(body=body, host=host, inputs=inputs)
 
     def _hybrid(self, reqs: int, rows: int, keys: int, caches: list, starts: list[int], input_ids: list, positions: list,
-                parents: list[list[int]], tree: tuple[torch.Tensor, torch.Tensor | None] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                parents: list[list[int]], tree: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                staged: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A hybrid target's verify (or ar step) of several requests as one static forward, shaped like the dense one;
         every request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each
         request's commit stash goes to its cache (compact() commits from it)."""
@@ -258,8 +263,8 @@ class StaticTarget:
             # program per row bucket serves every tree and warm-up prepares them all; with fla's kernel, which copies
             # a state per path, the leaves' bucket
             free = self.target.free_padding_paths(self.graphs.device)
-            if tree is not None and not free:
-                return None   # device_tree_shape declines these
+            if tree is not None and (not free or tree[1] is None):
+                return None   # device_tree_shape declines these; ids alone (the `ar` lookahead) take no paths form
             num_paths = rows if free else row_bucket(max(len(leaves(p)) for p in parents))
             if tree is None:
                 paths = [tree_paths(p, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows) for p in parents]
@@ -280,7 +285,7 @@ class StaticTarget:
         writes = ()
         if tree is not None:   # a lone request's: ids, positions, parents first; its paths after starts, slots, rows
             writes = ((0, tree[0]),) + (((4 * rows + 2, tree[1]),) if num_paths else ())
-        logits, taps, stashes = self.graphs.run(key, program, writes)
+        logits, taps, stashes = self.graphs.run(key, program, writes, staged)
         # a replay's stashes are the captured program's outputs, the same memory every replay (StaticCommit bakes it
         # in); a first call's are its eager run's, a one-off
         fixed = not self.graphs.capture or (program.graph not in (None, False) and stashes is program.outputs[2])

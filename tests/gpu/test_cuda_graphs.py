@@ -80,6 +80,42 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_models, hybrid):
+    """ar_lookahead under CUDA graphs: the next step queued with its input id copied on the device from this step's
+    argmax, its host inputs staged (two steps in flight), its token read through pinned memory behind an event; the
+    tokens equal the engine's without graphs, to max_tokens, to a stop id, and with a request arriving mid-stream."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.request import Request
+    from ddtree.sampling_params import SamplingParams
+
+    root = hybrid if family == "hybrid" else tiny_models
+    target = root / "target" if family == "hybrid" else root / "qwen3-target"
+    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, device="cuda", max_num_seqs=2)
+    plain = Engine(EngineConfig(**base, static_forward="off"))
+    ahead = Engine(EngineConfig(**base, static_forward="auto", ar_lookahead=True))
+    ahead.warm_up()
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    free = plain.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=64, ignore_eos=True)).output_ids
+    for params in (SamplingParams(mode="ar", max_tokens=64, ignore_eos=True),
+                   SamplingParams(mode="ar", max_tokens=64, ignore_eos=True, stop_token_ids=[free[20]])):
+        assert ahead.generate_ids(prompt, params).output_ids == plain.generate_ids(prompt, params).output_ids, family
+    first = Request("first", prompt, SamplingParams(mode="ar", max_tokens=40, ignore_eos=True))
+    second = Request("second", prompt[:17], SamplingParams(mode="ar", max_tokens=9, ignore_eos=True))
+    ahead.add(first)
+    for _ in range(8):
+        ahead.step()
+    ahead.add(second)
+    while ahead.has_work:
+        ahead.step()
+    assert first.output_ids == free[:40]
+    assert second.output_ids == plain.generate_ids(prompt[:17], second.params).output_ids
+    assert ahead.stage_times.lookahead_steps > 60
+    assert captured(ahead.static_target) >= 1
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, hybrid):
     """Concurrent requests of mixed modes, arriving while others decode: the target's (dense or hybrid) and the
     drafter's batched passes captured as graphs (requests padded with scratch-slot requests) give each request the tokens

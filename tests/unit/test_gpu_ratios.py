@@ -53,17 +53,18 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
 
 def test_rounds_in_turns_pair_each_form_with_the_static_forward(tmp_path):
     """--round-turns: the static forward's rounds and a variant's (its environment set in its turns) measured in
-    turns (static-hosttree, static-vocab32k: an engine setting): medians over turns, each turn's ratio to the form's own
+    turns (static-hosttree, static-vocab32k, static-arahead: an engine setting): medians over turns, each turn's ratio to the form's own
     `ar`, and the variant against the static forward in the same turn; the sequential variant rounds are not run
     then."""
     gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--forwards", "static",
-                     "--batches", "", "--variants", "static-gemv32", "--round-variants", "static-gemv32,static-hosttree,static-vocab32k",
+                     "--batches", "", "--variants", "static-gemv32", "--round-variants",
+                     "static-gemv32,static-hosttree,static-vocab32k,static-arahead",
                      "--round-turns", "3", "--prompt-len", "24", "--repeats", "1", "--rounds", "3",
                      "--out", str(tmp_path), "--name", "t"])
     shape = json.loads((tmp_path / "t.json").read_text())["shapes"]["tiny-dense"]
     assert set(shape["rounds"]) == {"static"} and not shape["errors"]
     turns = shape["round_turns"]
-    assert list(turns) == ["static", "static-gemv32", "static-hosttree", "static-vocab32k"]
+    assert list(turns) == ["static", "static-gemv32", "static-hosttree", "static-vocab32k", "static-arahead"]
     for form, methods in turns.items():
         assert list(methods) == ["ar", "dflash", "ddtree-16"]
         for e in methods.values():
