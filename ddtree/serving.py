@@ -191,7 +191,7 @@ class GenerationService:
         # the outbox's calls wait for the engine thread's device waits: a CUDA engine's by default; DDTREE_OUTBOX_GATE=0
         # (a diagnostic) turns that off, =1 on whatever the device
         gate = os.environ.get("DDTREE_OUTBOX_GATE", "")
-        gated = gate == "1" or (gate != "0" and engine.device.type == "cuda")
+        gated = gate == "1" or (gate != "0" and getattr(getattr(engine, "device", None), "type", None) == "cuda")
         self._gate = threading.Event() if gated else None
         engine.wait_gate = self._gate
         self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"), gate=self._gate)
