@@ -163,17 +163,21 @@ def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[
         key = temperature_key(temperature)
         results[key], outputs[key] = {}, {}
         for method in methods:
-            tokens, seconds, taus, ids_out, stages = 0, 0.0, [], [], engine_stages(engine)
+            tokens, seconds, taus, ids_out, ttfts, stages = 0, 0.0, [], [], [], engine_stages(engine)
             for i, ids in enumerate(tqdm(prompt_ids, desc=f"in process {method.name} T={key}", leave=False)):
                 params = SamplingParams(**sampling_parameters(method, temperature, max_new_tokens, seed + i))
+                request = Request(f"speed/{method.name}/{i}", list(ids), params)
                 start = time.perf_counter()
-                request = engine.generate_ids(ids, params)
+                for n, _ in enumerate(engine.generate(request)):
+                    if n == 0:   # the prefill's token
+                        ttfts.append(time.perf_counter() - start)
                 seconds += time.perf_counter() - start
                 tokens += request.num_output_tokens
                 taus.append(request.mean_acceptance_length)
                 ids_out.append(request.output_ids)
             results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau(taus), "num_tokens": tokens,
-                                         "seconds": seconds, "stages": per_round_ms(stages, engine_stages(engine))}
+                                         "seconds": seconds, "ttft_s": ttfts,
+                                         "stages": per_round_ms(stages, engine_stages(engine))}
             outputs[key][method.name] = ids_out
     return results, outputs
 
@@ -187,14 +191,16 @@ def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True, chat=
 
     inputs = build_inputs(messages_for(prompt), sampling, stream=stream, chat_template_kwargs=CHAT_TEMPLATE_KWARGS)
     start = time.perf_counter()
-    end, tokens, text, stats = start, 0, [], {}
+    end, first, tokens, text, stats = start, None, 0, [], {}
     for delta, outputs in (chat.request("ensemble", inputs) if chat is not None else stream_chat(url, "ensemble", inputs)):
         end = time.perf_counter()
+        first = end if first is None else first
         text.append(delta)
         tokens += (outputs.get("num_output_tokens") or [0])[0]
         if outputs.get("mean_acceptance_length"):
             stats = outputs
-    return {"seconds": end - start, "tokens": tokens, "tau": (stats.get("mean_acceptance_length") or [0.0])[0],
+    return {"seconds": end - start, "ttft_s": (first or end) - start, "tokens": tokens,
+            "tau": (stats.get("mean_acceptance_length") or [0.0])[0],
             "num_input_tokens": (stats.get("num_input_tokens") or [0])[0], "text": "".join(text)}
 
 
@@ -224,6 +230,7 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
                     tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
                     results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau([r["tau"] for r in runs]),
                                                  "num_tokens": tokens, "seconds": seconds,
+                                                 "ttft_s": [r["ttft_s"] for r in runs],
                                                  "num_input_tokens": [r["num_input_tokens"] for r in runs],
                                                  "stages": per_round_ms(stages, wait_stages(server.metrics_url, stages))}
                     texts[key][method.name] = [r["text"] for r in runs]
@@ -288,7 +295,22 @@ def table(result: dict) -> str:
               f"(mismatching prompts: {result['greedy_mismatches']}).",
               f"Phase seconds: {json.dumps({k: round(v, 1) for k, v in result['phase_seconds'].items()})}; "
               f"load average after each: {json.dumps({k: round(v, 2) for k, v in result['load_average'].items()})}",
-              "", stage_table(result), "", histogram_table(result)]
+              "", stage_table(result), "", ttft_table(result), "", histogram_table(result)]
+    return "\n".join(lines)
+
+
+def ttft_table(result: dict) -> str:
+    """Time to the first token per request (the prefill's; through Triton the first streamed response): median and
+    max over the speed prompts. A first call that builds something per prompt length shows here, in the method that
+    meets each length first (the speed phases run the methods in order over the same prompts)."""
+    lines = ["Time to first token (ms, median / max over the speed prompts; in process | Triton):", "",
+             "| method | T | in process | Triton |", "|---|---|---|---|"]
+    for key, name in _rows(result):
+        cells = []
+        for side in ("in_process", "triton"):
+            ttft = result.get(side, {}).get(key, {}).get(name, {}).get("ttft_s")
+            cells.append(f"{1e3 * statistics.median(ttft):.1f} / {1e3 * max(ttft):.1f}" if ttft else "-")
+        lines.append(f"| {name} | {key} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
