@@ -534,7 +534,7 @@ class Engine:
         """The queued `ar` step as a round of its own (before a round that would decode its request the usual way)."""
         step, self._ahead = self._ahead, None
         seq = step.seq
-        if seq not in self.running or seq.request.finish_reason is not None or step.start != seq.start:
+        if all(s is not seq for s in self.running) or seq.request.finish_reason is not None or step.start != seq.start:
             return []
         t0 = time.perf_counter()
         with self._waiting():

@@ -106,7 +106,9 @@ class GraphPool:
         staged: the host inputs copied from a pinned copy of their own (the caching host allocator keeps it until the
         copy has run), for a caller that refills the program's host inputs before the device has read the last ones
         (Engine's `ar` lookahead: two steps queued at once)."""
-        host = program.host.clone().pin_memory() if staged and self.device.type == "cuda" else program.host
+        host = program.host
+        if staged and self.device.type == "cuda":
+            host = torch.empty_like(program.host, pin_memory=True).copy_(program.host)
         program.inputs.copy_(host, non_blocking=True)
         for offset, values in writes:
             program.inputs[offset : offset + values.numel()].copy_(values.flatten())
