@@ -59,8 +59,9 @@ class EngineConfig:
     device_tree: bool | None = None
     # a lone greedy `ar` request's next step queued before this one's token is read (its input id copied on the
     # device from this step's argmax), so the device never waits for the host between steps; discarded when the
-    # request stops. Off until measured on the GPU (perf/gpu_ratios.py --round-variants static-arahead)
-    ar_lookahead: bool = False
+    # request stops. None ("auto"): on where the static forwards are CUDA graphs on CUDA (27B on the H200: an `ar`
+    # round 13.15 ms against 13.53-14.13, 1.08x the weight-streaming floor: perf/results/gpu_ratios_h200_arahead.md)
+    ar_lookahead: bool | None = None
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0

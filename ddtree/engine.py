@@ -221,6 +221,8 @@ class Engine:
                        else self.device.type == "cuda" and config.cuda_graphs)
         self.static_tree = (StaticTreeBuild(self.graphs, self.draft_vocab.token_ids) if static and drafter and device_tree
                             else None)
+        self.ar_lookahead = (config.ar_lookahead if config.ar_lookahead is not None
+                             else self.device.type == "cuda" and config.cuda_graphs)
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -234,7 +236,7 @@ class Engine:
         # set while a round's host waits on the device (None: nobody asks): GenerationService's outbox does its
         # Python work inside these windows, not while this thread prepares and launches a round (ddtree.serving.Outbox)
         self.wait_gate: threading.Event | None = None
-        self._ahead: QueuedStep | None = None   # config.ar_lookahead: the running `ar` request's next step, queued
+        self._ahead: QueuedStep | None = None   # ar_lookahead: the running `ar` request's next step, queued
 
     @property
     def cache(self):
@@ -478,7 +480,7 @@ class Engine:
     # -- `ar` lookahead (config.ar_lookahead) ----------------------------------------------
     def _lookahead_ok(self, seqs: list[Sequence]) -> bool:
         """Whether this round is a lone greedy `ar` request's step that may queue the next before reading its token."""
-        if not self.config.ar_lookahead or self.static_target is None or len(seqs) != 1 or self.waiting:
+        if not self.ar_lookahead or self.static_target is None or len(seqs) != 1 or self.waiting:
             return False
         params = seqs[0].request.params
         return params.mode == "ar" and params.is_greedy and not self._suppressed(params)

@@ -228,23 +228,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return fused.rotary(x, cos, sin)
 
 
-# Masked attention on CUDA goes without cuDNN's backend, which PyTorch picks for a masked GQA call in bf16 on the
-# H200: it builds a plan for every new shape, 57-85 ms and up to 1.7 s at a new length against 0.3-0.5 ms for the
-# call after (perf/results/sdpa_probe_h200.md), so every prompt of a length not seen before paid that in its prefill.
-# Captured programs take the same form, so a static forward computes what the dynamic one does (in fp32, where cuDNN
-# never ran, both went through the math kernel before; now both through the fused ones). DDTREE_SDPA_CUDNN=1 (a
-# diagnostic) leaves the choice to PyTorch.
+# Masked eager attention on CUDA goes without cuDNN's backend, which PyTorch picks for a masked GQA call in bf16 on
+# the H200: it builds a plan for every new shape, 57-85 ms and up to 1.7 s at a new length against 0.3-0.5 ms for the
+# call after (perf/results/sdpa_probe_h200.md), so every prompt of a length not seen before paid that in its prefill;
+# the form here paid 0.24 ms (sdpa_probe_h200_forms.md). A static forward's calls keep PyTorch's choice: their shapes
+# are a bucket's (a plan built once, at capture), and cuDNN ran the embedded default's verify rows 0.4 ms a round
+# faster than the repeated form (humaneval_h200_sdparep.md vs _sdpacudnn.md). In fp32 cuDNN never runs, so a static
+# forward still computes what the dynamic one does there. DDTREE_SDPA_CUDNN=1 (a diagnostic) leaves every choice to
+# PyTorch.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def repeats_kv(cuda: bool) -> bool:
+    """Whether a masked call takes the repeated form: eager on CUDA (outside a static forward's body), unless
+    DDTREE_SDPA_CUDNN is set."""
+    return cuda and not fused.in_static() and os.environ.get("DDTREE_SDPA_CUDNN", "0") in ("", "0")
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
          repeat_kv: bool | None = None) -> torch.Tensor:
     """F.scaled_dot_product_attention with K/V heads shared by groups of query heads (GQA); q  # [B, heads, Q, d];
     k, v  # [B, kv_heads, K, d]; mask broadcastable to [B, heads, Q, K], bool (True = visible). repeat_kv (None:
-    masked on CUDA, DDTREE_SDPA_CUDNN unset): the K/V heads repeated for the fused kernels (they take no GQA
-    broadcast), through SDPA_BACKENDS (no cuDNN)."""
+    a masked eager call on CUDA, DDTREE_SDPA_CUDNN unset): the K/V heads repeated for the fused kernels (they take no
+    GQA broadcast), through SDPA_BACKENDS (no cuDNN). Eager calls (prefills, the dynamic forward) meet a new shape at
+    every prompt length, and cuDNN builds a plan per shape (57 ms-1.7 s on the H200: perf/sdpa_probe.py); a static
+    forward's shapes are its bucket's, so its calls keep PyTorch's choice (cuDNN, its plan built once at capture,
+    the faster kernel for a tree's rows: humaneval_h200_sdparep.md against _sdpacudnn.md)."""
     if repeat_kv is None:
-        repeat_kv = mask is not None and q.is_cuda and os.environ.get("DDTREE_SDPA_CUDNN", "0") in ("", "0")
+        repeat_kv = mask is not None and repeats_kv(q.is_cuda)
     gqa = q.shape[1] != k.shape[1]
     if not repeat_kv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)

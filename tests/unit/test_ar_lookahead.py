@@ -112,3 +112,12 @@ def test_sampling_and_other_modes_do_not_queue(tiny_models, hybrid):
                    SamplingParams(mode="ar", max_tokens=10, min_tokens=4)):
         assert ahead.generate_ids(prompt(1), params).output_ids == plain.generate_ids(prompt(1), params).output_ids
     assert ahead.stage_times.lookahead_steps == 0
+
+
+def test_lookahead_is_on_by_default_only_where_static_forwards_are_cuda_graphs(tiny_models):
+    """ar_lookahead None ("auto"): on for a CUDA engine with graphs; the CPU's eager static forwards gain nothing from
+    queueing (the host runs them), so they keep the plain round unless asked."""
+    base = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                max_model_len=128, static_forward="on")
+    assert Engine(EngineConfig(**base)).ar_lookahead is False
+    assert Engine(EngineConfig(**base, ar_lookahead=True)).ar_lookahead is True

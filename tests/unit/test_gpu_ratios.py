@@ -34,6 +34,7 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
         for per in shape["batched"].values():                         # R = 1, 2, 4, 8 concurrent requests
             assert list(per) == ["1", "2", "4", "8"] and all(e["rounds"] == 3 and e["tokens_per_s"] > 0 for e in per.values())
         assert math.isnan(shape["ratios"]["ar_over_floor"])          # no GPU, no bandwidth floor
+        assert math.isnan(shape["ratios"]["ar_round_over_floor"])    # the whole `ar` round against it, too
         assert shape["ratios"]["ddtree-64_over_ar"] == shape["rounds"]["static"]["ddtree-64"]["round_over_ar"]
         for forward, verify in shape["verify"].items():
             assert verify["forward"] == forward and list(verify["budgets"]) == ["16", "64"]
@@ -53,18 +54,19 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
 
 def test_rounds_in_turns_pair_each_form_with_the_static_forward(tmp_path):
     """--round-turns: the static forward's rounds and a variant's (its environment set in its turns) measured in
-    turns (static-hosttree, static-vocab32k, static-arahead: an engine setting): medians over turns, each turn's ratio to the form's own
+    turns (static-hosttree, static-vocab32k, static-arahead, static-noahead: an engine setting): medians over turns, each turn's ratio to the form's own
     `ar`, and the variant against the static forward in the same turn; the sequential variant rounds are not run
     then."""
     gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--forwards", "static",
                      "--batches", "", "--variants", "static-gemv32", "--round-variants",
-                     "static-gemv32,static-hosttree,static-vocab32k,static-arahead",
+                     "static-gemv32,static-hosttree,static-vocab32k,static-arahead,static-noahead",
                      "--round-turns", "3", "--prompt-len", "24", "--repeats", "1", "--rounds", "3",
                      "--out", str(tmp_path), "--name", "t"])
     shape = json.loads((tmp_path / "t.json").read_text())["shapes"]["tiny-dense"]
     assert set(shape["rounds"]) == {"static"} and not shape["errors"]
     turns = shape["round_turns"]
-    assert list(turns) == ["static", "static-gemv32", "static-hosttree", "static-vocab32k", "static-arahead"]
+    assert list(turns) == ["static", "static-gemv32", "static-hosttree", "static-vocab32k", "static-arahead",
+                           "static-noahead"]
     for form, methods in turns.items():
         assert list(methods) == ["ar", "dflash", "ddtree-16"]
         for e in methods.values():

@@ -1,5 +1,6 @@
-"""ddtree.models.layers.sdpa: the repeated form (masked calls on CUDA: K/V heads repeated, no cuDNN)
-computes what PyTorch's GQA call computes; the CPU keeps PyTorch's call; perf/sdpa_probe.py writes its table."""
+"""ddtree.models.layers.sdpa: the repeated form (masked eager calls on CUDA: K/V heads repeated, no cuDNN)
+computes what PyTorch's GQA call computes; the CPU and static forwards keep PyTorch's call; perf/sdpa_probe.py writes
+its table."""
 
 from __future__ import annotations
 
@@ -44,6 +45,17 @@ def test_the_cpu_keeps_pytorchs_call(monkeypatch):
     layers.sdpa(q, k, k, mask, 0.5)
     layers.sdpa(q, k, k, mask, 0.5, repeat_kv=True)
     assert calls == [(2, True), (4, False)]   # the CPU: PyTorch's GQA call; the repeated form: K/V heads repeated
+
+
+def test_eager_cuda_calls_repeat_and_static_forwards_keep_pytorchs_choice(monkeypatch):
+    from ddtree.models import fused
+    monkeypatch.delenv("DDTREE_SDPA_CUDNN", raising=False)
+    assert layers.repeats_kv(True) and not layers.repeats_kv(False)
+    with fused.static():   # a static forward's body: bucketed shapes, cuDNN's plan built once at capture
+        assert not layers.repeats_kv(True)
+    assert layers.repeats_kv(True)
+    monkeypatch.setenv("DDTREE_SDPA_CUDNN", "1")
+    assert not layers.repeats_kv(True)
 
 
 def test_the_probe_writes_its_table(tmp_path):
