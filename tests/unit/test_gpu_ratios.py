@@ -54,9 +54,9 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
 
 def test_rounds_in_turns_pair_each_form_with_the_static_forward(tmp_path):
     """--round-turns: the static forward's rounds and a variant's (its environment set in its turns) measured in
-    turns (static-hosttree, static-vocab32k, static-arahead, static-noahead: an engine setting): medians over turns, each turn's ratio to the form's own
-    `ar`, and the variant against the static forward in the same turn; the sequential variant rounds are not run
-    then."""
+    turns (static-hosttree, static-vocab32k, static-arahead, static-noahead: an engine setting): medians over turns,
+    each turn's ratio to the form's own `ar`, and the variant against the static forward in the same turn; the
+    sequential variant rounds are not run then."""
     gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--forwards", "static",
                      "--batches", "", "--variants", "static-gemv32", "--round-variants",
                      "static-gemv32,static-hosttree,static-vocab32k,static-arahead,static-noahead",
