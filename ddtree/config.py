@@ -57,9 +57,9 @@ class EngineConfig:
     # ("auto"): on where the static forwards are CUDA graphs on CUDA (on the H200 its rounds against their own `ar`:
     # ddtree-16 1.355, ddtree-64 1.568 against the host build's 1.403 / 1.641: perf/results/gpu_ratios_h200_treeturns.md), off elsewhere
     device_tree: bool | None = None
-    # a lone greedy `ar` request's next step queued before this one's token is read (its input id copied on the
-    # device from this step's argmax), so the device never waits for the host between steps; discarded when the
-    # request stops. None ("auto"): on where the static forwards are CUDA graphs on CUDA (27B on the H200: an `ar`
+    # greedy `ar` requests' next step queued before this one's tokens are read (their input ids copied on the
+    # device from this step's argmax), so the device never waits for the host between steps; settled as a round when
+    # the batch changes. None ("auto"): on where the static forwards are CUDA graphs on CUDA (27B on the H200: an `ar`
     # round 13.15 ms against 13.53-14.13, 1.08x the weight-streaming floor: perf/results/gpu_ratios_h200_arahead.md)
     ar_lookahead: bool | None = None
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that

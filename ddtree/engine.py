@@ -119,18 +119,24 @@ class Sequence:
 
 @dataclass(slots=True)
 class QueuedStep:
-    """A lone greedy `ar` request's step queued on the device (Engine._queue_step): the target's argmax at `start`,
-    copied to the host behind an event."""
-    seq: Sequence
-    start: int
-    token: torch.Tensor            # [1] on the device: the step's argmax, the next step's input id
-    host: torch.Tensor             # [1] on the host (pinned on CUDA), written by the copy the event follows
+    """Greedy `ar` steps of a batch queued on the device (Engine._queue_step): the target's argmax at each request's
+    `start`, copied to the host behind an event."""
+    seqs: list[Sequence]
+    starts: list[int]
+    tokens: torch.Tensor           # [R] on the device: the steps' argmax, the next steps' input ids
+    host: torch.Tensor             # [R] on the host (pinned on CUDA), written by the copy the event follows
     event: torch.cuda.Event | None  # None off CUDA (the argmax is on the host already)
+    taps: torch.Tensor | None = None   # [R, ...] the steps' target features, the `auto` requests' drafter context
 
-    def read(self) -> int:
+    def matches(self, seqs: list[Sequence]) -> bool:
+        """Whether these are the requests it was queued for, in order and where they stand."""
+        return len(seqs) == len(self.seqs) and all(a is b and start == b.start
+                                                   for a, start, b in zip(self.seqs, self.starts, seqs))
+
+    def read(self) -> list[int]:
         if self.event is not None:
             self.event.synchronize()   # releases the GIL while it waits
-        return int(self.host[0])
+        return self.host.tolist()
 
 
 class StageEvents:
@@ -236,7 +242,7 @@ class Engine:
         # set while a round's host waits on the device (None: nobody asks): GenerationService's outbox does its
         # Python work inside these windows, not while this thread prepares and launches a round (ddtree.serving.Outbox)
         self.wait_gate: threading.Event | None = None
-        self._ahead: QueuedStep | None = None   # ar_lookahead: the running `ar` request's next step, queued
+        self._ahead: QueuedStep | None = None   # ar_lookahead: the running `ar` requests' next steps, queued
 
     @property
     def cache(self):
@@ -284,8 +290,8 @@ class Engine:
                 return True
         for seq in self.running:
             if seq.request.request_id == request_id:
-                if self._ahead is not None and self._ahead.seq is seq:
-                    self._ahead = None   # its queued step runs on a slot nobody reads until a prefill rewrites it
+                # a queued step of its stays queued (the next step settles the others' steps, skipping its): it runs
+                # on a slot nobody reads until a prefill rewrites it, after it in stream order
                 self._release(seq)
                 return True
         return False
@@ -299,8 +305,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests (prefill), then one decoding round for the others."""
         outputs = []
-        if self._ahead is not None and not (self._lookahead_ok(self.running) and self.running[0] is self._ahead.seq):
-            outputs += self._settle_ahead()   # a request arrives (or the batch changes): the queued step is a round
+        if self._ahead is not None and not (self._lookahead_ok(self.running) and self._ahead.matches(self.running)):
+            outputs += self._settle_ahead()   # a request arrives (or the batch changes): the queued steps are a round
         decoding = [s for s in self.running if s.request.finish_reason is None]
         t_prefill = time.perf_counter()
         outputs += self._prefill(self._admit())
@@ -364,7 +370,14 @@ class Engine:
         cycle_start = self._cycle_start(t_round, prefill_s)
         budgets = [s.request.params.tree_budget for s in seqs if s.request.params.mode == "auto"]
         self.arm = self.arm_selector.choose(len(seqs), max(budgets)) if budgets else None
-        outputs = self._lookahead_round(seqs[0]) if self._lookahead_ok(seqs) else None
+        settled = []
+        if self._ahead is not None and not (self._lookahead_ok(seqs) and self._ahead.matches(seqs)):
+            # `auto` requests' step queued on the `ar` arm, and this round's arm is another: the step is a round
+            settled = self._settle_ahead()
+            seqs = [s for s in seqs if s.request.finish_reason is None]
+            if not seqs:
+                return settled
+        outputs = self._lookahead_round(seqs) if self._lookahead_ok(seqs) else None
         if outputs is None:
             plan = self._device_tree_plan(seqs)
             if plan is not None:
@@ -384,7 +397,7 @@ class Engine:
         self._round_end = now
         times.decode += now - t_round
         times.batch_rounds += 1
-        return outputs
+        return settled + outputs
 
     def _cycle_start(self, t_round: float, prefill_s: float) -> float:
         """Where the time `auto` charges to this round starts: the previous round's end, less this step's prefill,
@@ -479,72 +492,94 @@ class Engine:
 
     # -- `ar` lookahead (config.ar_lookahead) ----------------------------------------------
     def _lookahead_ok(self, seqs: list[Sequence]) -> bool:
-        """Whether this round is a lone greedy `ar` request's step that may queue the next before reading its token."""
-        if not self.ar_lookahead or self.static_target is None or len(seqs) != 1 or self.waiting:
+        """Whether this round is greedy `ar` steps (`ar` requests', or `auto` requests' on the `ar` arm) that may queue
+        the next before reading their tokens (not while a waiting request could be admitted: its prefill would settle
+        them)."""
+        if not self.ar_lookahead or self.static_target is None or not seqs or (self.waiting and self.free_slots):
             return False
-        params = seqs[0].request.params
-        return params.mode == "ar" and params.is_greedy and not self._suppressed(params)
+        on_ar = self.arm is not None and self.arm.mode == "ar"
+        return all((p.mode == "ar" or (p.mode == "auto" and on_ar)) and p.is_greedy and not self._suppressed(p)
+                   for p in (s.request.params for s in seqs))
 
-    def _lookahead_round(self, seq: Sequence) -> list[RequestOutput] | None:
-        """One `ar` step of a lone greedy request, the next one queued behind it before its token is read: the next
-        step's input id is this step's argmax, copied on the device, so the device runs the steps back to back while
+    def _lookahead_round(self, seqs: list[Sequence]) -> list[RequestOutput] | None:
+        """One `ar` step of greedy requests, the next one queued behind it before their tokens are read: the next
+        step's input ids are this step's argmax, copied on the device, so the device runs the steps back to back while
         the host reads, reports and prepares (an `ar` step's acceptance is its root alone and its commit moves no row:
-        nothing in it waits for the host). The queued step is kept while the request goes on, consumed by the next
-        round (or by _settle_ahead when the batch changes), dropped when the request stops (EOS, max_tokens, abort):
-        its writes land past the request's committed tokens, on a slot nobody reads until a prefill rewrites it.
+        nothing in it waits for the host). The queued step is kept while the requests go on, consumed by the next
+        round, or settled as a round of its own (_settle_ahead) when the batch changes (an arrival, a request that
+        stopped or was aborted: the others' tokens are read, its skipped) or an `auto` request's arm does. A stopped
+        request's queued row writes past its committed tokens, on a slot nobody reads until a prefill rewrites it.
         None: no static program fits (the round runs the usual way)."""
         times, t0 = self.stage_times, time.perf_counter()
         step, self._ahead = self._ahead, None
-        if step is None or step.seq is not seq or step.start != seq.start:
-            step = self._queue_step(seq, seq.root, seq.start)
+        if step is None or not step.matches(seqs):
+            step = self._queue_step(seqs, [seq.root for seq in seqs], [seq.start for seq in seqs])
             if step is None:
                 return None
         following = None
-        if seq.request.num_output_tokens + 1 < seq.max_tokens:   # room for a token after this one
-            following = self._queue_step(seq, step.token, seq.start + 1)
+        if all(seq.request.num_output_tokens + 1 < seq.max_tokens for seq in seqs):   # room for a token after these
+            following = self._queue_step(seqs, step.tokens, [start + 1 for start in step.starts])
         with self._waiting():
-            token = step.read()
+            tokens = step.read()
         t2 = time.perf_counter()
-        output = self._advance(seq, _empty_tree(), Acceptance(accepted=[0], bonus_token=token))
-        if output.finish_reason is None:
+        outputs = self._advance_steps(step, tokens, range(len(seqs)))
+        if any(output.finish_reason is None for output in outputs):
             self._ahead = following
         times.lookahead_steps += following is not None
-        times.verify += t2 - t0   # queueing the steps, then the wait for this one's token
+        times.verify += t2 - t0   # queueing the steps, then the wait for these tokens
         times.commit += time.perf_counter() - t2
-        return [output]
+        return outputs
 
-    def _queue_step(self, seq: Sequence, token: int | torch.Tensor, start: int) -> QueuedStep | None:
-        """Queue a lone `ar` request's step at `start` (its input id from the host, or on the device: the last queued
-        step's argmax), its commit, and its argmax's copy to the host; None where no static program fits."""
-        on_device = isinstance(token, torch.Tensor)
-        cache = self.caches[seq.slot]
-        result = self.static_target.batch([cache], [start], [[0 if on_device else token]], [[start]], [[-1]],
-                                          tree=(token, None) if on_device else None, staged=True)
+    def _queue_step(self, seqs: list[Sequence], tokens: list[int] | torch.Tensor, starts: list[int]) -> QueuedStep | None:
+        """Queue an `ar` step of these requests at `starts` (their input ids from the host, or on the device: the last
+        queued step's argmax), its commit, and its argmax's copy to the host; None where no static program fits."""
+        on_device = isinstance(tokens, torch.Tensor)
+        n = len(seqs)
+        ids = [[0] for _ in seqs] if on_device else [[token] for token in tokens]
+        result = self.static_target.batch([self.caches[seq.slot] for seq in seqs], starts, ids,
+                                          [[start] for start in starts], [[-1]] * n,
+                                          tree=(tokens, None) if on_device else None, staged=True)
         if result is None:
             return None
-        self._commit_caches([seq], [[0]], [start])
-        argmax = result[0][:1].argmax(dim=-1)
+        self._commit_caches(seqs, [[0]] * n, starts)
+        argmax = result[0][:n].argmax(dim=-1)
+        # `auto` requests keep their steps' features for the drafter (copied out: the next step reuses the buffers)
+        drafting = result[1] is not None and any(seq.request.params.mode != "ar" for seq in seqs)
+        taps = result[1][:n].clone() if drafting else None
         if self.device.type != "cuda":
-            return QueuedStep(seq, start, argmax, argmax, None)
-        host = torch.empty(1, dtype=torch.long, pin_memory=True)
+            return QueuedStep(seqs, starts, argmax, argmax, None, taps)
+        host = torch.empty(n, dtype=torch.long, pin_memory=True)
         host.copy_(argmax, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return QueuedStep(seq, start, argmax, host, event)
+        return QueuedStep(seqs, starts, argmax, host, event, taps)
+
+    def _advance_steps(self, step: QueuedStep, tokens: list[int], which) -> list[RequestOutput]:
+        """The queued step's tokens committed to these of its requests (and, for `auto`, their features to the
+        drafter's context)."""
+        outputs = []
+        for i in which:
+            seq = step.seqs[i]
+            if step.taps is not None and seq.request.params.mode != "ar":
+                seq.pending_taps.append((step.taps, i, i + 1))
+            outputs.append(self._advance(seq, _empty_tree(), Acceptance(accepted=[0], bonus_token=tokens[i])))
+        return outputs
 
     def _settle_ahead(self) -> list[RequestOutput]:
-        """The queued `ar` step as a round of its own (before a round that would decode its request the usual way)."""
+        """The queued `ar` step as a round of its own (before a round that would decode its requests the usual way),
+        for those of its requests still running where it left them."""
         step, self._ahead = self._ahead, None
-        seq = step.seq
-        if all(s is not seq for s in self.running) or seq.request.finish_reason is not None or step.start != seq.start:
+        live = [i for i, seq in enumerate(step.seqs) if seq.request.finish_reason is None and step.starts[i] == seq.start
+                and any(s is seq for s in self.running)]
+        if not live:
             return []
         t0 = time.perf_counter()
         with self._waiting():
-            token = step.read()
-        output = self._advance(seq, _empty_tree(), Acceptance(accepted=[0], bonus_token=token))
+            tokens = step.read()
+        outputs = self._advance_steps(step, tokens, live)
         self.stage_times.verify += time.perf_counter() - t0
         self.stage_times.batch_rounds += 1
-        return [output]
+        return outputs
 
     def _commit_caches(self, seqs: list[Sequence], accepted: list[list[int]], starts: list[int] | None = None) -> None:
         """Move each request's accepted rows to its committed prefix: for a dense target one gather and one scatter

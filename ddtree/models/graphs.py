@@ -177,7 +177,8 @@ class StaticTarget:
         request order, or None (the caller runs the dynamic forward).
         tree: a lone request's tree inputs on the device (StaticTreeBuild's: its rows' ids, positions and parents, and
         its paths where device_tree_shape says it takes them), which the program reads instead of the host's
-        input_ids, positions and parents (placeholders of the tree's length); (ids, None) for the ids alone.
+        input_ids, positions and parents (placeholders of the tree's length); (ids, None) for the ids alone: a lone
+        request's tree's, or one id per request where every request has one row (the `ar` lookahead's steps).
         staged: see GraphPool.run."""
         shape = self._shape(caches, starts, parents)
         if shape is None:
@@ -185,6 +186,7 @@ class StaticTarget:
         if self.conv_kernel is not None:
             return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged)
         reqs, rows, keys = shape
+        assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
         # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
         # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
         # each at Qwen3-8B dims and 512 keys), as a hybrid target's (a lone request mostly holds slot 0)
@@ -258,6 +260,7 @@ class StaticTarget:
         """A hybrid target's verify (or ar step) of several requests as one static forward, shaped like the dense one;
         every request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each
         request's commit stash goes to its cache (compact() commits from it)."""
+        assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
         paths, num_paths = [], 0
         if self.uses_paths(rows, self.graphs.device):
             # the paths form: each tree's root-to-leaf paths (padding rows take none), padded to a count (a program per

@@ -83,7 +83,8 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
 def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_models, hybrid):
     """ar_lookahead under CUDA graphs: the next step queued with its input id copied on the device from this step's
     argmax, its host inputs staged (two steps in flight), its token read through pinned memory behind an event; the
-    tokens equal the engine's without graphs, to max_tokens, to a stop id, and with a request arriving mid-stream."""
+    tokens equal the engine's without graphs, to max_tokens, to a stop id, and with requests arriving mid-stream (then
+    three requests' steps queued together, each one's input id written on the device, padded to a batch of 4)."""
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.request import Request
@@ -92,7 +93,7 @@ def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_m
     root = hybrid if family == "hybrid" else tiny_models
     target = root / "target" if family == "hybrid" else root / "qwen3-target"
     drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, device="cuda", max_num_seqs=2)
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, device="cuda", max_num_seqs=4)
     plain = Engine(EngineConfig(**base, static_forward="off"))
     ahead = Engine(EngineConfig(**base, static_forward="auto", ar_lookahead=True))
     ahead.warm_up()
@@ -106,11 +107,14 @@ def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_m
     ahead.add(first)
     for _ in range(8):
         ahead.step()
+    third = Request("third", prompt[:25], SamplingParams(mode="ar", max_tokens=20, ignore_eos=True))
     ahead.add(second)
+    ahead.add(third)
     while ahead.has_work:
         ahead.step()
     assert first.output_ids == free[:40]
     assert second.output_ids == plain.generate_ids(prompt[:17], second.params).output_ids
+    assert third.output_ids == plain.generate_ids(prompt[:25], third.params).output_ids
     assert ahead.stage_times.lookahead_steps > 60
     assert captured(ahead.static_target) >= 1
 
