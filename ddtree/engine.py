@@ -229,6 +229,9 @@ class Engine:
                             else None)
         self.ar_lookahead = (config.ar_lookahead if config.ar_lookahead is not None
                              else self.device.type == "cuda" and config.cuda_graphs)
+        # batches' steps queued together only when asked (True): "auto" queues a lone request's, the form measured on
+        # the GPU; a batch's is tested on the CPU and waits for its GPU test and measurement
+        self.ar_lookahead_batches = config.ar_lookahead is True
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -496,6 +499,8 @@ class Engine:
         the next before reading their tokens (not while a waiting request could be admitted: its prefill would settle
         them)."""
         if not self.ar_lookahead or self.static_target is None or not seqs or (self.waiting and self.free_slots):
+            return False
+        if len(seqs) > 1 and not self.ar_lookahead_batches:
             return False
         on_ar = self.arm is not None and self.arm.mode == "ar"
         return all((p.mode == "ar" or (p.mode == "auto" and on_ar)) and p.is_greedy and not self._suppressed(p)

@@ -185,3 +185,16 @@ def test_a_batch_queues_its_steps_together(family, tiny_models, hybrid):
     assert outputs[True][0][-1] == free[11] and len(outputs[True][1]) == 6 and len(outputs[True][2]) == 40
     assert max(queued) >= 3 and 2 in queued and ahead.stage_times.lookahead_steps > 20
     assert ahead._ahead is None
+
+
+def test_auto_queues_a_lone_requests_steps_but_not_a_batchs(tiny_models, hybrid):
+    """ar_lookahead "auto" (here forced on as on CUDA) queues a lone request's steps; a batch's only with True."""
+    auto, _ = engines("qwen3", tiny_models, hybrid)
+    auto.ar_lookahead = True   # what "auto" gives a CUDA engine with graphs; batches stay off
+    requests = [Request(name, prompt(seed), SamplingParams(mode="ar", max_tokens=n, ignore_eos=True))
+                for name, seed, n in (("x", 30, 6), ("y", 31, 20))]
+    queued = []
+    real = auto._queue_step
+    auto._queue_step = lambda seqs, *args: queued.append(len(seqs)) or real(seqs, *args)
+    run_all(auto, requests)
+    assert queued and set(queued) == {1}   # the survivor alone, after the other's last token
