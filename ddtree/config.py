@@ -65,6 +65,10 @@ class EngineConfig:
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0
+    # a prompt of at most this many tokens admitted alone is prefilled through a static forward (a CUDA graph per row
+    # bucket on CUDA: an eager prefill launches ~40 kernels a layer, host-bound at small batch); dense targets (a
+    # hybrid's prefill stays eager); 0: off. Off until measured on the GPU
+    static_prefill: int = 0
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 
@@ -92,6 +96,8 @@ class EngineConfig:
                              f"got {self.default_stream_interval}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+        if self.static_prefill < 0:
+            raise ValueError(f"static_prefill must be >= 0, got {self.static_prefill}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         parse_arms(self.auto_arms)   # raises ValueError on an unknown arm

@@ -82,6 +82,7 @@ class StageTimes:
     static_commits: int = 0      # rounds whose cache commit ran as a static program (graphs.StaticCommit)
     device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
     lookahead_steps: int = 0     # `ar` steps queued before the last one's token was read (Engine._lookahead_round)
+    static_prefills: int = 0     # prompts prefilled through a static forward (config.static_prefill)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
     #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
@@ -340,6 +341,11 @@ class Engine:
         if not seqs:
             return []
         t0 = time.perf_counter()
+        if len(seqs) == 1:
+            outputs = self._prefill_static(seqs[0])
+            if outputs is not None:
+                self.stage_times.prefill += time.perf_counter() - t0
+                return outputs
         ids, positions, segments, last_rows = [], [], [], []
         for seq in seqs:
             n = len(seq.request.prompt_ids)
@@ -353,20 +359,48 @@ class Engine:
         outputs, row = [], 0
         for i, seq in enumerate(seqs):
             n = segments[i].length
-            self.caches[seq.slot].compact(0, list(range(n)))   # commits the whole prompt (recurrent state too)
-            params = seq.request.params
-            row_logits = suppress_tokens(logits[i : i + 1], self._suppressed(params),
-                                         torch.tensor([params.min_tokens > 0], device=self.device))
-            seq.root = self._choose(row_logits[0], params, seq.generator)
-            seq.start = n
-            seq.pending_taps = [(taps, row, row + n)] if taps is not None and params.mode != "ar" else []
+            outputs.append(self._start_decoding(seq, n, logits[i : i + 1], taps, row))
             row += n
-            if self.draft_caches:
-                self.draft_caches[seq.slot].length = 0
-            outputs.append(self._commit(seq, [seq.root], accepted_length=None))
         self._sync()
         self.stage_times.prefill += time.perf_counter() - t0
         return outputs
+
+    def _start_decoding(self, seq: Sequence, n: int, logits: torch.Tensor, taps: torch.Tensor | None,
+                        row: int) -> RequestOutput:
+        """A prefilled prompt of n tokens committed, its first token chosen from the last row's logits  # [1, vocab];
+        its features (taps rows row..row+n) pending for the drafter."""
+        self.caches[seq.slot].compact(0, list(range(n)))   # commits the whole prompt (recurrent state too)
+        params = seq.request.params
+        row_logits = suppress_tokens(logits, self._suppressed(params),
+                                     torch.tensor([params.min_tokens > 0], device=self.device))
+        seq.root = self._choose(row_logits[0], params, seq.generator)
+        seq.start = n
+        seq.pending_taps = [(taps, row, row + n)] if taps is not None and params.mode != "ar" else []
+        if self.draft_caches:
+            self.draft_caches[seq.slot].length = 0
+        return self._commit(seq, [seq.root], accepted_length=None)
+
+    def _prefill_static(self, seq: Sequence) -> list[RequestOutput] | None:
+        """A lone dense prompt of at most config.static_prefill tokens through the static forward, as a chain of rows
+        from position 0 (its own program per row bucket: on CUDA a graph replay instead of ~40 launches a layer);
+        None where it does not apply or no static program fits (the eager prefill runs)."""
+        prompt = seq.request.prompt_ids
+        n = len(prompt)
+        if (self.static_target is None or self.static_target.conv_kernel is not None
+                or not 0 < n <= self.config.static_prefill):
+            return None
+        result = self.static_target.batch([self.caches[seq.slot]], [0], [prompt], [list(range(n))],
+                                          [list(range(-1, n - 1))])
+        if result is None:
+            return None
+        logits, taps = result
+        # the features are views of the program's outputs, which another static forward of its shape would overwrite
+        # before the drafter reads them (an `auto` request's `ar` rounds at the same rows): a copy of their own
+        taps = taps.clone() if taps is not None and seq.request.params.mode != "ar" else None
+        output = self._start_decoding(seq, n, logits[n - 1 : n], taps, 0)
+        self._sync()
+        self.stage_times.static_prefills += 1
+        return [output]
 
     def _round(self, seqs: list[Sequence], prefill_s: float = 0.0) -> list[RequestOutput]:
         times, t_round = self.stage_times, time.perf_counter()

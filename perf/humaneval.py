@@ -205,8 +205,9 @@ def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True, chat=
 
 
 def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
-                 max_new_tokens: int, seed: int) -> tuple[dict, dict]:
-    """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver."""
+                 max_new_tokens: int, seed: int, engine_args: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver; engine_args:
+    more of the model's parameters (--engine)."""
     from client.chat import ChatStream
     from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
 
@@ -215,7 +216,7 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
         # the model serves the in-process engine's own config: the same cache sizes give the same static shapes (key
         # buckets, slots), so the same numerics and, in bf16, the same texts and rounds on both sides
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
-                                                         "max_num_seqs": str(config.max_num_seqs)})
+                                                         "max_num_seqs": str(config.max_num_seqs), **(engine_args or {})})
         with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server, ChatStream(server.grpc_url) as chat:
             for method in methods:
                 stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed), chat=chat)
@@ -404,6 +405,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "into <out>/<name>.{json,md,png}; nothing is run")
     parser.add_argument("--skip-in-process-speed", action="store_true")
     parser.add_argument("--skip-triton", action="store_true")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine parameter (config.pbtxt's names and values, e.g. static_prefill=256) set on both "
+                             "sides: the in-process engine and the Triton model; repeatable")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="humaneval_cpu")
     args = parser.parse_args(argv)
@@ -469,6 +473,10 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
                           max_tree_budget=max(args.budgets), max_num_seqs=args.acceptance_batch,
                           max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens + 1)
+    engine_args = dict(item.split("=", 1) for item in args.engine)
+    if engine_args:   # parsed as the Triton model parses them (unknown keys fail here, not in the server)
+        parsed = EngineConfig.from_dict({**engine_args, "target_path": args.target})
+        config = config.replace(**{key: getattr(parsed, key) for key in engine_args})
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "prompt_format": PROMPT_FORMAT, "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
               "num_prompts": len(prompts), "speed_prompts": min(args.speed_prompts, len(prompts)),

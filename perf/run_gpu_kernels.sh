@@ -23,7 +23,8 @@ case "${1:-ratios}" in
     timeout "${TIMEOUT:-500}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_tree_kernel.py tests/gpu/test_tree_build_kernel.py \
       tests/gpu/test_attention_kernel.py tests/gpu/test_gemv_kernel.py tests/gpu/test_cuda_graphs.py::test_hybrid_target_graphs_equal_dynamic \
       tests/gpu/test_cuda_graphs.py::test_dense_target_graphs_equal_dynamic \
-      tests/gpu/test_cuda_graphs.py::test_ar_lookahead_with_graphs_decodes_what_it_decodes_without} > "$OUT/gpu_tests_$TAG.log" 2>&1 || true
+      tests/gpu/test_cuda_graphs.py::test_ar_lookahead_with_graphs_decodes_what_it_decodes_without \
+      tests/gpu/test_cuda_graphs.py::test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes} > "$OUT/gpu_tests_$TAG.log" 2>&1 || true
     tail -40 "$OUT/gpu_tests_$TAG.log" ;;
   ratios)
     python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes "${SHAPES:-qwen36-27b}" --budgets 16,64 \

@@ -27,8 +27,13 @@ PERF_ANALYZER = ROOT / ".deps" / "bin" / "perf_analyzer"
 
 
 def set_parameter(config: Path, key: str, value: str) -> None:
+    """Set a model parameter of config.pbtxt (appended where the file does not name it)."""
     pattern = rf'(key: "{key}", value: {{ string_value: )"[^"]*"'
-    config.write_text(re.sub(pattern, rf'\1"{value}"', config.read_text()))
+    text = config.read_text()
+    if re.search(pattern, text):
+        config.write_text(re.sub(pattern, rf'\1"{value}"', text))
+    else:
+        config.write_text(text.rstrip("\n") + f'\nparameters {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n')
 
 
 def set_gpu_replicas(config: Path, gpus: list[int]) -> None:

@@ -215,7 +215,8 @@ class StaticTarget:
         rows = row_bucket(max(len(p) for p in parents))
         keys = key_bucket(max(starts) + rows, caches[0].max_len)
         reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
-        if min(starts) < 1 or keys is None or reqs * rows > self.MAX_ROWS:
+        # from position 0 (a prefill) only for a dense target: a hybrid's recurrent state would be read from its slot
+        if min(starts) < (0 if self.conv_kernel is None else 1) or keys is None or reqs * rows > self.MAX_ROWS:
             return None
         return reqs, rows, keys
 

@@ -217,3 +217,36 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
         assert engine.graphs.late_keys == [], engine.graphs.late_keys
     for (device_tree, mode, budget), tokens in outputs.items():
         assert tokens == outputs[False, mode, budget], (family, mode, budget)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(family, tiny_models):
+    """static_prefill under CUDA graphs (a captured program per row bucket, from position 0): every mode's tokens
+    equal the engine's without graphs; an `auto` request whose one-token prompt's program an `ar` step replays before
+    the drafter reads the prompt's features (the same memory every replay: they must be copied out)."""
+    from ddtree.budget import Arm
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine, _joined
+    from ddtree.request import Request
+    from ddtree.sampling_params import SamplingParams
+
+    base = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                max_model_len=300, max_tree_budget=64, device="cuda")
+    plain = Engine(EngineConfig(**base, static_forward="off"))
+    static = Engine(EngineConfig(**base, static_forward="auto", static_prefill=128))
+    gen = torch.Generator().manual_seed(8)
+    for n, mode, budget in [(1, "ar", 1), (7, "dflash", 1), (17, "ddtree", 16), (60, "ddtree", 64), (128, "ar", 1)]:
+        prompt = torch.randint(0, 90, (n,), generator=gen).tolist()
+        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=32, ignore_eos=True)
+        assert static.generate_ids(prompt, params).output_ids == plain.generate_ids(prompt, params).output_ids, (n, mode)
+    pending = []
+    for engine in (plain, static):   # the prompt's features, then the `ar` round's: copied out of the replays
+        engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("ar")
+        engine.add(Request("auto", [5], SamplingParams(mode="auto", tree_budget=16, max_tokens=8, ignore_eos=True)))
+        engine.step()
+        engine.step()
+        pending.append(_joined(engine.running[0].pending_taps).clone())
+        while engine.has_work:
+            engine.step()
+    assert pending[0].shape == pending[1].shape and torch.allclose(pending[0], pending[1], atol=1e-4)
+    assert static.stage_times.static_prefills == 6 and captured(static.static_target) >= 5

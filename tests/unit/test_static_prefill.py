@@ -1,0 +1,97 @@
+"""EngineConfig.static_prefill: a lone dense prompt prefilled through the static forward (a chain of rows from
+position 0, its own program per row bucket; on CUDA a graph replay) decodes what the eager prefill decodes, in every
+mode; longer prompts, batches of arrivals and hybrid targets keep the eager prefill. The CPU runs the static forwards
+eagerly (static_forward="on"), the same programs CUDA graphs capture."""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.config import EngineConfig
+from ddtree.engine import Engine
+from ddtree.request import Request
+from ddtree.sampling_params import SamplingParams
+from tests.unit.oracle import make_tiny_hybrid
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engines(target: str, drafter: str) -> tuple[Engine, Engine]:
+    base = dict(target_path=target, drafter_path=drafter, max_model_len=160, max_num_seqs=2, static_forward="on")
+    return Engine(EngineConfig(**base)), Engine(EngineConfig(**base, static_prefill=40))
+
+
+def test_a_static_prefill_decodes_what_the_eager_prefill_decodes(tiny_models):
+    plain, static = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
+    cases = [(1, "ar", 1), (2, "dflash", 1), (5, "ddtree", 16), (17, "ddtree", 8), (33, "auto", 16), (40, "ar", 1),
+             (41, "ddtree", 16)]
+    for i, (n, mode, budget) in enumerate(cases):
+        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=24, ignore_eos=True)
+        expected = plain.generate_ids(prompt(i, n), params).output_ids
+        assert static.generate_ids(prompt(i, n), params).output_ids == expected, (n, mode)
+    # sampling: the same first token's distribution (the same seed draws the same tokens)
+    params = SamplingParams(mode="ddtree", tree_budget=8, max_tokens=16, temperature=1.0, seed=5)
+    assert static.generate_ids(prompt(9, 12), params).output_ids == plain.generate_ids(prompt(9, 12), params).output_ids
+    assert static.stage_times.static_prefills == 7 and plain.stage_times.static_prefills == 0   # not the 41-token one
+
+
+def test_the_prefill_logits_and_cache_equal_the_eager_ones(tiny_models):
+    """The first token's logits and every committed K/V row of the prompt, static against eager."""
+    plain, static = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
+    ids = prompt(3, 23)
+    seen = {}
+    for name, engine in (("plain", plain), ("static", static)):
+        chosen = []
+        real = engine._choose
+        engine._choose = lambda logits, params, gen, real=real, chosen=chosen: chosen.append(logits.clone()) or real(
+            logits, params, gen)
+        engine.add(Request("r", ids, SamplingParams(mode="ar", max_tokens=1)))
+        engine.step()
+        cache = engine.caches[0]
+        seen[name] = (chosen[0], [layer[cache.slot, :23].clone() for layer in cache.pool.k],
+                      [layer[cache.slot, :23].clone() for layer in cache.pool.v])
+    assert torch.allclose(seen["plain"][0], seen["static"][0], atol=1e-4)
+    for a, b in zip(seen["plain"][1] + seen["plain"][2], seen["static"][1] + seen["static"][2]):
+        assert torch.allclose(a, b, atol=1e-4)
+    assert static.stage_times.static_prefills == 1
+
+
+def test_arrivals_together_and_hybrid_targets_keep_the_eager_prefill(tiny_models, tmp_path):
+    plain, static = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
+    for engine in (plain, static):
+        requests = [Request(f"r{i}", prompt(20 + i, 9 + i), SamplingParams(mode="ddtree", tree_budget=8, max_tokens=12,
+                                                                           ignore_eos=True)) for i in range(2)]
+        for request in requests:
+            engine.add(request)
+        while engine.has_work:
+            engine.step()
+        engine.outputs = [r.output_ids for r in requests]
+    assert static.outputs == plain.outputs and static.stage_times.static_prefills == 0   # two admitted at once
+    root, _ = make_tiny_hybrid(tmp_path)
+    plain, static = engines(str(root / "target"), str(root / "dflash"))
+    params = SamplingParams(mode="ddtree", tree_budget=8, max_tokens=16, ignore_eos=True)
+    assert static.generate_ids(prompt(4, 14), params).output_ids == plain.generate_ids(prompt(4, 14), params).output_ids
+    assert static.stage_times.static_prefills == 0
+
+
+def test_the_prompts_features_outlive_the_programs_next_run(tiny_models):
+    """A one-token prompt's static prefill and an `ar` step share a program (one row, the same key bucket): an `auto`
+    request on its `ar` arm runs that step before drafting, and the prompt's features the drafter has yet to read
+    must be its own copy (arm scripted: `ar`). On the CPU each run's outputs are new tensors, so this holds either
+    way here; under CUDA graphs they are the same memory every replay (the GPU test runs this case captured)."""
+    from ddtree.budget import Arm
+    from ddtree.engine import _joined
+
+    plain, static = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
+    pending = {}
+    for name, engine in (("plain", plain), ("static", static)):
+        engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("ar")
+        engine.add(Request("r", prompt(11, 1), SamplingParams(mode="auto", tree_budget=8, max_tokens=8, ignore_eos=True)))
+        engine.step()   # the prefill
+        engine.step()   # an `ar` round
+        pending[name] = _joined(engine.running[0].pending_taps).clone()
+    assert pending["static"].shape == pending["plain"].shape == (2, pending["plain"].shape[1])
+    assert torch.allclose(pending["static"], pending["plain"], atol=1e-4)
+    assert static.stage_times.static_prefills == 1
