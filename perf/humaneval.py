@@ -204,6 +204,17 @@ def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True, chat=
             "num_input_tokens": (stats.get("num_input_tokens") or [0])[0], "text": "".join(text)}
 
 
+def with_engine_args(config: EngineConfig, items: list[str]) -> tuple[EngineConfig, dict[str, str]]:
+    """--engine KEY=VALUE items set on the in-process config, parsed as the Triton model parses its parameters
+    (unknown keys and bad values fail here, not in the server); returns the config and the items for the model."""
+    engine_args = dict(item.split("=", 1) for item in items)
+    if not engine_args:
+        return config, {}
+    parsed = EngineConfig.from_dict({"target_path": config.target_path, "drafter_path": config.drafter_path,
+                                     **engine_args})
+    return config.replace(**{key: getattr(parsed, key) for key in engine_args}), engine_args
+
+
 def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
                  max_new_tokens: int, seed: int, engine_args: dict[str, str] | None = None) -> tuple[dict, dict]:
     """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver; engine_args:
@@ -473,15 +484,13 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
                           max_tree_budget=max(args.budgets), max_num_seqs=args.acceptance_batch,
                           max_model_len=max(map(len, prompt_ids)) + args.max_new_tokens + 1)
-    engine_args = dict(item.split("=", 1) for item in args.engine)
-    if engine_args:   # parsed as the Triton model parses them (unknown keys fail here, not in the server)
-        parsed = EngineConfig.from_dict({**engine_args, "target_path": args.target})
-        config = config.replace(**{key: getattr(parsed, key) for key in engine_args})
+    config, engine_args = with_engine_args(config, args.engine)
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "prompt_format": PROMPT_FORMAT, "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
               "num_prompts": len(prompts), "speed_prompts": min(args.speed_prompts, len(prompts)),
               "max_new_tokens": args.max_new_tokens, "budgets": args.budgets, "temperatures": args.temperatures,
-              "acceptance_batch": args.acceptance_batch, "seed": args.seed, "note": BATCH_INVARIANCE,
+              "acceptance_batch": args.acceptance_batch, "seed": args.seed, "engine_args": engine_args,
+              "note": BATCH_INVARIANCE,
               "phase_seconds": {}, "load_average": {}}
 
     with phase(result, "load"):
@@ -511,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_triton:
         with phase(result, "triton_speed"):
             result["triton"], texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
-                                                   args.max_new_tokens, args.seed)
+                                                   args.max_new_tokens, args.seed, engine_args)
         compare_triton(result, tokenizer, in_process_ids, texts, speed_ids)
     result["plots"] = plot(result, out_dir, args.name)
     write_results(out_dir, args.name, result, table(result))

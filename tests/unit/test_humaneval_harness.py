@@ -119,3 +119,14 @@ def test_acceptance_and_speed_in_separate_runs_merge(paths, tmp_path):
     speed_row = next(line for line in md.splitlines() if line.startswith("| ddtree-16 | 0 |"))
     assert speed_row.split("|")[4].strip() != "-"      # tokens/s in process came from the speed run
     assert (tmp_path / "all_speedup.png").stat().st_size > 1000
+
+
+def test_engine_args_set_the_config_as_the_model_parses_them():
+    config = EngineConfig(target_path="t", drafter_path="d")
+    same, none = humaneval.with_engine_args(config, [])
+    assert same is config and none == {}
+    changed, items = humaneval.with_engine_args(config, ["static_prefill=256", "ar_lookahead=auto"])
+    assert changed.static_prefill == 256 and changed.ar_lookahead is None and changed.target_path == "t"
+    assert items == {"static_prefill": "256", "ar_lookahead": "auto"}
+    with pytest.raises(ValueError, match="unknown engine parameter"):
+        humaneval.with_engine_args(config, ["no_such=1"])
