@@ -382,7 +382,7 @@ class Engine:
 
     def _prefill_static(self, seq: Sequence) -> list[RequestOutput] | None:
         """A lone dense prompt of at most config.static_prefill tokens through the static forward, as a chain of rows
-        from position 0 (its own program per row bucket: on CUDA a graph replay instead of ~40 launches a layer);
+        from position 0 (its own program per row bucket: on CUDA a graph replay instead of ~60 torch calls a layer);
         None where it does not apply or no static program fits (the eager prefill runs)."""
         prompt = seq.request.prompt_ids
         n = len(prompt)
