@@ -66,8 +66,8 @@ class EngineConfig:
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0
     # a prompt of at most this many tokens admitted alone is prefilled through a static forward (a CUDA graph per row
-    # bucket on CUDA: an eager prefill makes ~60 torch calls a layer, host-bound at small models); dense targets (a
-    # hybrid's prefill stays eager); 0: off. Off until measured on the GPU
+    # bucket on CUDA: an eager prefill makes ~60 torch calls a layer, host-bound at small models; a hybrid's slot state
+    # reset first; on CUDA a hybrid's prompt of 17-65 tokens stays eager); 0: off. Off until measured on the GPU
     static_prefill: int = 0
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)

@@ -381,13 +381,13 @@ class Engine:
         return self._commit(seq, [seq.root], accepted_length=None)
 
     def _prefill_static(self, seq: Sequence) -> list[RequestOutput] | None:
-        """A lone dense prompt of at most config.static_prefill tokens through the static forward, as a chain of rows
-        from position 0 (its own program per row bucket: on CUDA a graph replay instead of ~60 torch calls a layer);
-        None where it does not apply or no static program fits (the eager prefill runs)."""
+        """A lone prompt of at most config.static_prefill tokens through the static forward, as a chain of rows from
+        position 0 (its own program per row bucket: on CUDA a graph replay instead of ~60 torch calls a layer); None
+        where it does not apply or no static program fits (the eager prefill runs; on CUDA a hybrid's prompt of 17-65
+        tokens, whose one path the paths form cannot take)."""
         prompt = seq.request.prompt_ids
         n = len(prompt)
-        if (self.static_target is None or self.static_target.conv_kernel is not None
-                or not 0 < n <= self.config.static_prefill):
+        if self.static_target is None or not 0 < n <= self.config.static_prefill:
             return None
         result = self.static_target.batch([self.caches[seq.slot]], [0], [prompt], [list(range(n))],
                                           [list(range(-1, n - 1))])

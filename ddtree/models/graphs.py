@@ -215,8 +215,8 @@ class StaticTarget:
         rows = row_bucket(max(len(p) for p in parents))
         keys = key_bucket(max(starts) + rows, caches[0].max_len)
         reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
-        # from position 0 (a prefill) only for a dense target: a hybrid's recurrent state would be read from its slot
-        if min(starts) < (0 if self.conv_kernel is None else 1) or keys is None or reqs * rows > self.MAX_ROWS:
+        # from position 0: a prefill (a hybrid's slot state is reset first: _hybrid)
+        if min(starts) < 0 or keys is None or reqs * rows > self.MAX_ROWS:
             return None
         return reqs, rows, keys
 
@@ -279,6 +279,9 @@ class StaticTarget:
         # a lone request's program works on its own cache's views (no per-layer gather and scatter of its recurrent
         # state: ~0.1 ms and 300 MB of a 27B step; its attention reads its K/V as views too), so it is made per slot
         # (a lone request mostly holds slot 0); a batch's program serves every slot (the slots are inputs)
+        for cache, start in zip(caches, starts):
+            if start == 0:        # a prefill: the program reads the slot's recurrent state, which starts from zero
+                cache.reset()
         key = ("target", reqs, rows, keys, num_paths) + ((caches[0].slot,) if reqs == 1 else ())
         program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths))
         total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)

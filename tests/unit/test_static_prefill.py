@@ -1,6 +1,6 @@
 """EngineConfig.static_prefill: a lone dense prompt prefilled through the static forward (a chain of rows from
 position 0, its own program per row bucket; on CUDA a graph replay) decodes what the eager prefill decodes, in every
-mode; longer prompts, batches of arrivals and hybrid targets keep the eager prefill. The CPU runs the static forwards
+mode, for dense and hybrid targets; longer prompts and batches of arrivals keep the eager prefill. The CPU runs the static forwards
 eagerly (static_forward="on"), the same programs CUDA graphs capture."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_the_prefill_logits_and_cache_equal_the_eager_ones(tiny_models):
     assert static.stage_times.static_prefills == 1
 
 
-def test_arrivals_together_and_hybrid_targets_keep_the_eager_prefill(tiny_models, tmp_path):
+def test_arrivals_together_keep_the_eager_prefill(tiny_models):
     plain, static = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
     for engine in (plain, static):
         requests = [Request(f"r{i}", prompt(20 + i, 9 + i), SamplingParams(mode="ddtree", tree_budget=8, max_tokens=12,
@@ -69,11 +69,29 @@ def test_arrivals_together_and_hybrid_targets_keep_the_eager_prefill(tiny_models
             engine.step()
         engine.outputs = [r.output_ids for r in requests]
     assert static.outputs == plain.outputs and static.stage_times.static_prefills == 0   # two admitted at once
+
+
+def test_a_hybrid_static_prefill_starts_from_a_zero_state_and_commits_the_eager_one(tmp_path):
+    """A hybrid's static forward reads its slot's recurrent state: for a prefill it is reset first (here the slot
+    held the state a longer request left), and the committed conv windows and states equal the eager prefill's; every
+    mode's tokens too."""
     root, _ = make_tiny_hybrid(tmp_path)
     plain, static = engines(str(root / "target"), str(root / "dflash"))
-    params = SamplingParams(mode="ddtree", tree_budget=8, max_tokens=16, ignore_eos=True)
-    assert static.generate_ids(prompt(4, 14), params).output_ids == plain.generate_ids(prompt(4, 14), params).output_ids
-    assert static.stage_times.static_prefills == 0
+    for i, (n, mode, budget) in enumerate([(30, "ar", 1), (3, "ddtree", 8), (14, "dflash", 1), (40, "ddtree", 16),
+                                           (1, "auto", 16)]):
+        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=20, ignore_eos=True)
+        expected = plain.generate_ids(prompt(i, n), params).output_ids
+        assert static.generate_ids(prompt(i, n), params).output_ids == expected, (n, mode)
+    assert static.stage_times.static_prefills == 5
+    states = {}
+    for name, engine in (("plain", plain), ("static", static)):
+        engine.add(Request("r", prompt(7, 9), SamplingParams(mode="ar", max_tokens=1)))
+        engine.step()
+        cache = engine.caches[0]
+        states[name] = (cache.conv.clone(), cache.state.clone(), [t[:, :9].clone() for t in (cache.kv.k, cache.kv.v)])
+    a, b = states["plain"], states["static"]
+    assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-4)
+    assert all(torch.allclose(x, y, atol=1e-4) for x, y in zip(a[2], b[2]))
 
 
 def test_the_prompts_features_outlive_the_programs_next_run(tiny_models):
