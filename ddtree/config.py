@@ -67,7 +67,7 @@ class EngineConfig:
     draft_vocab: int = 0
     # a prompt of at most this many tokens admitted alone is prefilled through a static forward (a CUDA graph per row
     # bucket on CUDA: an eager prefill makes ~60 torch calls a layer, host-bound at small models; a hybrid's slot state
-    # reset first; on CUDA a hybrid's prompt of 17-65 tokens stays eager); 0: off. Off until measured on the GPU
+    # reset first, its GDN layers on the masked form); 0: off. Off until measured on the GPU
     static_prefill: int = 0
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)

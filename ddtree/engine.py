@@ -383,8 +383,7 @@ class Engine:
     def _prefill_static(self, seq: Sequence) -> list[RequestOutput] | None:
         """A lone prompt of at most config.static_prefill tokens through the static forward, as a chain of rows from
         position 0 (its own program per row bucket: on CUDA a graph replay instead of ~60 torch calls a layer); None
-        where it does not apply or no static program fits (the eager prefill runs; on CUDA a hybrid's prompt of 17-65
-        tokens, whose one path the paths form cannot take)."""
+        where it does not apply or no static program fits (the eager prefill runs)."""
         prompt = seq.request.prompt_ids
         n = len(prompt)
         if self.static_target is None or not 0 < n <= self.config.static_prefill:

@@ -263,7 +263,8 @@ class StaticTarget:
         request's commit stash goes to its cache (compact() commits from it)."""
         assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
         paths, num_paths = [], 0
-        if self.uses_paths(rows, self.graphs.device):
+        # a prefill's chain is one path as long as the prompt, past the paths form's PATHS_MAX_LEN: the masked form
+        if self.uses_paths(rows, self.graphs.device) and min(starts) > 0:
             # the paths form: each tree's root-to-leaf paths (padding rows take none), padded to a count (a program per
             # count; padding requests have none): with our kernel as many as rows (padding paths cost nothing), so one
             # program per row bucket serves every tree and warm-up prepares them all; with fla's kernel, which copies
