@@ -183,10 +183,10 @@ class StaticTarget:
         shape = self._shape(caches, starts, parents)
         if shape is None:
             return None
-        if self.conv_kernel is not None:
-            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged)
         reqs, rows, keys = shape
         assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
+        if self.conv_kernel is not None:
+            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged)
         # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
         # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
         # each at Qwen3-8B dims and 512 keys), as a hybrid target's (a lone request mostly holds slot 0)
@@ -261,7 +261,6 @@ class StaticTarget:
         """A hybrid target's verify (or ar step) of several requests as one static forward, shaped like the dense one;
         every request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each
         request's commit stash goes to its cache (compact() commits from it)."""
-        assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
         paths, num_paths = [], 0
         # a prefill's chain is one path as long as the prompt, past the paths form's PATHS_MAX_LEN: the masked form
         if self.uses_paths(rows, self.graphs.device) and min(starts) > 0:
