@@ -25,6 +25,7 @@ def _as_bool(value: Any) -> bool:
 
 
 MAX_STREAM_INTERVAL = 1024
+STATIC_PREFILL_AUTO = 256   # static_prefill's "auto" where static forwards are CUDA graphs (its row buckets up to 256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +67,12 @@ class EngineConfig:
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0
     # a prompt of at most this many tokens admitted alone is prefilled through a static forward (a CUDA graph per row
-    # bucket on CUDA: an eager prefill makes ~60 torch calls a layer, host-bound at small models; a hybrid's slot state
-    # reset first, its GDN layers on the masked form); 0: off. Off until measured on the GPU
-    static_prefill: int = 0
+    # bucket on CUDA, one for every slot, made at warm-up: an eager prefill makes ~60 torch calls a layer, host-bound
+    # at small models; a hybrid's slot state reset first, its GDN layers on the masked form); 0: off. None ("auto"):
+    # STATIC_PREFILL_AUTO where the static forwards are CUDA graphs on CUDA, else off (the embedded default on the
+    # H200: time to first token 2.2 ms against 25 in process, `ar` 1109 tok/s against 898:
+    # perf/results/humaneval_h200_sprefill.md beside humaneval_h200_default.md)
+    static_prefill: int | None = None
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 
@@ -96,7 +100,7 @@ class EngineConfig:
                              f"got {self.default_stream_interval}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
-        if self.static_prefill < 0:
+        if self.static_prefill is not None and self.static_prefill < 0:
             raise ValueError(f"static_prefill must be >= 0, got {self.static_prefill}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
@@ -114,11 +118,12 @@ class EngineConfig:
             if raw is None or (isinstance(raw, str) and raw.strip() == ""):
                 continue
             kind = known[name].type
-            if "int" in str(kind) and "str" not in str(kind):
+            if "None" in str(kind) and str(raw).strip().lower() == "auto" and "str" not in str(kind):
+                kwargs[name] = None
+            elif "int" in str(kind) and "str" not in str(kind):
                 kwargs[name] = int(raw)
             elif "bool" in str(kind):
-                auto = "None" in str(kind) and str(raw).strip().lower() == "auto"
-                kwargs[name] = None if auto else _as_bool(raw)
+                kwargs[name] = _as_bool(raw)
             else:
                 kwargs[name] = str(raw)
         for key in ("target_path", "drafter_path", "cost_model_path"):

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, default_cost_model, node_weights, parse_arms
-from ddtree.config import EngineConfig
+from ddtree.config import STATIC_PREFILL_AUTO, EngineConfig
 from ddtree.draft_vocab import DraftVocab
 from ddtree.errors import InvalidRequest
 from ddtree.models.base import to_device
@@ -223,16 +223,17 @@ class Engine:
         self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs, scratch) if static else None
         self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs, scratch) if static and drafter else None
         self.static_commit = StaticCommit(self.graphs) if static else None   # a lone hybrid request's replay commit
+        graphed = self.device.type == "cuda" and config.cuda_graphs   # what the "auto" settings below turn on with
         # a lone greedy request's tree built on the device, between its static draft and verify
-        device_tree = (config.device_tree if config.device_tree is not None
-                       else self.device.type == "cuda" and config.cuda_graphs)
+        device_tree = config.device_tree if config.device_tree is not None else graphed
         self.static_tree = (StaticTreeBuild(self.graphs, self.draft_vocab.token_ids) if static and drafter and device_tree
                             else None)
-        self.ar_lookahead = (config.ar_lookahead if config.ar_lookahead is not None
-                             else self.device.type == "cuda" and config.cuda_graphs)
+        self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
         # batches' steps queued together only when asked (True): "auto" queues a lone request's, the form measured on
         # the GPU; a batch's is tested on the CPU and waits for its GPU test and measurement
         self.ar_lookahead_batches = config.ar_lookahead is True
+        static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
+        self.static_prefill = static_prefill if self.static_target is not None else 0
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -381,15 +382,15 @@ class Engine:
         return self._commit(seq, [seq.root], accepted_length=None)
 
     def _prefill_static(self, seq: Sequence) -> list[RequestOutput] | None:
-        """A lone prompt of at most config.static_prefill tokens through the static forward, as a chain of rows from
-        position 0 (its own program per row bucket: on CUDA a graph replay instead of ~60 torch calls a layer); None
-        where it does not apply or no static program fits (the eager prefill runs)."""
+        """A lone prompt of at most self.static_prefill tokens through the static forward, as a chain of rows from
+        position 0 (a program per row bucket that serves every slot: on CUDA a graph replay instead of ~60 torch calls
+        a layer); None where it does not apply or no static program fits (the eager prefill runs)."""
         prompt = seq.request.prompt_ids
         n = len(prompt)
-        if self.static_target is None or not 0 < n <= self.config.static_prefill:
+        if not 0 < n <= self.static_prefill:
             return None
         result = self.static_target.batch([self.caches[seq.slot]], [0], [prompt], [list(range(n))],
-                                          [list(range(-1, n - 1))])
+                                          [list(range(-1, n - 1))], any_slot=True)
         if result is None:
             return None
         logits, taps = result
@@ -923,6 +924,7 @@ class Engine:
             self._warm_shapes(n + 4, max(budgets) + 1 if self.drafter is not None else 1)
             self._warm_batched_steps(n + 4)
         self._warm_device_trees(lengths[0] + 4, max(budgets) + 1)
+        self._warm_prefills()
         self._events.settle()
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
         self.graphs.warmed = True
@@ -942,6 +944,19 @@ class Engine:
             if self.static_target.batch(self.caches[:n], [start] * n, [[1]] * n, [[start]] * n, [[-1]] * n) is None:
                 break
             reqs *= 2
+
+    @torch.inference_mode()
+    def _warm_prefills(self) -> None:
+        """The static prefills' programs (_prefill_static) of every row bucket up to self.static_prefill, on slot 0,
+        whose contents the next request's prefill replaces (a hybrid's recurrent state is reset by each)."""
+        cache = self.caches[0]
+        for rows in sorted({row_bucket(n) for n in range(1, self.static_prefill + 1)}):
+            chain = list(range(rows))
+            if self.static_target.batch([cache], [0], [[1] * rows], [chain], [[i - 1 for i in chain]],
+                                        any_slot=True) is None:
+                break   # no static shape fits (the eager prefill runs): longer prompts fit none either
+            if getattr(cache, "pending", None) is not None:
+                cache.pending = None   # a hybrid's stash of this forward, never committed
 
     @torch.inference_mode()
     def _warm_device_trees(self, start: int, max_rows: int) -> None:

@@ -171,27 +171,30 @@ class StaticTarget:
         return self.batch([cache], [start], [input_ids], [positions], [parents])
 
     def batch(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]],
-              tree: tuple[torch.Tensor, torch.Tensor | None] | None = None, staged: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+              tree: tuple[torch.Tensor, torch.Tensor | None] | None = None, staged: bool = False,
+              any_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Several requests' trees (the lists hold one entry per request): logits and taps of their rows packed in
         request order, or None (the caller runs the dynamic forward).
         tree: a lone request's tree inputs on the device (StaticTreeBuild's: its rows' ids, positions and parents, and
         its paths where device_tree_shape says it takes them), which the program reads instead of the host's
         input_ids, positions and parents (placeholders of the tree's length); (ids, None) for the ids alone: a lone
         request's tree's, or one id per request where every request has one row (the `ar` lookahead's steps).
-        staged: see GraphPool.run."""
+        staged: see GraphPool.run.
+        any_slot: a lone request's program with its slot as an input, as a batch's (one program serves every slot:
+        prefills, which a request runs once, in whatever slot it was given), instead of one made for its slot."""
         shape = self._shape(caches, starts, parents)
         if shape is None:
             return None
         reqs, rows, keys = shape
         assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
         if self.conv_kernel is not None:
-            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged)
+            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged, any_slot)
         # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
         # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
         # each at Qwen3-8B dims and 512 keys), as a hybrid target's (a lone request mostly holds slot 0)
-        fixed_slot = caches[0].slot if reqs == 1 else None
-        key = ("batch", reqs, rows, keys) + ((fixed_slot,) if reqs == 1 else ())
+        any_slot = any_slot and reqs == 1
+        fixed_slot = caches[0].slot if reqs == 1 and not any_slot else None
+        key = ("batch", reqs, rows, keys) + (("any",) if any_slot else (fixed_slot,) if fixed_slot is not None else ())
         program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot))
         total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         logits, taps = self.graphs.run(key, program, () if tree is None else ((0, tree[0]),), staged)
@@ -257,10 +260,10 @@ class StaticTarget:
 
     def _hybrid(self, reqs: int, rows: int, keys: int, caches: list, starts: list[int], input_ids: list, positions: list,
                 parents: list[list[int]], tree: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                staged: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                staged: bool = False, any_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A hybrid target's verify (or ar step) of several requests as one static forward, shaped like the dense one;
         every request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each
-        request's commit stash goes to its cache (compact() commits from it)."""
+        request's commit stash goes to its cache (compact() commits from it). any_slot: see batch."""
         paths, num_paths = [], 0
         # a prefill's chain is one path as long as the prompt, past the paths form's PATHS_MAX_LEN: the masked form
         if self.uses_paths(rows, self.graphs.device) and min(starts) > 0:
@@ -282,8 +285,10 @@ class StaticTarget:
         for cache, start in zip(caches, starts):
             if start == 0:        # a prefill: the program reads the slot's recurrent state, which starts from zero
                 cache.reset()
-        key = ("target", reqs, rows, keys, num_paths) + ((caches[0].slot,) if reqs == 1 else ())
-        program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths))
+        any_slot = any_slot and reqs == 1
+        pooled = reqs > 1 or any_slot
+        key = ("target", reqs, rows, keys, num_paths) + (("any",) if any_slot else () if pooled else (caches[0].slot,))
+        program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths, pooled))
         total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         rest[:] = 0                                    # padding requests: no paths
         if num_paths and tree is None:
@@ -303,10 +308,10 @@ class StaticTarget:
             cache.static_stash = stash if fixed else None
         return logits[:total], None if taps is None else taps[:total]
 
-    def _make_hybrid(self, cache, reqs: int, rows: int, keys: int, num_paths: int) -> Program:
+    def _make_hybrid(self, cache, reqs: int, rows: int, keys: int, num_paths: int, pooled: bool) -> Program:
         """num_paths: 0, or the (bucketed) number of root-to-leaf paths of each request's tree (the paths form). A
-        one-request program works on `cache` itself; a batch's on any slot named by its inputs (PooledSlot over
-        `cache`'s pools)."""
+        pooled program (a batch's, or any_slot's) works on any slot named by its inputs (PooledSlot over `cache`'s
+        pools); another on `cache` itself."""
         n = reqs * rows
         path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if num_paths else []   # per request
         host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs + reqs * sum(path_sizes))
@@ -322,10 +327,10 @@ class StaticTarget:
                 tree = TreePaths(*(part[r] for part in per_request)) if num_paths else None
                 layouts.append(TreeLayout(ancestors=ancestors[r], window=conv_window_index(parents[r], self.conv_kernel),
                                           paths=tree))
-                handle = cache if reqs == 1 else PooledSlot(cache, slots[r : r + 1])
+                handle = PooledSlot(cache, slots[r : r + 1]) if pooled else cache
                 segments.append(Segment(cache=handle, start=-1, length=rows, mask=ancestors[r]))   # start, mask: the plan's
             plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys,
-                                                      fixed_slot=cache.kv.slot if reqs == 1 else None), layouts)
+                                                      fixed_slot=None if pooled else cache.kv.slot), layouts)
             logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers or None, logit_rows=out,
                                                       plan=plan)
             stashes = [seg.cache.pending for seg in segments]

@@ -224,7 +224,9 @@ def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(famil
     """static_prefill under CUDA graphs (a captured program per row bucket, from position 0): every mode's tokens
     equal the engine's without graphs; an `auto` request whose one-token prompt's program an `ar` step replays before
     the drafter reads the prompt's features (the same memory every replay: they must be copied out). A hybrid's
-    prefills take the masked form whatever their length (the paths form takes 16 rows a path)."""
+    prefills take the masked form whatever their length (the paths form takes 16 rows a path). static_prefill is left
+    at "auto" (256 here) and its programs are made at warm-up, one a row bucket for every slot: a request admitted
+    alone into slot 1 replays slot 0's."""
     from ddtree.budget import Arm
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine, _joined
@@ -234,9 +236,12 @@ def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(famil
     root = hybrid if family == "hybrid" else tiny_models
     target = root / "target" if family == "hybrid" else root / "qwen3-target"
     drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda",
+                max_num_seqs=2)
     plain = Engine(EngineConfig(**base, static_forward="off"))
-    static = Engine(EngineConfig(**base, static_forward="auto", static_prefill=128))
+    static = Engine(EngineConfig(**base, static_forward="auto"))
+    assert static.static_prefill == 256
+    static.warm_up()
     gen = torch.Generator().manual_seed(8)
     for n, mode, budget in [(1, "ar", 1), (7, "dflash", 1), (17, "ddtree", 16), (60, "ddtree", 64), (128, "ar", 1)]:
         prompt = torch.randint(0, 90, (n,), generator=gen).tolist()
@@ -252,5 +257,19 @@ def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(famil
         while engine.has_work:
             engine.step()
     assert pending[0].shape == pending[1].shape and torch.allclose(pending[0], pending[1], atol=1e-4)
-    assert static.stage_times.static_prefills == 6
+    outputs = []
+    for engine in (plain, static):   # b admitted alone while a runs: slot 1, the program slot 0's prefills replay
+        a = Request("a", list(range(3, 10)), SamplingParams(mode="ar", max_tokens=40, ignore_eos=True))
+        b = Request("b", list(range(20, 40)), SamplingParams(mode="ddtree", tree_budget=16, max_tokens=24, ignore_eos=True))
+        engine.add(a)
+        engine.step()
+        engine.add(b)
+        engine.step()
+        assert engine.running[1].slot == 1
+        while engine.has_work:
+            engine.step()
+        outputs.append((a.output_ids, b.output_ids))
+    assert outputs[0] == outputs[1]
+    assert static.stage_times.static_prefills == 8
+    assert not [key for key in static.graphs.late_keys if "any" in key], static.graphs.late_keys   # no prefill's
     assert captured(static.static_target) >= 5

@@ -5,6 +5,7 @@ eagerly (static_forward="on"), the same programs CUDA graphs capture."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ddtree.config import EngineConfig
@@ -95,10 +96,11 @@ def test_a_hybrid_static_prefill_starts_from_a_zero_state_and_commits_the_eager_
 
 
 def test_the_prompts_features_outlive_the_programs_next_run(tiny_models):
-    """A one-token prompt's static prefill and an `ar` step share a program (one row, the same key bucket): an `auto`
-    request on its `ar` arm runs that step before drafting, and the prompt's features the drafter has yet to read
-    must be its own copy (arm scripted: `ar`). On the CPU each run's outputs are new tensors, so this holds either
-    way here; under CUDA graphs they are the same memory every replay (the GPU test runs this case captured)."""
+    """The prompt's features the drafter has yet to read must be its own copy: the program's outputs are the same
+    memory every replay, and the next prefill of its row bucket (a request admitted alone while this one waits to
+    draft) or an `ar` step of one row (an `auto` request's `ar` arm, scripted here) writes the rows they came from.
+    On the CPU each run's outputs are new tensors, so this holds either way here; the GPU test runs this case
+    captured."""
     from ddtree.budget import Arm
     from ddtree.engine import _joined
 
@@ -113,3 +115,67 @@ def test_the_prompts_features_outlive_the_programs_next_run(tiny_models):
     assert pending["static"].shape == pending["plain"].shape == (2, pending["plain"].shape[1])
     assert torch.allclose(pending["static"], pending["plain"], atol=1e-4)
     assert static.stage_times.static_prefills == 1
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_one_prefill_program_serves_every_slot(family, tiny_models, tmp_path):
+    """A request admitted alone while another runs holds slot 1: its prefill replays the program slot 0's made (the
+    slot is an input, as in a batch's program; one made per slot would be ~16 row buckets x max_num_seqs captures),
+    and both requests decode what they decode with the eager prefill."""
+    from ddtree.models.graphs import row_bucket
+
+    root = make_tiny_hybrid(tmp_path)[0] if family == "hybrid" else None
+    target, drafter = ((root / "target", root / "dflash") if root else
+                       (tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"))
+    plain, static = engines(str(target), str(drafter))
+    first = SamplingParams(mode="ar", max_tokens=20, ignore_eos=True)
+    second = SamplingParams(mode="ddtree", tree_budget=8, max_tokens=12, ignore_eos=True)
+    results = {}
+    for name, engine in (("plain", plain), ("static", static)):
+        a, b = Request("a", prompt(1, 7), first), Request("b", prompt(2, 8), second)
+        engine.add(a)
+        engine.step()
+        made = set(engine.graphs.programs)
+        engine.add(b)
+        engine.step()   # b admitted alone, into slot 1
+        assert engine.running[1].slot == 1
+        new = set(engine.graphs.programs) - made
+        while engine.has_work:
+            engine.step()
+        results[name] = (a.output_ids, b.output_ids, new)
+    assert results["static"][:2] == results["plain"][:2]
+    assert static.stage_times.static_prefills == 2
+    assert [key for key in static.graphs.programs if "any" in key and key[2] == row_bucket(8)]   # a's (7 rows: 8)
+    assert not [key for key in results["static"][2] if key[1] == 1 and key[2] == row_bucket(8)], results["static"][2]
+
+
+def test_auto_turns_static_prefill_on_where_static_forwards_are_graphs(tiny_models):
+    """config.pbtxt's "auto" parses to None, which the engine resolves: STATIC_PREFILL_AUTO with CUDA graphs, off
+    on the CPU's eager static forwards; a number is kept."""
+    assert EngineConfig.from_dict({"target_path": "t", "default_mode": "ar", "static_prefill": "auto"}).static_prefill is None
+    assert EngineConfig.from_dict({"target_path": "t", "default_mode": "ar", "static_prefill": "12"}).static_prefill == 12
+    base = dict(target_path=str(tiny_models / "qwen3-target"), default_mode="ar", max_model_len=160, static_forward="on")
+    assert Engine(EngineConfig(**base)).static_prefill == 0
+    assert Engine(EngineConfig(**base, static_prefill=12)).static_prefill == 12
+    assert Engine(EngineConfig(**{**base, "static_forward": "off"}, static_prefill=12)).static_prefill == 0
+
+
+def test_warm_up_prepares_the_prefills_programs(tiny_models):
+    """Every row bucket up to static_prefill is made at warm-up: a prompt served after it makes no program (a
+    capture on a user's request, tens of milliseconds at 27B), in slot 0 or slot 1."""
+    base = dict(target_path=str(tiny_models / "qwen3-target"), default_mode="ar", max_model_len=160, max_num_seqs=2,
+                static_forward="on")
+    engine = Engine(EngineConfig(**base, static_prefill=20))
+    engine.warm_up()
+    assert engine.graphs.warmed and not engine.graphs.late_keys
+    params = SamplingParams(mode="ar", max_tokens=3, ignore_eos=True)
+    for n in (1, 3, 6, 11, 20):
+        assert engine.generate_ids(prompt(n, n), params).output_ids
+    engine.add(Request("a", prompt(5, 5), SamplingParams(mode="ar", max_tokens=30, ignore_eos=True)))
+    engine.step()
+    engine.add(Request("b", prompt(6, 13), params))
+    engine.step()   # b alone, into slot 1
+    while engine.has_work:
+        engine.step()
+    assert engine.stage_times.static_prefills == 7
+    assert not [key for key in engine.graphs.late_keys if "any" in key], engine.graphs.late_keys   # no prefill's
