@@ -187,12 +187,12 @@ class StaticTarget:
             return None
         reqs, rows, keys = shape
         assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
+        any_slot = any_slot and reqs == 1   # a batch's program serves every slot anyway
         if self.conv_kernel is not None:
             return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged, any_slot)
         # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
         # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
         # each at Qwen3-8B dims and 512 keys), as a hybrid target's (a lone request mostly holds slot 0)
-        any_slot = any_slot and reqs == 1
         fixed_slot = caches[0].slot if reqs == 1 and not any_slot else None
         key = ("batch", reqs, rows, keys) + (("any",) if any_slot else (fixed_slot,) if fixed_slot is not None else ())
         program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot))
@@ -279,13 +279,12 @@ class StaticTarget:
                 paths = [tree_paths(p, PATHS_MAX_LEN, num_paths, num_paths * PATHS_MAX_LEN, num_nodes=rows) for p in parents]
                 if any(p is None for p in paths):
                     return None
-        # a lone request's program works on its own cache's views (no per-layer gather and scatter of its recurrent
-        # state: ~0.1 ms and 300 MB of a 27B step; its attention reads its K/V as views too), so it is made per slot
-        # (a lone request mostly holds slot 0); a batch's program serves every slot (the slots are inputs)
         for cache, start in zip(caches, starts):
             if start == 0:        # a prefill: the program reads the slot's recurrent state, which starts from zero
                 cache.reset()
-        any_slot = any_slot and reqs == 1
+        # a lone request's program works on its own cache's views (no per-layer gather and scatter of its recurrent
+        # state: ~0.1 ms and 300 MB of a 27B step; its attention reads its K/V as views too), so it is made per slot
+        # (a lone request mostly holds slot 0); a batch's program, and any_slot's, serves every slot (slots are inputs)
         pooled = reqs > 1 or any_slot
         key = ("target", reqs, rows, keys, num_paths) + (("any",) if any_slot else () if pooled else (caches[0].slot,))
         program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths, pooled))
