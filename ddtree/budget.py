@@ -127,6 +127,7 @@ PRUNE_EVERY = 8          # rounds of a bucket between recomputations of the arms
 LOG_AFTER = 16           # a bucket's new leading arm is logged once it has led this many choices in a row
 MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
 MAX_GAP = 4.0            # an arm measured at 1/g of the leader's rate waits up to g x longer between re-probes
+SETTLED_FOR = 64         # rounds a bucket's settled choice (the leader, no probe due) is reused before it is recomputed
 
 
 class Arm(NamedTuple):
@@ -182,6 +183,10 @@ class ArmSelector:
         self._eligible: dict[tuple, tuple[int, set[Arm], tuple[Arm, ...], bool]] = {}
         self._capped: dict[int | None, tuple[Arm, ...]] = {}       # max_budget -> the arms choose considers
         self.leader: dict[int, tuple[Arm, int, bool]] = {}          # bucket -> (leading arm, since round, logged)
+        # bucket -> (eligible arms, round it holds until, leader, the others' best score): see choose
+        self._settled_choice: dict[int, tuple[tuple[Arm, ...], int, Arm, float]] = {}
+        self._version: dict[int, int] = defaultdict(int)             # bucket -> rounds recorded (caches below)
+        self._lost: dict[tuple, tuple[int, set[Arm]]] = {}          # (bucket, arms, margin) -> (version, lost)
         self.last: Arm | None = None                # the last round's arm (any batch size)
         self.catching_up = False                    # this round's arm drafts after rounds that did not
         self.repeat: tuple[int, Arm] | None = None  # (bucket, arm) to run again, measured, after a catch-up round
@@ -209,10 +214,20 @@ class ArmSelector:
         pruned: set[Arm] = set()
         for smaller in range(b):
             if smaller in self.settled:
-                pruned |= self.settled[smaller] | self._lost_to_lighter(smaller, arms, PRUNE_ACROSS)
+                pruned |= self.settled[smaller] | self._lost_since(smaller, arms, PRUNE_ACROSS)
         losing = [a.budget for a in self._lost_to_lighter(b, arms, PRUNE) if a.mode == "ddtree"]
         pruned |= {a for a in arms if a.mode == "ddtree" and losing and a.budget > min(losing)}
         return {a for a in pruned if a.mode not in ("ar", "policy")}
+
+    def _lost_since(self, b: int, arms: tuple[Arm, ...], margin: float) -> set[Arm]:
+        """_lost_to_lighter of a smaller batch size, kept until a round of it is recorded (while the batch is larger,
+        none is: computed once, not every PRUNE_EVERY rounds for each smaller size, O(arms^2) each)."""
+        key = (b, arms, margin)
+        version, lost = self._lost.get(key, (-1, set()))
+        if version != self._version[b]:
+            lost = self._lost_to_lighter(b, arms, margin)
+            self._lost[key] = (self._version[b], lost)
+        return lost
 
     def _lost_to_lighter(self, b: int, arms: tuple[Arm, ...], margin: float) -> set[Arm]:
         """Arms explored in bucket b measured below margin x an explored arm that drafts fewer nodes (losing to a
@@ -242,6 +257,7 @@ class ArmSelector:
         b = self.bucket(num_seqs)
         repeat, self.repeat = self.repeat, None
         if repeat is not None and repeat[0] == b:   # the measured round of an arm whose last round caught up
+            self._settled_choice.pop(b, None)
             self.rounds[b] += 1
             self.last_tried[repeat] = self.rounds[b]
             self.last = repeat[1]
@@ -257,26 +273,42 @@ class ArmSelector:
             # while an eligible arm is unexplored, every round (samples only grow: explored stays explored)
             pruned = self._pruned(b, arms)
             eligible = tuple(a for a in arms if a not in pruned) or arms
+            if cached is not None and cached[2] == eligible:
+                eligible = cached[2]   # the same object: a settled choice made with it still holds
             explored = all(self.samples[(b, a)] >= self.min_samples for a in eligible)
             cached = self._eligible[(b, arms)] = (self.rounds[b] + PRUNE_EVERY, pruned, eligible, explored)
         _, pruned, arms, explored = cached
         self.rounds[b] += 1
         unexplored = [] if explored else [a for a in arms if self.samples[(b, a)] < self.min_samples]
+        settled = self._settled_choice.get(b)
         if unexplored:
             arm = unexplored[0]
+        elif (settled is not None and settled[0] is arms and self.rounds[b] < settled[1]
+              and self.score(b, settled[2]) > settled[3]):
+            # the last choice still holds: the same eligible arms, its arm still leads (the others' scores change only
+            # when they are recorded, which drops this), and no re-probe falls due before settled[1]. The common
+            # round, made O(1): `auto` settled on `ar` ran 0.86-0.93x `ar` on the H200 at 64-token requests, most
+            # of it this Python per round (perf/results/concurrency_h200_sprefill.md)
+            arm = settled[2]
         else:
             self.settled.setdefault(b, pruned)
             best = max(arms, key=lambda a: self.score(b, a))
             self._log_leader(b, best, arms)
-            # an interval is at least reprobe_every rounds: arms tried more recently are not due (no interval computed)
-            due = [a for a in arms if a != best and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_every
-                   and self.rounds[b] - self.last_tried[(b, a)] >= self.reprobe_interval(b, a, best)]
+            # an interval is at least reprobe_every rounds; an arm is due once that many rounds passed since it ran
+            wait = {a: max(self.reprobe_every, self.reprobe_interval(b, a, best)) for a in arms if a != best}
+            due = [a for a, w in wait.items() if self.rounds[b] - self.last_tried[(b, a)] >= w]
             arm = min(due, key=lambda a: self.last_tried[(b, a)]) if due else best
             if arm == best:
                 self.misses[(b, arm)] = 0
+                # held until the first re-probe falls due, or SETTLED_FOR rounds (the leader's measures drift, and
+                # the intervals with them)
+                until = min([self.last_tried[(b, a)] + w for a, w in wait.items()] + [self.rounds[b] + SETTLED_FOR])
+                others = max((self.score(b, a) for a in wait), default=float("-inf"))
+                self._settled_choice[b] = (arms, until, best, others)
             else:   # counted as lost until the arm leads again: the next re-probe waits twice as long
                 self.misses[(b, arm)] = min(self.misses[(b, arm)] + 1, MAX_BACKOFF)
                 self.probing[b] = (arm, self.rate(b, best))
+                self._settled_choice.pop(b, None)
         self.last_tried[(b, arm)] = self.rounds[b]
         # the drafter has not seen the features of the tokens committed while nobody drafted: the first drafting round
         # after them ingests them all (a catch-up that steady drafting never pays), so it is not the arm's measure
@@ -329,6 +361,10 @@ class ArmSelector:
             arm, self.catching_up = AR, False
         b = self.bucket(num_seqs)
         key = (b, arm)
+        self._version[b] += 1
+        settled = self._settled_choice.get(b)
+        if settled is not None and settled[2] != arm:   # another arm's measure changed: the choice is made again
+            del self._settled_choice[b]
         if self.catching_up:   # not its measure: the same arm runs again next round (choose), and that round counts
             self.catching_up, self.repeat = False, key
             self.catch_up[key] = seconds   # what a probe among `ar` rounds costs on top (reprobe_interval)

@@ -165,6 +165,55 @@ def test_selector_explores_then_runs_the_measured_best():
     assert selector.table()["1"]["ddtree-16"] == pytest.approx(40.0)
 
 
+def _noisy_play(selector: ArmSelector, rounds: int, rates, seed: int) -> list[str]:
+    """The arms chosen over `rounds` rounds at 4 streams, with round times jittered 5% (measures that drift) and the
+    arms' true rates switched halfway (`rates` then `rates` reversed: the leader changes)."""
+    rng = np.random.default_rng(seed)
+    names = []
+    for i in range(rounds):
+        arm = selector.choose(4)
+        true = rates if i < rounds // 2 else dict(zip(rates, reversed(list(rates.values()))))
+        tokens = 1 if arm.mode == "ar" else 3
+        selector.record(4, arm, tokens, tokens / true[arm.name] * (1 + 0.05 * rng.random()))
+        names.append(arm.name)
+    return names
+
+
+def test_a_settled_choice_is_reused_and_chooses_as_the_full_computation(monkeypatch):
+    """Between re-probes the leader's choice is reused (no score of every arm, no re-probe interval per round): the
+    rounds `auto` spends settled on one arm cost it O(1) Python. It chooses what the full computation chooses: the
+    same arms, in the same rounds, while measures drift and when the leader changes (stationary rates: exact; each
+    reuse is rechecked against the others' best score, and recomputed at the first re-probe due)."""
+    import ddtree.budget as budget
+
+    arms = parse_arms("ar,dflash,ddtree-8,ddtree-32,policy")
+    rates = {"ar": 1000.0, "dflash": 700.0, "ddtree-8": 850.0, "ddtree-32": 600.0, "policy": 800.0}
+    # stationary: exactly the same sequence of choices
+    fast = play(ArmSelector(arms, reprobe_every=16), rates, num_seqs=4, rounds=6000)
+    monkeypatch.setattr(budget, "SETTLED_FOR", 0)   # a settled choice never holds: every round computed in full
+    full = play(ArmSelector(arms, reprobe_every=16), rates, num_seqs=4, rounds=6000)
+    assert fast == full and fast["ar"] > 5500, (fast, full)
+    # drifting measures and a change of leader: the same arms, probes no more frequent
+    full_names = _noisy_play(ArmSelector(arms, reprobe_every=16), 6000, rates, seed=0)
+    monkeypatch.undo()
+    selector = ArmSelector(arms, reprobe_every=16)
+    calls = {"n": 0}
+    interval = selector.reprobe_interval
+
+    def counted(*args):
+        calls["n"] += 1
+        return interval(*args)
+
+    monkeypatch.setattr(selector, "reprobe_interval", counted)
+    fast_names = _noisy_play(selector, 6000, rates, seed=0)
+    for names in (fast_names, full_names):
+        assert names[2900:3000].count("ar") > 90 and names[-100:].count("ar") < 10, names[-100:]   # leader changed
+    probes = [sum(n != leader for n in names[i: i + 3000]) for names in (fast_names, full_names)
+              for i, leader in ((0, "ar"), (3000, "policy"))]
+    assert probes[0] <= probes[2] * 1.2 + 5 and probes[1] <= probes[3] * 1.2 + 5, probes
+    assert calls["n"] < 6000 * 4 / 8, calls   # the full computation: 4 intervals a round
+
+
 def test_selector_keeps_batch_sizes_apart_and_follows_a_change(caplog):
     """What wins at 16 streams is learned separately from 1 stream; when the best arm gets slow (another load on
     the machine), the re-probes and the decayed estimate move the choice; each change of a batch size's leading
@@ -349,3 +398,22 @@ def test_policy_rounds_in_which_nobody_drafted_count_as_ar():
     assert ArmSelector(parse_arms("policy")).record(1, Arm("policy"), 1, 1.0, drafted=False) == Arm("policy")  # no ar arm
     assert _policy_share(credit_skipped_rounds=False) > 0.15
     assert _policy_share(credit_skipped_rounds=True) < 0.05
+
+
+def test_a_settled_choice_is_dropped_when_another_arm_is_credited():
+    """The policy leads and its settled choice is reused; then its rounds stop drafting (credited to `ar`, at a
+    rate above the policy's): `ar` leads from the round its score passes the policy's, as the full computation
+    has it, not once the settled choice runs out."""
+    selector = ArmSelector(parse_arms("ar,policy"), reprobe_every=64)
+    play(selector, {"ar": 50.0, "policy": 100.0}, num_seqs=1, rounds=200)
+    assert selector.choose(1) == Arm("policy")
+    selector.record(1, Arm("policy"), tokens=100, seconds=1.0)
+    passed = None
+    for i in range(40):
+        arm = selector.choose(1)
+        if arm == Arm("ar"):
+            break
+        selector.record(1, arm, tokens=400, seconds=1.0, drafted=False)   # credited to ar at 400 tokens/s
+        if passed is None and selector.score(0, Arm("ar")) > selector.score(0, Arm("policy")):
+            passed = i
+    assert arm == Arm("ar") and passed is not None and i == passed + 1, (i, passed)
