@@ -61,7 +61,9 @@ class EngineConfig:
     # greedy `ar` requests' next step queued before this one's tokens are read (their input ids copied on the
     # device from this step's argmax), so the device never waits for the host between steps; settled as a round when
     # the batch changes. None ("auto"): on where the static forwards are CUDA graphs on CUDA (27B on the H200: an `ar`
-    # round 13.15 ms against 13.53-14.13, 1.08x the weight-streaming floor: perf/results/gpu_ratios_h200_arahead.md)
+    # round 13.15 ms against 13.53-14.13, 1.08x the weight-streaming floor: perf/results/gpu_ratios_h200_arahead.md;
+    # a batch's steps queued too: `ar` 1.20-1.54x the tokens/s at 2-32 requests of SmolLM2 shapes in process:
+    # perf/results/round_profile_h200_lookahead_{true,auto}.md)
     ar_lookahead: bool | None = None
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)

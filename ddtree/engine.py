@@ -228,10 +228,9 @@ class Engine:
         device_tree = config.device_tree if config.device_tree is not None else graphed
         self.static_tree = (StaticTreeBuild(self.graphs, self.draft_vocab.token_ids) if static and drafter and device_tree
                             else None)
+        # a lone request's steps and a batch's (on the H200 in process, SmolLM2 shapes, a batch's queued too: `ar`
+        # 1.20-1.54x the tokens/s at 2-32 requests: perf/results/round_profile_h200_lookahead_{true,auto}.md)
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
-        # batches' steps queued together only when asked (True): "auto" queues a lone request's, the form measured on
-        # the GPU; a batch's is tested on the CPU and waits for its GPU test and measurement
-        self.ar_lookahead_batches = config.ar_lookahead is True
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
         self.static_prefill = static_prefill if self.static_target is not None else 0
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
@@ -533,8 +532,6 @@ class Engine:
         the next before reading their tokens (not while a waiting request could be admitted: its prefill would settle
         them)."""
         if not self.ar_lookahead or self.static_target is None or not seqs or (self.waiting and self.free_slots):
-            return False
-        if len(seqs) > 1 and not self.ar_lookahead_batches:
             return False
         on_ar = self.arm is not None and self.arm.mode == "ar"
         return all((p.mode == "ar" or (p.mode == "auto" and on_ar)) and p.is_greedy and not self._suppressed(p)

@@ -81,10 +81,11 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_models, hybrid):
-    """ar_lookahead under CUDA graphs: the next step queued with its input id copied on the device from this step's
-    argmax, its host inputs staged (two steps in flight), its token read through pinned memory behind an event; the
-    tokens equal the engine's without graphs, to max_tokens, to a stop id, and with requests arriving mid-stream (then
-    three requests' steps queued together, each one's input id written on the device, padded to a batch of 4)."""
+    """ar_lookahead under CUDA graphs (its default there, for a lone request and batches): the next step queued with
+    its input id copied on the device from this step's argmax, its host inputs staged (two steps in flight), its token
+    read through pinned memory behind an event; the tokens equal the engine's without graphs, to max_tokens, to a stop
+    id, and with requests arriving mid-stream (then three requests' steps queued together, each one's input id written
+    on the device, padded to a batch of 4)."""
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.request import Request
@@ -95,7 +96,7 @@ def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_m
     drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
     base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, device="cuda", max_num_seqs=4)
     plain = Engine(EngineConfig(**base, static_forward="off"))
-    ahead = Engine(EngineConfig(**base, static_forward="auto", ar_lookahead=True))
+    ahead = Engine(EngineConfig(**base, static_forward="auto"))
     ahead.warm_up()
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     free = plain.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=64, ignore_eos=True)).output_ids

@@ -187,14 +187,21 @@ def test_a_batch_queues_its_steps_together(family, tiny_models, hybrid):
     assert ahead._ahead is None
 
 
-def test_auto_queues_a_lone_requests_steps_but_not_a_batchs(tiny_models, hybrid):
-    """ar_lookahead "auto" (here forced on as on CUDA) queues a lone request's steps; a batch's only with True."""
+def test_auto_queues_a_lone_requests_and_a_batchs_steps_where_graphed(tiny_models, hybrid):
+    """ar_lookahead "auto" is off on the CPU (no CUDA graphs); on where they are (forced here as CUDA gives it) it
+    queues a batch's steps as well as a lone request's, and decodes what the plain engine decodes."""
+    plain, _ = engines("qwen3", tiny_models, hybrid)
     auto, _ = engines("qwen3", tiny_models, hybrid)
-    auto.ar_lookahead = True   # what "auto" gives a CUDA engine with graphs; batches stay off
-    requests = [Request(name, prompt(seed), SamplingParams(mode="ar", max_tokens=n, ignore_eos=True))
+    assert not auto.ar_lookahead   # the CPU: "auto" is off
+    auto.ar_lookahead = True   # what "auto" gives a CUDA engine with graphs
+    def batch() -> list[Request]:
+        return [Request(name, prompt(seed), SamplingParams(mode="ar", max_tokens=n, ignore_eos=True))
                 for name, seed, n in (("x", 30, 6), ("y", 31, 20))]
     queued = []
     real = auto._queue_step
     auto._queue_step = lambda seqs, *args: queued.append(len(seqs)) or real(seqs, *args)
+    requests, control = batch(), batch()
     run_all(auto, requests)
-    assert queued and set(queued) == {1}   # the survivor alone, after the other's last token
+    run_all(plain, control)
+    assert {1, 2} <= set(queued), queued   # the pair's steps, then the survivor's alone after the other's last token
+    assert [r.output_ids for r in requests] == [r.output_ids for r in control]
