@@ -1,7 +1,6 @@
 """Triton adapter: (window ids, prefix length, character range) -> the exact text delta (stateless)."""
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +12,6 @@ from ddtree import api  # noqa: E402
 from ddtree.detokenize import decode_range  # noqa: E402
 from ddtree.triton_common import load_tokenizer, model_parameters, resolve_path, string_input  # noqa: E402
 
-CANCEL_CHECK_S = 0.02   # a stream's cancellation is asked at most this often per instance (an IPC round trip each)
-MAX_TRACKED = 4096      # streams whose last check is remembered (beyond: those asked CANCEL_CHECK_S ago are dropped)
-
 
 def text_response(text: str):
     return pb_utils.InferenceResponse([pb_utils.Tensor(api.TEXT_OUTPUT, np.array([text.encode("utf-8")], dtype=np.object_))])
@@ -26,30 +22,12 @@ class TritonPythonModel:
         params = model_parameters(args)
         self.tokenizer = load_tokenizer(resolve_path(params["tokenizer_path"], args))
         self.generation_model = params.get("generation_model", "ddtree")
-        self.checked: dict[bytes, float] = {}   # request key -> when its cancellation was last asked
-
-    def cancelled(self, request, key: bytes | None) -> bool:
-        """Whether the client cancelled this response's stream. Asking is an IPC round trip to the server: each stream
-        is asked at most every CANCEL_CHECK_S (on the H200 at 16-32 streams this step, one execution per streamed
-        response, queued 15-27 ms a response at 0.2-0.3 ms of compute each: perf/results/concurrency_h200_ahead.md);
-        a stream without a key is never asked (nothing to relay; a cancelled client reads no text)."""
-        if not key:
-            return False
-        now = time.monotonic()
-        if now - self.checked.get(key, float("-inf")) < CANCEL_CHECK_S:
-            return False
-        if len(self.checked) >= MAX_TRACKED:
-            self.checked = {k: t for k, t in self.checked.items() if now - t < CANCEL_CHECK_S}
-        self.checked[key] = now
-        return request.is_cancelled()
 
     def execute(self, requests):
         responses = []
         for request in requests:
-            key = string_input(pb_utils, request, api.REQUEST_KEY)
-            if self.cancelled(request, key):
-                self.checked.pop(key, None)   # asked again on its next response, should the relay not stop it at once
-                self.relay_cancellation(key)
+            if request.is_cancelled():
+                self.relay_cancellation(string_input(pb_utils, request, api.REQUEST_KEY))
                 # an empty text, not a CANCELLED error: Triton 2.51's ensemble scheduler never completes an ensemble
                 # request whose step answers a cancellation with an error (it stays in flight: a leak per cancelled
                 # stream, and a shutdown that waits out its exit timeout without finalizing the models); the client
