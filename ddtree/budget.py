@@ -287,8 +287,8 @@ class ArmSelector:
               and self.score(b, settled[2]) > settled[3]):
             # the last choice still holds: the same eligible arms, its arm still leads (the others' scores change only
             # when they are recorded, which drops this), and no re-probe falls due before settled[1]. The common
-            # round, made O(1): `auto` settled on `ar` ran 0.86-0.93x `ar` on the H200 at 64-token requests, most
-            # of it this Python per round (perf/results/concurrency_h200_sprefill.md)
+            # round, made O(1): the full choice and its record took 7-15 us a round on the 2-core CPU, part of what
+            # `auto` settled on `ar` costs over `ar` (perf/results/round_profile_h200_55928a8.md)
             arm = settled[2]
         else:
             self.settled.setdefault(b, pruned)

@@ -396,7 +396,7 @@ class Engine:
         # the features are views of the program's outputs, which another static forward of its shape would overwrite
         # before the drafter reads them (an `auto` request's `ar` rounds at the same rows): a copy of their own
         taps = taps.clone() if taps is not None and seq.request.params.mode != "ar" else None
-        output = self._start_decoding(seq, n, logits[n - 1 : n], taps, 0)
+        output = self._start_decoding(seq, n, logits[-1:], taps, 0)   # the program's logits: the last row's alone
         self._sync()
         self.stage_times.static_prefills += 1
         return [output]

@@ -181,7 +181,10 @@ class StaticTarget:
         request's tree's, or one id per request where every request has one row (the `ar` lookahead's steps).
         staged: see GraphPool.run.
         any_slot: a lone request's program with its slot as an input, as a batch's (one program serves every slot:
-        prefills, which a request runs once, in whatever slot it was given), instead of one made for its slot."""
+        prefills, which a request runs once, in whatever slot it was given), instead of one made for its slot; its
+        logits are its last row's alone (a prefill reads nothing else: [1, vocab] where every row's took rows x vocab in
+        each program's outputs, 771 rows more over the 16 prefill buckets to 256 rows: 358 MiB in bf16 at Qwen3.6-27B's
+        vocabulary of 248,320, and the lm_head's pass over them)."""
         shape = self._shape(caches, starts, parents)
         if shape is None:
             return None
@@ -195,7 +198,7 @@ class StaticTarget:
         # each at Qwen3-8B dims and 512 keys), as a hybrid target's (a lone request mostly holds slot 0)
         fixed_slot = caches[0].slot if reqs == 1 and not any_slot else None
         key = ("batch", reqs, rows, keys) + (("any",) if any_slot else (fixed_slot,) if fixed_slot is not None else ())
-        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot))
+        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot, any_slot))
         total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         logits, taps = self.graphs.run(key, program, () if tree is None else ((0, tree[0]),), staged)
         return logits[:total], None if taps is None else taps[:total]
@@ -243,7 +246,9 @@ class StaticTarget:
             row += size
         return row, rest
 
-    def _make_batch(self, cache, reqs: int, rows: int, keys: int, fixed_slot: int | None = None) -> Program:
+    def _make_batch(self, cache, reqs: int, rows: int, keys: int, fixed_slot: int | None = None,
+                    last_row: bool = False) -> Program:
+        """last_row: the logits of the last of the request's rows alone (batch's any_slot)."""
         n = reqs * rows
         host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs)
 
@@ -253,7 +258,7 @@ class StaticTarget:
             plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys, fixed_slot=fixed_slot))
             segment = Segment(cache=cache, start=-1, length=n, mask=ancestors)   # the pool is all a dense forward reads
             logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None,
-                                                      logit_rows=out, plan=plan)
+                                                      logit_rows=_last(out) if last_row else out, plan=plan)
             return logits, None if taps is None else taps[out]
 
         return Program(body=body, host=host, inputs=inputs)
@@ -287,7 +292,8 @@ class StaticTarget:
         # (a lone request mostly holds slot 0); a batch's program, and any_slot's, serves every slot (slots are inputs)
         pooled = reqs > 1 or any_slot
         key = ("target", reqs, rows, keys, num_paths) + (("any",) if any_slot else () if pooled else (caches[0].slot,))
-        program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths, pooled))
+        program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths, pooled,
+                                                                     any_slot))
         total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         rest[:] = 0                                    # padding requests: no paths
         if num_paths and tree is None:
@@ -307,10 +313,11 @@ class StaticTarget:
             cache.static_stash = stash if fixed else None
         return logits[:total], None if taps is None else taps[:total]
 
-    def _make_hybrid(self, cache, reqs: int, rows: int, keys: int, num_paths: int, pooled: bool) -> Program:
+    def _make_hybrid(self, cache, reqs: int, rows: int, keys: int, num_paths: int, pooled: bool,
+                     last_row: bool = False) -> Program:
         """num_paths: 0, or the (bucketed) number of root-to-leaf paths of each request's tree (the paths form). A
         pooled program (a batch's, or any_slot's) works on any slot named by its inputs (PooledSlot over `cache`'s
-        pools); another on `cache` itself."""
+        pools); another on `cache` itself. last_row: as _make_batch's."""
         n = reqs * rows
         path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if num_paths else []   # per request
         host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs + reqs * sum(path_sizes))
@@ -330,12 +337,18 @@ class StaticTarget:
                 segments.append(Segment(cache=handle, start=-1, length=rows, mask=ancestors[r]))   # start, mask: the plan's
             plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys,
                                                       fixed_slot=None if pooled else cache.kv.slot), layouts)
-            logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers or None, logit_rows=out,
-                                                      plan=plan)
+            logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers or None,
+                                                      logit_rows=_last(out) if last_row else out, plan=plan)
             stashes = [seg.cache.pending for seg in segments]
             return logits, None if taps is None else taps[out], stashes
 
         return Program(body=body, host=host, inputs=inputs)
+
+
+def _last(out: torch.Tensor) -> torch.Tensor:
+    """The last of a lone request's rows  # [1], on the device: its output rows are 0, 1, ..., n - 1 and its padding
+    rows' 0 (_fill), so the largest."""
+    return out.max().view(1)
 
 
 def path_bucket(n: int) -> int:
