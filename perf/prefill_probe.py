@@ -1,8 +1,9 @@
 """Static prefill against the eager prefill at a shape's real dimensions (random weights): a lone prompt's time to its
 first token (an `ar` request of one token, synchronized), median over repeats, at each prompt length, the two forms
 in turns on one engine; the memory the prefill programs hold (EngineConfig.static_prefill: their outputs cover every
-row). A 27B hybrid's prefill takes the ancestor-masked GDN form (graphs.StaticTarget._hybrid), whose cost at 256 rows
-is what this checks before the setting's "auto" reaches the user's model.
+row's features and, since f06d12a, the last row's logits). A 27B hybrid's prefill takes the ancestor-masked GDN form
+(graphs.StaticTarget._hybrid), whose cost at 256 rows is what this checks before the setting's "auto" reaches the
+user's model.
 
     python perf/prefill_probe.py --device cuda --dtype bfloat16 --shape qwen36-27b --lengths 16,64,128,256
 """

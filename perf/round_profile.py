@@ -18,7 +18,6 @@ import json
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
-from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
+from perf import batch_rounds  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
 
@@ -41,23 +40,17 @@ def params_for(name: str, max_tokens: int) -> SamplingParams:
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: cProfile.Profile | None = None
               ) -> dict:
-    """The prompts added at once and stepped until all finish: ms per batch round, tokens/s, auto's arms."""
-    requests = [Request(request_id=f"p{i}", prompt_ids=list(ids), params=params) for i, ids in enumerate(prompts)]
-    for request in requests:
-        engine.add(request)
-    times = engine.stage_times
-    rounds, arms, start = times.batch_rounds, dict(times.auto_arm_rounds), time.perf_counter()
+    """batch_rounds.run_batch (the prompts added at once, stepped until all finish), under `profile` where given: ms
+    per batch round, tokens/s, auto's arms."""
     if profile is not None:
         profile.enable()
-    while engine.has_work:
-        engine.step()
-    if profile is not None:
-        profile.disable()
-    seconds = time.perf_counter() - start
-    rounds = times.batch_rounds - rounds
-    ran = {k: v - arms.get(k, 0) for k, v in times.auto_arm_rounds.items() if v - arms.get(k, 0)}
-    return {"ms_per_round": 1e3 * seconds / max(rounds, 1), "batch_rounds": rounds,
-            "tokens_per_s": sum(r.num_output_tokens for r in requests) / seconds, "arms": ran}
+    try:
+        result = batch_rounds.run_batch(engine, prompts, params)
+    finally:
+        if profile is not None:
+            profile.disable()
+    return {"ms_per_round": 1e3 * result["seconds"] / max(result["batch_rounds"], 1),
+            "batch_rounds": result["batch_rounds"], "tokens_per_s": result["tokens_per_s"], "arms": result["arms"]}
 
 
 def per_function(profile: cProfile.Profile, rounds: int) -> dict[str, float]:
