@@ -43,6 +43,11 @@ class EngineConfig:
     # a streamed request gets a response every this many rounds (its first text and its end at once): fewer
     # responses, less per-round serving work (vLLM's and TensorRT-LLM's stream_interval); 1 = every round
     default_stream_interval: int = 1
+    # streamed responses a second, all streams together, above which a stream's rounds travel in fewer responses
+    # (each stream then gets one at most every active streams / this seconds; its first text and its end at once):
+    # Triton's postprocessing step runs one Python execution per streamed response (~0.3-0.65 ms each), so one
+    # instance caps an ensemble's tokens/s at ~1,500-3,000 responses a second when every round is sent; 0 = no limit
+    stream_response_rate: int = 0
     max_num_seqs: int = 1              # requests decoded together (one cache slot each)
     max_queue_size: int = 256          # requests waiting for a slot; beyond it: an overload error
     cost_model_path: str | None = None   # verify-cost data for mode "auto" (default: ddtree/data/cost_model_{cpu,h200}.json by device)
@@ -101,6 +106,8 @@ class EngineConfig:
         if not 1 <= self.default_stream_interval <= MAX_STREAM_INTERVAL:
             raise ValueError(f"default_stream_interval must be in [1, {MAX_STREAM_INTERVAL}], "
                              f"got {self.default_stream_interval}")
+        if self.stream_response_rate < 0:
+            raise ValueError(f"stream_response_rate must be >= 0 (0: no limit), got {self.stream_response_rate}")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if self.static_prefill is not None and self.static_prefill < 0:

@@ -176,6 +176,7 @@ class GenerationService:
         self._last_published = 0.0        # when on_stats last ran
         self._step_seconds = 0.0          # the last engine step's wall time
         self.max_queue_size = max_queue_size
+        self._response_rate = engine.config.stream_response_rate   # streamed responses a second at most (0: any)
         self.fatal_error: str | None = None     # set once, by the first fatal engine error; never cleared
         self._fault_after_rounds = parse_fault_injection(fault_injection)
         if self._fault_after_rounds is not None:
@@ -403,6 +404,10 @@ class GenerationService:
                 self.engine.abort(job.key)
                 self._finish(job, "internal", f"engine error: {type(e).__name__}: {e}")
             return
+        # a streamed response at most every this many seconds per stream (engine knob stream_response_rate)
+        rate = self._response_rate
+        min_gap_s = sum(1 for job in self._active.values() if job.request.stream) / rate if rate else 0.0
+        now = time.monotonic()
         for output in outputs:
             job = self._active.get(output.request_id)
             if job is None:
@@ -420,7 +425,7 @@ class GenerationService:
                     self.engine.abort(job.key)
                     self._finish(job, "failed")
                     continue
-                chunk = job.stream.add(output)
+                chunk = job.stream.add(output, now, min_gap_s)
                 if chunk is not None:
                     chunk[api.REQUEST_KEY] = job.key
                     self._outbox.put(self._send, job, chunk, job.stream.finish_reason is not None)
@@ -510,6 +515,7 @@ class _Stream:
     request with stream_interval k gets its first text at once, then a response every k rounds
     (and its end): the text of the rounds in between travels as one chunk, a window from the
     first held chunk's context to the newest id, which decode_range turns into the same text.
+    Under a stream_response_rate, a response also waits its stream's share of that rate.
     """
 
     def __init__(self, tokenizer, req: api.GenerateRequest) -> None:
@@ -522,8 +528,11 @@ class _Stream:
         self.held: tuple[int, int, int, str] | None = None   # (window start id, prefix length, text start, text)
         self.rounds_unsent = 0
         self.sent_text = False
+        self.sent_s = float("-inf")   # when its last response was built (time.monotonic)
 
-    def add(self, output: RequestOutput) -> dict[str, Any] | None:
+    def add(self, output: RequestOutput, now: float = 0.0, min_gap_s: float = 0.0) -> dict[str, Any] | None:
+        """This round's response outputs, or None while its text is held (a streamed request's next response is due
+        every `interval` rounds and at least `min_gap_s` after the last one, `now` on time.monotonic's clock)."""
         self.unsent_tokens += len(output.new_token_ids)
         chunk = self.detokenizer.push(output.new_token_ids, is_final=output.is_finished)
         self.finish_reason = "stop" if chunk.stopped else output.finish_reason
@@ -532,7 +541,7 @@ class _Stream:
                 return None
             chunk = self.detokenizer.whole_chunk()
         else:
-            chunk = self._held_chunk(chunk)
+            chunk = self._held_chunk(chunk, now, min_gap_s)
             if chunk is None:
                 return None
         outputs: dict[str, Any] = {
@@ -553,7 +562,7 @@ class _Stream:
         self.unsent_tokens = 0
         return outputs
 
-    def _held_chunk(self, chunk: StreamChunk) -> StreamChunk | None:
+    def _held_chunk(self, chunk: StreamChunk, now: float, min_gap_s: float) -> StreamChunk | None:
         """The streamed chunk to send after this round, or None to hold its text until the interval is due."""
         self.rounds_unsent += 1
         if chunk.text:
@@ -561,10 +570,10 @@ class _Stream:
             self.held = ((start, chunk.prefix_length, chunk.text_start, chunk.text) if self.held is None else
                          self.held[:3] + (self.held[3] + chunk.text,))
         due = self.finish_reason is not None or (self.held is not None and (
-            not self.sent_text or self.rounds_unsent >= self.interval))
+            not self.sent_text or (self.rounds_unsent >= self.interval and now - self.sent_s >= min_gap_s)))
         if not due:
             return None
-        self.rounds_unsent = 0
+        self.rounds_unsent, self.sent_s = 0, now
         if self.held is None:   # the end, with no text left to send
             return chunk
         start, prefix_length, text_start, text = self.held

@@ -107,7 +107,10 @@ def main() -> None:
                         help="measured runs per method and point, the methods in turns (each repeat starts one method "
                              "later): ratios between methods compare runs made minutes apart at most, not a whole "
                              "method's sweep apart (the same method moved by up to 1.39x between sweeps on the H200)")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="a ddtree model parameter of the served repository, as in config.pbtxt (repeatable)")
     args = parser.parse_args()
+    engine = dict(item.split("=", 1) for item in args.engine)
     gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     methods = [m for m in METHODS if m[2] in args.methods.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -115,13 +118,13 @@ def main() -> None:
                           device=args.device, dtype=args.dtype, max_tree_budget=64)
     prompts = json.loads((ROOT / "perf/prompts.json").read_text())
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "target": config.target_path, "gpus": gpus, "repeats": args.repeats,
+              "target": config.target_path, "gpus": gpus, "repeats": args.repeats, "engine": engine,
               "methods": {name: {} for _, _, name in methods}}
     runs: dict[str, dict[str, list[dict]]] = {name: {} for _, _, name in methods}
     earlier = merge_earlier(result, json.loads(Path(args.merge).read_text()), levels) if args.merge else []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024"}, gpus)
+        repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024", **engine}, gpus)
         with TritonServer(str(repo), log_path=str(workdir / "server.log")) as server:
             for level in levels:
                 count = max(args.requests_per_stream * level, 4)
@@ -172,7 +175,8 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     executions = max(after["count"] - post["count"], 1)
     entry["postprocessing"] = {"executions": after["count"] - post["count"],
                                "queue_ms": (after["queue_ns"] - post["queue_ns"]) / executions / 1e6,
-                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6}
+                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6,
+                               "per_request": executions / max(entry["num_requests"], 1)}
     return entry
 
 
@@ -207,6 +211,8 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
 
 def write(result: dict, levels: list[int], args) -> None:
     rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    if result.get("engine"):
+        rows = ["ddtree parameters set: " + ", ".join(f"`{k}={v}`" for k, v in result["engine"].items()), ""] + rows
     if "merged" in result:
         merged = result["merged"]
         rows = [f"c={', '.join(map(str, merged['levels']))} from an earlier run (commit `{merged['header'].get('commit')}`, "
@@ -217,7 +223,7 @@ def write(result: dict, levels: list[int], args) -> None:
         rows.append(f"| {name} ITL p50 ms | " + " | ".join(f"{by_level[str(c)]['itl_ms_p50']:.1f}" for c in levels) + " |")
     rows += ["", "Per batch round (engine counters through Triton's metrics): mean requests / draft ms / verify ms / host ms / "
              "serve ms (engine thread outside steps); postprocessing (one execution per streamed response): queue ms / "
-             "compute ms per execution.", "",
+             "compute ms per execution, executions per request.", "",
              "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name, by_level in result["methods"].items():
         cells = []
@@ -226,6 +232,7 @@ def write(result: dict, levels: list[int], args) -> None:
             st, pp = e.get("stages"), e.get("postprocessing")
             cells.append(f"{st['mean_batch']:.1f} / {st['draft_ms']:.1f} / {st['verify_ms']:.1f} / {st['host_ms']:.1f} / "
                          f"{st.get('serve_ms', float('nan')):.1f}; {pp['queue_ms']:.2f} / {pp['compute_ms']:.2f}"
+                         + (f", {pp['per_request']:.1f}" if "per_request" in pp else "")
                          if st and pp else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     autos = {name: by_level for name, by_level in result["methods"].items()

@@ -75,7 +75,7 @@ class FakeEngine:
 
     def __init__(self, fail: str):
         self.fail, self.waiting, self.running, self.free_slots = fail, [], [], [0, 1]
-        self.config = SimpleNamespace(max_num_seqs=2)
+        self.config = SimpleNamespace(max_num_seqs=2, stream_response_rate=0)
         self.stage_times = StageTimes()   # the engine's own counters (all zero)
         self.graphs = SimpleNamespace(late_keys=[])   # no static program made while serving
 

@@ -27,8 +27,10 @@ def tokenizer(tiny_models):
     return Tokenizer(tiny_models / "qwen3-target")
 
 
-def run_stream(tokenizer, ids: list[int], rounds: list[int], interval: int, stop: list[str]) -> tuple[list[str], list]:
-    """Feed ids to a _Stream in rounds of the given sizes; (texts the postprocessing decodes, responses)."""
+def run_stream(tokenizer, ids: list[int], rounds: list[int], interval: int, stop: list[str],
+               min_gap: float = 0.0) -> tuple[list[str], list]:
+    """Feed ids to a _Stream in rounds of the given sizes, round n at time n; (texts the postprocessing decodes,
+    responses)."""
     params = SamplingParams(max_tokens=len(ids), stop=stop, stream_interval=interval)
     req = api.GenerateRequest(prompt_ids=[1], params=params, stream=True, echo_text=None,
                               return_flags={name: True for name in api.RETURN_FLAGS})
@@ -36,7 +38,7 @@ def run_stream(tokenizer, ids: list[int], rounds: list[int], interval: int, stop
     for n, size in enumerate(rounds):
         new, i = ids[i : i + size], i + size
         out = RequestOutput("r", new, "length" if i >= len(ids) else None, 1, i, n + 1, 1.0)
-        outputs = stream.add(out)
+        outputs = stream.add(out, float(n), min_gap)
         if outputs is not None:
             texts.append(decode_range(tokenizer, outputs[api.OUTPUT_IDS], outputs[api.PREFIX_LENGTH],
                                       outputs[api.TEXT_START], outputs[api.TEXT_END]))
@@ -68,6 +70,31 @@ def test_held_rounds_decode_to_the_same_text(tokenizer, seed, interval):
             assert held_responses[0][api.NUM_ROUNDS] == first[api.NUM_ROUNDS]
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("interval, gap", [(1, 2.0), (1, 3.5), (2, 5.0)])
+def test_rounds_held_to_a_response_rate_decode_to_the_same_text(tokenizer, seed, interval, gap):
+    """Under stream_response_rate a stream's next response waits its gap (here in rounds): the same text and token
+    counts in fewer responses, the first text and the end still in the rounds that make them."""
+    rng = random.Random(seed)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [rng.randrange(len(tokenizer)) for _ in range(8)]
+        rounds = [rng.randint(1, 4) for _ in range(len(ids))]
+        for stop in ([], stops_inside(text, rng)):
+            every, every_responses = run_stream(tokenizer, ids, rounds, 1, stop)
+            held, held_responses = run_stream(tokenizer, ids, rounds, interval, stop, min_gap=gap)
+            assert "".join(held) == "".join(every), (text, stop, gap)
+            assert held_responses[-1][api.FINISH_REASON] == every_responses[-1][api.FINISH_REASON] != ""
+            assert held_responses[-1][api.NUM_ROUNDS] == every_responses[-1][api.NUM_ROUNDS]
+            assert sum(r[api.NUM_OUTPUT_TOKENS] for r in held_responses) == \
+                sum(r[api.NUM_OUTPUT_TOKENS] for r in every_responses)
+            first = next(r for r in every_responses if r[api.TEXT_END] > r[api.TEXT_START])
+            assert held_responses[0][api.NUM_ROUNDS] == first[api.NUM_ROUNDS]
+            # between the first and the last response, consecutive ones are at least the gap apart (round n at time
+            # n: NUM_ROUNDS - 1 is when a response was built)
+            sent_at = [r[api.NUM_ROUNDS] - 1 for r in held_responses[:-1]]
+            assert all(b - a >= gap for a, b in zip(sent_at, sent_at[1:])), (sent_at, gap)
+
+
 def test_stream_interval_parameter(tmp_path):
     config = EngineConfig(target_path="t", drafter_path="d", default_stream_interval=4)
     assert sampling_params_from_dict({}, config).stream_interval == 4
@@ -79,6 +106,10 @@ def test_stream_interval_parameter(tmp_path):
         EngineConfig(target_path="t", default_mode="ar", default_stream_interval=0)
     assert EngineConfig.from_dict({"target_path": "t", "default_mode": "ar",
                                    "default_stream_interval": "8"}).default_stream_interval == 8
+    assert EngineConfig.from_dict({"target_path": "t", "default_mode": "ar",
+                                   "stream_response_rate": "1500"}).stream_response_rate == 1500
+    with pytest.raises(ValueError, match="stream_response_rate"):
+        EngineConfig(target_path="t", default_mode="ar", stream_response_rate=-1)
 
 
 def test_service_sends_fewer_responses_with_the_same_text(tiny_models, tokenizer):
@@ -99,3 +130,24 @@ def test_service_sends_fewer_responses_with_the_same_text(tiny_models, tokenizer
     assert "".join(every.texts) == "".join(held.texts) == expected
     assert sum(o[api.NUM_OUTPUT_TOKENS] for o in held.outputs) == 40
     assert len(held.outputs) <= 2 + 40 // 5 < len(every.outputs)
+
+
+def test_service_holds_streams_to_the_response_rate(tiny_models, tokenizer):
+    """stream_response_rate=1 (one streamed response a second over all streams): a request that takes well under a
+    second gets its first text and its end, the same text, every token counted."""
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=128, max_num_seqs=2,
+                                 stream_response_rate=1))
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    sampling = {"max_tokens": 40, "ignore_eos": True, "mode": "ar"}
+    try:
+        start = time.monotonic()
+        held = serve(service, tokenizer, sampling, stream=True)
+        elapsed = time.monotonic() - start
+    finally:
+        service.shutdown()
+    expected = decode(tokenizer, engine.generate_ids(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                            mode="ar")).output_ids)
+    assert "".join(held.texts) == expected
+    assert sum(o[api.NUM_OUTPUT_TOKENS] for o in held.outputs) == 40
+    assert len(held.outputs) <= 3 + int(elapsed), (len(held.outputs), elapsed)
