@@ -181,9 +181,11 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
 
 
 def median_run(entries: list[dict]) -> dict:
-    """The run of median throughput (its TTFT, ITL and stages), with every run's throughput beside it."""
+    """The run of median throughput (its TTFT, ITL and stages), with every run's throughput beside it and every run
+    whole (in turn order: an outlier's arms, stages and late programs)."""
     ranked = sorted(entries, key=lambda e: e["tokens_per_s"])
-    return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [e["tokens_per_s"] for e in entries]}
+    return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [e["tokens_per_s"] for e in entries],
+            "runs": entries}
 
 
 def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") -> dict[str, dict]:
@@ -279,6 +281,14 @@ def write(result: dict, levels: list[int], args) -> None:
         for name, by_level in result["methods"].items():
             rows.append(f"| {name} | " + " | ".join(" / ".join(f"{v:.0f}" for v in by_level[str(c)]["runs_tokens_per_s"])
                                                     for c in levels) + " |")
+        notes = [f"{name} c={c} run {i + 1}: {run['tokens_per_s']:.0f} tok/s, "
+                 + ", ".join(f"{arm} {share:.0%} of the time" for arm, share in run.get("auto_arm_time_shares", {}).items())
+                 + f"; {run.get('late_programs', 0):.0f} programs made in the run"
+                 for name, by_level in result["methods"].items() for c in levels
+                 for i, run in enumerate(by_level[str(c)].get("runs", []))
+                 if run.get("auto_arm_time_shares") and max(run["auto_arm_time_shares"].values()) < 0.99]
+        if notes:
+            rows += ["", "`auto`'s runs that spent over 1% of their time outside one arm:", ""] + [f"- {n}" for n in notes]
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
 
