@@ -57,6 +57,7 @@ class ServiceStats:
     num_failed: int = 0
     num_rejected_overload: int = 0
     num_output_tokens: int = 0
+    num_responses: int = 0           # responses with outputs sent to clients (streamed deltas and finals, not errors)
     num_rounds: int = 0              # decoding rounds, summed over requests
     num_batch_rounds: int = 0        # decoding rounds of the whole batch (engine steps that decode)
     num_held_slots: int = 0          # cache slots in use (0 when idle: nothing leaks)
@@ -428,6 +429,7 @@ class GenerationService:
                 chunk = job.stream.add(output, now, min_gap_s)
                 if chunk is not None:
                     chunk[api.REQUEST_KEY] = job.key
+                    self.stats.num_responses += 1
                     self._outbox.put(self._send, job, chunk, job.stream.finish_reason is not None)
             except Exception:  # a failure here concerns this request only
                 logger.exception("[%s] could not build a response; dropping the request", job.request_id)

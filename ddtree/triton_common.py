@@ -114,6 +114,9 @@ class TritonMetrics:
               ("ddtree_held_cache_slots", "num_held_slots", "Cache slots in use"),
               ("ddtree_engine_healthy", "engine_healthy", "1 while the engine serves, 0 after a fatal engine error"))
     COUNTERS = (("ddtree_output_tokens_total", "num_output_tokens", "Tokens generated"),
+                ("ddtree_responses_total", "num_responses",
+                 "Responses with outputs sent (streamed deltas and finals, not errors): their rate is what "
+                 "stream_response_rate bounds, one postprocessing execution each through the ensemble"),
                 ("ddtree_rounds_total", "num_rounds", "Decoding rounds, summed over requests"),
                 ("ddtree_batch_rounds_total", "num_batch_rounds", "Decoding rounds of the whole batch"),
                 ("ddtree_tree_nodes_total", "num_tree_nodes", "Draft tree nodes verified"),

@@ -55,7 +55,7 @@ def test_new_metrics_are_exported(server):
     samples = scrape(server)
     for name in bucket_names() + ["ddtree_acceptance_length_sum", "ddtree_acceptance_length_count",
                                   "ddtree_host_seconds_total", "ddtree_batch_rounds_total", "ddtree_serve_seconds_total",
-                                  "ddtree_static_programs_late_total"]:
+                                  "ddtree_static_programs_late_total", "ddtree_responses_total"]:
         assert name in samples, sorted(samples)
 
 
@@ -63,12 +63,14 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     """ar: every round commits exactly one token. ddtree: the histogram's sum and count equal the
     requests' own acceptance statistics (mean acceptance length x rounds, rounds)."""
     before = wait_idle(server)
-    max_tokens, requests = 10, 3
+    max_tokens, requests, received = 10, 3, 0
     for _ in range(requests):
-        run(server, {"max_tokens": max_tokens, "ignore_eos": True, "mode": "ar", "temperature": 0})
+        responses = run(server, {"max_tokens": max_tokens, "ignore_eos": True, "mode": "ar", "temperature": 0})
+        received += sum("text_output" in outputs for outputs in responses)   # not an empty final of the ensemble
     after = wait_idle(server, before["ddtree_requests_finished_total"] + requests)
     rounds = requests * (max_tokens - 1)         # the first token of each request comes from its prefill
     assert delta(after, before, "ddtree_output_tokens_total") == requests * max_tokens
+    assert delta(after, before, "ddtree_responses_total") == received >= requests
     assert delta(after, before, "ddtree_rounds_total") == rounds
     assert delta(after, before, "ddtree_acceptance_length_count") == rounds
     assert delta(after, before, "ddtree_acceptance_length_sum") == rounds
