@@ -152,6 +152,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
             level: int) -> dict:
     """One measured perf_analyzer run of a method at a concurrency, with the engine's per-round stages over it."""
     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
+    pre = model_stats(server.http_url, "preprocessing")
     arms = auto_arms(server.metrics_url)
     late = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0)
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
@@ -177,6 +178,11 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
                                "queue_ms": (after["queue_ns"] - post["queue_ns"]) / executions / 1e6,
                                "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6,
                                "per_request": executions / max(entry["num_requests"], 1)}
+    # the preprocessing step: one execution per request (chat template, tokenizer), part of its time to first token
+    now = model_stats(server.http_url, "preprocessing")
+    count = max(now["count"] - pre["count"], 1)
+    entry["preprocessing"] = {"queue_ms": (now["queue_ns"] - pre["queue_ns"]) / count / 1e6,
+                              "compute_ms": (now["compute_ns"] - pre["compute_ns"]) / count / 1e6}
     return entry
 
 
@@ -237,6 +243,13 @@ def write(result: dict, levels: list[int], args) -> None:
                          + (f", {pp['per_request']:.1f}" if "per_request" in pp else "")
                          if st and pp else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any("preprocessing" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
+        rows += ["", "Preprocessing (one execution per request, before its prefill): queue ms / compute ms an execution.",
+                 "", "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+        for name, by_level in result["methods"].items():
+            pres = [by_level[str(c)].get("preprocessing") for c in levels]
+            rows.append(f"| {name} | " + " | ".join(f"{p['queue_ms']:.2f} / {p['compute_ms']:.2f}" if p else "-"
+                                                    for p in pres) + " |")
     autos = {name: by_level for name, by_level in result["methods"].items()
              if any("auto_arms" in by_level.get(str(c), {}) for c in levels)}
     if autos:
