@@ -49,32 +49,10 @@ def run_stream(tokenizer, ids: list[int], rounds: list[int], interval: int, stop
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("interval", [2, 3, 8])
-def test_held_rounds_decode_to_the_same_text(tokenizer, seed, interval):
-    rng = random.Random(seed)
-    for text in TEXTS:
-        ids = tokenizer.encode(text, add_special_tokens=False) + [rng.randrange(len(tokenizer)) for _ in range(8)]
-        rounds = [rng.randint(1, 4) for _ in range(len(ids))]
-        for stop in ([], stops_inside(text, rng)):
-            every, every_responses = run_stream(tokenizer, ids, rounds, 1, stop)
-            held, held_responses = run_stream(tokenizer, ids, rounds, interval, stop)
-            assert "".join(held) == "".join(every), (text, stop, interval)
-            assert held_responses[-1][api.FINISH_REASON] == every_responses[-1][api.FINISH_REASON] != ""
-            # every token is counted once, in the response that carries it
-            assert sum(r[api.NUM_OUTPUT_TOKENS] for r in held_responses) == \
-                sum(r[api.NUM_OUTPUT_TOKENS] for r in every_responses)
-            num_rounds = every_responses[-1][api.NUM_ROUNDS]
-            assert len(held_responses) <= 2 + num_rounds // interval
-            # the first text goes out in the round that makes it, as without an interval
-            first = next(r for r in every_responses if r[api.TEXT_END] > r[api.TEXT_START])
-            assert held_responses[0][api.NUM_ROUNDS] == first[api.NUM_ROUNDS]
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("interval, gap", [(1, 2.0), (1, 3.5), (2, 5.0)])
-def test_rounds_held_to_a_response_rate_decode_to_the_same_text(tokenizer, seed, interval, gap):
-    """Under stream_response_rate a stream's next response waits its gap (here in rounds): the same text and token
-    counts in fewer responses, the first text and the end still in the rounds that make them."""
+@pytest.mark.parametrize("interval, gap", [(2, 0.0), (3, 0.0), (8, 0.0), (1, 2.0), (1, 3.5), (2, 5.0)])
+def test_held_rounds_decode_to_the_same_text(tokenizer, seed, interval, gap):
+    """stream_interval, and stream_response_rate's gap between a stream's responses (here in rounds): the same text
+    and token counts in fewer responses, the first text and the end still in the rounds that make them."""
     rng = random.Random(seed)
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False) + [rng.randrange(len(tokenizer)) for _ in range(8)]
@@ -82,11 +60,15 @@ def test_rounds_held_to_a_response_rate_decode_to_the_same_text(tokenizer, seed,
         for stop in ([], stops_inside(text, rng)):
             every, every_responses = run_stream(tokenizer, ids, rounds, 1, stop)
             held, held_responses = run_stream(tokenizer, ids, rounds, interval, stop, min_gap=gap)
-            assert "".join(held) == "".join(every), (text, stop, gap)
+            assert "".join(held) == "".join(every), (text, stop, interval, gap)
             assert held_responses[-1][api.FINISH_REASON] == every_responses[-1][api.FINISH_REASON] != ""
-            assert held_responses[-1][api.NUM_ROUNDS] == every_responses[-1][api.NUM_ROUNDS]
+            num_rounds = every_responses[-1][api.NUM_ROUNDS]
+            assert held_responses[-1][api.NUM_ROUNDS] == num_rounds
+            # every token is counted once, in the response that carries it
             assert sum(r[api.NUM_OUTPUT_TOKENS] for r in held_responses) == \
                 sum(r[api.NUM_OUTPUT_TOKENS] for r in every_responses)
+            assert len(held_responses) <= 2 + num_rounds // interval
+            # the first text goes out in the round that makes it, as without an interval
             first = next(r for r in every_responses if r[api.TEXT_END] > r[api.TEXT_START])
             assert held_responses[0][api.NUM_ROUNDS] == first[api.NUM_ROUNDS]
             # between the first and the last response, consecutive ones are at least the gap apart (round n at time
