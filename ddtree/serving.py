@@ -46,6 +46,7 @@ class Job:
     check_queued: bool = False  # a cancellation check is waiting in the outbox
     engine_request: Request | None = None
     stream: "_Stream | None" = None
+    first_token: bool = False   # its first token was generated (time to first token observed)
 
 
 @dataclass(slots=True)
@@ -75,6 +76,10 @@ class ServiceStats:
     num_late_programs: int = 0       # static programs made while serving (shapes warm-up did not prepare: each one
     #                                  compiled, and on CUDA captured, on a request's time)
     engine_healthy: int = 1          # 0 after a fatal engine error: the instance answers UNAVAILABLE from then on
+    # seconds from a request's arrival at the model to its first generated token, and to its last (finished
+    # requests), observed since the last publication: each published once (only while stats are published)
+    ttft_seconds: list[float] = field(default_factory=list)
+    latency_seconds: list[float] = field(default_factory=list)
 
 
 METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engine works
@@ -290,6 +295,7 @@ class GenerationService:
             self._outbox.put(self.on_stats, dataclasses.replace(
                 self.stats, acceptance_histogram=dict(self.stats.acceptance_histogram),
                 auto_arm_rounds=dict(self.stats.auto_arm_rounds), auto_arm_seconds=dict(self.stats.auto_arm_seconds)))
+            self.stats.ttft_seconds, self.stats.latency_seconds = [], []   # the snapshot took them
 
     def _loop(self) -> None:
         name_native_thread("ddtree-engine")
@@ -414,6 +420,10 @@ class GenerationService:
             if job is None:
                 continue
             self.stats.num_output_tokens += len(output.new_token_ids)
+            if not job.first_token and output.new_token_ids:
+                job.first_token = True
+                if self.on_stats is not None:
+                    self.stats.ttft_seconds.append(time.perf_counter() - job.arrival_s)
             try:
                 if job.is_stopped:
                     self.engine.abort(job.key)
@@ -487,8 +497,11 @@ class GenerationService:
         request, rid = job.engine_request, job.request_id
         if outcome == "done":
             self.stats.num_finished += 1
+            seconds = time.perf_counter() - job.arrival_s
+            if self.on_stats is not None:
+                self.stats.latency_seconds.append(seconds)
             logger.info("[%s] done: %d tokens in %.3f s, %d rounds, mean acceptance %.2f, finish %s", rid,
-                        request.num_output_tokens, time.perf_counter() - job.arrival_s, len(request.acceptance_lengths),
+                        request.num_output_tokens, seconds, len(request.acceptance_lengths),
                         request.mean_acceptance_length, request.finish_reason)
             return
         if outcome == "cancelled":

@@ -137,8 +137,16 @@ class TritonMetrics:
                 ("ddtree_static_programs_late_total", "num_late_programs",
                  "Static programs made while serving (shapes the warm-up did not prepare, e.g. trees of several "
                  "requests): each compiled, and on CUDA captured as a graph, on a request's time"))
-    HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),)
-    BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]}}
+    HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),
+                  ("ddtree_time_to_first_token_seconds", "ttft_seconds",
+                   "Seconds from a request's arrival at the generation model to its first generated token (queue and "
+                   "prefill; not the ensemble's pre- and postprocessing)"),
+                  ("ddtree_request_latency_seconds", "latency_seconds",
+                   "Seconds from a request's arrival at the generation model to its last token (finished requests)"))
+    SECONDS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0, 160.0, 640.0]   # vLLM's time-to-first-token buckets
+    BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]},
+               "ttft_seconds": {"buckets": SECONDS}, "latency_seconds": {"buckets": SECONDS}}
     # counters with one series per key of a {key: count} field, the key as the label `label`
     KEYED_COUNTERS = (("ddtree_auto_arm_rounds_total", "auto_arm_rounds", "arm",
                        "Batch rounds of mode auto per arm it ran (ar, dflash, ddtree-<budget>, policy)"),
@@ -176,6 +184,10 @@ class TritonMetrics:
                     metric.set(value)
                 elif kind == pb_utils.MetricFamily.COUNTER:
                     metric.increment(value - (last or 0))
+                elif isinstance(value, list):   # a histogram of samples: those observed since the last snapshot
+                    for sample in value:
+                        metric.observe(sample)
+                    continue
                 else:   # a histogram: observe what was added since the last update ({length: rounds})
                     for length, count in value.items():
                         for _ in range(count - (last or {}).get(length, 0)):

@@ -55,14 +55,16 @@ def test_new_metrics_are_exported(server):
     samples = scrape(server)
     for name in bucket_names() + ["ddtree_acceptance_length_sum", "ddtree_acceptance_length_count",
                                   "ddtree_host_seconds_total", "ddtree_batch_rounds_total", "ddtree_serve_seconds_total",
-                                  "ddtree_static_programs_late_total", "ddtree_responses_total"]:
+                                  "ddtree_static_programs_late_total", "ddtree_responses_total",
+                                  "ddtree_time_to_first_token_seconds_count", "ddtree_request_latency_seconds_sum",
+                                  'ddtree_time_to_first_token_seconds_bucket{le="0.001"}']:
         assert name in samples, sorted(samples)
 
 
 def test_acceptance_histogram_matches_rounds_and_tokens(server):
     """ar: every round commits exactly one token. ddtree: the histogram's sum and count equal the
     requests' own acceptance statistics (mean acceptance length x rounds, rounds)."""
-    before = wait_idle(server)
+    before, start = wait_idle(server), time.perf_counter()
     max_tokens, requests, received = 10, 3, 0
     for _ in range(requests):
         responses = run(server, {"max_tokens": max_tokens, "ignore_eos": True, "mode": "ar", "temperature": 0})
@@ -71,6 +73,11 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     rounds = requests * (max_tokens - 1)         # the first token of each request comes from its prefill
     assert delta(after, before, "ddtree_output_tokens_total") == requests * max_tokens
     assert delta(after, before, "ddtree_responses_total") == received >= requests
+    # every request's time to its first token and to its last, inside the time the client waited for them all
+    assert delta(after, before, "ddtree_time_to_first_token_seconds_count") == requests
+    assert delta(after, before, "ddtree_request_latency_seconds_count") == requests
+    ttft, latency = (delta(after, before, f"ddtree_{name}_seconds_sum") for name in ("time_to_first_token", "request_latency"))
+    assert 0 < ttft < latency < time.perf_counter() - start
     assert delta(after, before, "ddtree_rounds_total") == rounds
     assert delta(after, before, "ddtree_acceptance_length_count") == rounds
     assert delta(after, before, "ddtree_acceptance_length_sum") == rounds
