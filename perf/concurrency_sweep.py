@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -155,6 +156,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     pre = model_stats(server.http_url, "preprocessing")
     arms = auto_arms(server.metrics_url)
     late = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0)
+    ttft = scrape_metrics(server.metrics_url, set(TTFT))
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
     # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing step (one
@@ -178,12 +180,31 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
                                "queue_ms": (after["queue_ns"] - post["queue_ns"]) / executions / 1e6,
                                "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6,
                                "per_request": executions / max(entry["num_requests"], 1)}
+    # the engine's share of the time to first token: from a request's arrival at the generation model to its first
+    # token (queue and prefill), mean over the run's requests
+    now = wait_count(server.metrics_url, TTFT[1], ttft.get(TTFT[1], 0.0) + entry["num_requests"])
+    done = now.get(TTFT[1], 0.0) - ttft.get(TTFT[1], 0.0)
+    entry["engine_ttft_ms"] = 1e3 * (now.get(TTFT[0], 0.0) - ttft.get(TTFT[0], 0.0)) / done if done else None
     # the preprocessing step: one execution per request (chat template, tokenizer), part of its time to first token
     now = model_stats(server.http_url, "preprocessing")
     count = max(now["count"] - pre["count"], 1)
     entry["preprocessing"] = {"queue_ms": (now["queue_ns"] - pre["queue_ns"]) / count / 1e6,
                               "compute_ms": (now["compute_ns"] - pre["compute_ns"]) / count / 1e6}
     return entry
+
+
+TTFT = ("ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count")
+
+
+def wait_count(metrics_url: str, name: str, at_least: float, timeout_s: float = 5.0) -> dict[str, float]:
+    """The TTFT histogram's sum and count once `name` reaches at_least (metrics trail the responses) or the time is
+    up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = scrape_metrics(metrics_url, set(TTFT))
+        if values.get(name, 0.0) >= at_least or time.monotonic() > deadline:
+            return values
+        time.sleep(0.1)
 
 
 def median_run(entries: list[dict]) -> dict:
@@ -244,12 +265,18 @@ def write(result: dict, levels: list[int], args) -> None:
                          if st and pp else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     if any("preprocessing" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
-        rows += ["", "Preprocessing (one execution per request, before its prefill): queue ms / compute ms an execution.",
+        rows += ["", "Time to first token, client p50 ms / the generation model's mean (arrival to first token: queue "
+                 "and prefill; ddtree_time_to_first_token_seconds); preprocessing (one execution per request, before "
+                 "its prefill): queue ms / compute ms an execution.",
                  "", "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
         for name, by_level in result["methods"].items():
-            pres = [by_level[str(c)].get("preprocessing") for c in levels]
-            rows.append(f"| {name} | " + " | ".join(f"{p['queue_ms']:.2f} / {p['compute_ms']:.2f}" if p else "-"
-                                                    for p in pres) + " |")
+            cells = []
+            for c in levels:
+                e = by_level[str(c)]
+                p, engine = e.get("preprocessing"), e.get("engine_ttft_ms")
+                cells.append(f"{e['ttft_ms_p50']:.0f} / " + (f"{engine:.1f}" if engine is not None else "-")
+                             + (f"; {p['queue_ms']:.2f} / {p['compute_ms']:.2f}" if p else ""))
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
     autos = {name: by_level for name, by_level in result["methods"].items()
              if any("auto_arms" in by_level.get(str(c), {}) for c in levels)}
     if autos:
