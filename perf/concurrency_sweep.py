@@ -175,22 +175,24 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     # static programs compiled (captured, on CUDA) inside the measured run: shapes no warm-up or earlier run made
     entry["late_programs"] = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0) - late
     after = model_stats(server.http_url, "postprocessing")
-    executions = max(after["count"] - post["count"], 1)
-    entry["postprocessing"] = {"executions": after["count"] - post["count"],
-                               "queue_ms": (after["queue_ns"] - post["queue_ns"]) / executions / 1e6,
-                               "compute_ms": (after["compute_ns"] - post["compute_ns"]) / executions / 1e6,
-                               "per_request": executions / max(entry["num_requests"], 1)}
+    entry["postprocessing"] = per_execution(post, after)
+    entry["postprocessing"]["per_request"] = max(entry["postprocessing"]["executions"], 1) / max(entry["num_requests"], 1)
     # the engine's share of the time to first token: from a request's arrival at the generation model to its first
     # token (queue and prefill), mean over the run's requests
     now = wait_count(server.metrics_url, TTFT[1], ttft.get(TTFT[1], 0.0) + entry["num_requests"])
     done = now.get(TTFT[1], 0.0) - ttft.get(TTFT[1], 0.0)
     entry["engine_ttft_ms"] = 1e3 * (now.get(TTFT[0], 0.0) - ttft.get(TTFT[0], 0.0)) / done if done else None
     # the preprocessing step: one execution per request (chat template, tokenizer), part of its time to first token
-    now = model_stats(server.http_url, "preprocessing")
-    count = max(now["count"] - pre["count"], 1)
-    entry["preprocessing"] = {"queue_ms": (now["queue_ns"] - pre["queue_ns"]) / count / 1e6,
-                              "compute_ms": (now["compute_ns"] - pre["compute_ns"]) / count / 1e6}
+    entry["preprocessing"] = per_execution(pre, model_stats(server.http_url, "preprocessing"))
     return entry
+
+
+def per_execution(before: dict, after: dict) -> dict:
+    """A model's executions between two model_stats reads, and its queue and compute ms per execution."""
+    executions = after["count"] - before["count"]
+    return {"executions": executions,
+            "queue_ms": (after["queue_ns"] - before["queue_ns"]) / max(executions, 1) / 1e6,
+            "compute_ms": (after["compute_ns"] - before["compute_ns"]) / max(executions, 1) / 1e6}
 
 
 TTFT = ("ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count")
