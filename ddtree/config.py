@@ -73,9 +73,10 @@ class EngineConfig:
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0
-    # a prompt of at most this many tokens admitted alone is prefilled through a static forward (a CUDA graph per row
-    # bucket on CUDA, one for every slot, made at warm-up: an eager prefill makes ~60 torch calls a layer, host-bound
-    # at small models; a hybrid's slot state reset first, its GDN layers on the masked form); 0: off. None ("auto"):
+    # a prompt of at most this many tokens admitted alone is prefilled through a static forward, and prompts admitted
+    # together each where measured cheaper than their packed eager prefill (Engine._static_prefills_pay); a CUDA graph
+    # per row bucket on CUDA, one for every slot, made at warm-up: an eager prefill makes ~60 torch calls a layer, host-bound
+    # at small models; a hybrid's slot state reset first, its GDN layers on the masked form; 0: off. None ("auto"):
     # STATIC_PREFILL_AUTO where the static forwards are CUDA graphs on CUDA, else off (the embedded default on the
     # H200: time to first token 2.2 ms against 25 in process, `ar` 1109 tok/s against 898:
     # perf/results/humaneval_h200_sprefill.md beside humaneval_h200_default.md; a 27B-shaped hybrid's 16-256-token

@@ -54,6 +54,7 @@ WARM_UP_MAX_KEYS = 4096
 # Time between two decoding rounds beyond this is an idle spell (or a debugger), not serving work (auto's accounting).
 MAX_SERVE_GAP_S = 0.5
 POLICY_MIN_CAP = 8   # the policy arm's smallest tree-building cap (Engine.policy_cap)
+PREFILL_DECAY = 0.8  # a prefill form's measured seconds at a row bucket: this weight on the earlier measures
 COMMIT_PARTS = ("accept", "caches", "features", "tokens")   # StageTimes.commit_parts
 
 
@@ -233,6 +234,9 @@ class Engine:
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
         self.static_prefill = static_prefill if self.static_target is not None else 0
+        # ("static" | "eager", row bucket) -> (calls, decayed mean seconds): what a prompt's static prefill and a packed
+        # eager prefill of several cost here (Engine._static_prefills_pay)
+        self._prefill_seconds: dict[tuple[str, int], tuple[int, float]] = {}
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -341,11 +345,22 @@ class Engine:
         if not seqs:
             return []
         t0 = time.perf_counter()
-        if len(seqs) == 1:
-            outputs = self._prefill_static(seqs[0])
-            if outputs is not None:
+        outputs = []
+        if self._static_prefills_pay(seqs):
+            eager = []
+            for seq in seqs:
+                start = time.perf_counter()
+                output = self._prefill_static(seq)
+                if output is None:
+                    eager.append(seq)
+                else:
+                    outputs += output
+                    self._note_prefill("static", len(seq.request.prompt_ids), time.perf_counter() - start)
+            seqs = eager
+            if not seqs:
                 self.stage_times.prefill += time.perf_counter() - t0
                 return outputs
+        t_eager = time.perf_counter()
         ids, positions, segments, last_rows = [], [], [], []
         for seq in seqs:
             n = len(seq.request.prompt_ids)
@@ -356,14 +371,43 @@ class Engine:
             last_rows.append(sum(s.length for s in segments) - 1)
         logits, taps = self.target.forward_packed(torch.cat(ids), torch.cat(positions), segments, self.tap_layers,
                                                   logit_rows=torch.tensor(last_rows, device=self.device))
-        outputs, row = [], 0
+        row = 0
         for i, seq in enumerate(seqs):
             n = segments[i].length
             outputs.append(self._start_decoding(seq, n, logits[i : i + 1], taps, row))
             row += n
         self._sync()
+        if len(seqs) > 1:
+            self._note_prefill("eager", row, time.perf_counter() - t_eager)
         self.stage_times.prefill += time.perf_counter() - t0
         return outputs
+
+    def _static_prefills_pay(self, seqs: list[Sequence]) -> bool:
+        """Whether the admitted prompts go through the static prefill one by one (each where it fits): a lone one
+        always; several where their static prefills, as measured here, together cost less than one packed eager
+        prefill of them all (a CUDA graph replay each against an eager pass whose launches bound it at small batches:
+        at 27B shapes on the H200 22-53 ms a prompt of 16-256 tokens against 108-174; lone arrivals measure the
+        one, groups the other, and until both are measured groups take the eager pass)."""
+        if len(seqs) == 1:
+            return True
+        lengths = [len(seq.request.prompt_ids) for seq in seqs]
+        if not all(0 < n <= self.static_prefill for n in lengths):
+            return False
+        eager = self._prefill_cost("eager", sum(lengths))
+        static = [self._prefill_cost("static", n) for n in lengths]
+        return eager is not None and None not in static and sum(static) < eager
+
+    def _note_prefill(self, form: str, rows: int, seconds: float) -> None:
+        """A prefill's wall time (its results read) into its form's decayed mean at its row bucket; the first call of
+        a bucket made its programs or warmed its kernels, so it is not a measure."""
+        key = (form, row_bucket(rows))
+        calls, mean = self._prefill_seconds.get(key, (0, 0.0))
+        mean = 0.0 if calls == 0 else seconds if calls == 1 else PREFILL_DECAY * mean + (1 - PREFILL_DECAY) * seconds
+        self._prefill_seconds[key] = (calls + 1, mean)
+
+    def _prefill_cost(self, form: str, rows: int) -> float | None:
+        calls, mean = self._prefill_seconds.get((form, row_bucket(rows)), (0, 0.0))
+        return mean if calls >= 2 else None
 
     def _start_decoding(self, seq: Sequence, n: int, logits: torch.Tensor, taps: torch.Tensor | None,
                         row: int) -> RequestOutput:

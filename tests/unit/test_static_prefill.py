@@ -1,6 +1,7 @@
 """EngineConfig.static_prefill: a lone dense prompt prefilled through the static forward (a chain of rows from
 position 0, its own program per row bucket; on CUDA a graph replay) decodes what the eager prefill decodes, in every
-mode, for dense and hybrid targets; longer prompts and batches of arrivals keep the eager prefill. The CPU runs the static forwards
+mode, for dense and hybrid targets; longer prompts keep the eager prefill, and arrivals admitted together take a
+static prefill each only where those were measured cheaper than one packed eager prefill. The CPU runs the static forwards
 eagerly (static_forward="on"), the same programs CUDA graphs capture."""
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from ddtree.config import EngineConfig
-from ddtree.engine import Engine
+from ddtree.engine import PREFILL_DECAY, Engine
+from ddtree.models.graphs import row_bucket
 from ddtree.request import Request
 from ddtree.sampling_params import SamplingParams
 from tests.unit.oracle import make_tiny_hybrid
@@ -79,17 +81,53 @@ def test_a_prefill_program_computes_the_last_rows_logits_alone(family, tiny_mode
     assert len(prefills) == 3 and all(shape[0] == 1 for shape in prefills), prefills
 
 
-def test_arrivals_together_keep_the_eager_prefill(tiny_models):
-    plain, static = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
-    for engine in (plain, static):
-        requests = [Request(f"r{i}", prompt(20 + i, 9 + i), SamplingParams(mode="ddtree", tree_budget=8, max_tokens=12,
-                                                                           ignore_eos=True)) for i in range(2)]
-        for request in requests:
-            engine.add(request)
-        while engine.has_work:
-            engine.step()
-        engine.outputs = [r.output_ids for r in requests]
-    assert static.outputs == plain.outputs and static.stage_times.static_prefills == 0   # two admitted at once
+def run_together(engine: Engine, seed: int) -> list[list[int]]:
+    """Three requests admitted in one step (one packed prefill, or a static prefill each), decoded to the end."""
+    requests = [Request(f"r{i}", prompt(seed + i, 9 + 5 * i), SamplingParams(mode="ddtree", tree_budget=8, max_tokens=12,
+                                                                             ignore_eos=True)) for i in range(3)]
+    for request in requests:
+        engine.add(request)
+    while engine.has_work:
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_arrivals_together_take_the_static_prefills_where_measured_cheaper(family, tiny_models, tmp_path):
+    """Several prompts admitted at once take one packed eager prefill until both forms are measured at their sizes,
+    then the cheaper: a static prefill each where those cost less than the packed one (the same tokens either way),
+    dense and hybrid."""
+    root = make_tiny_hybrid(tmp_path)[0] if family == "hybrid" else None
+    target, drafter = ((str(root / "target"), str(root / "dflash")) if root is not None else
+                       (str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash")))
+    base = dict(target_path=target, drafter_path=drafter, max_model_len=160, max_num_seqs=3, static_forward="on")
+    plain, static = Engine(EngineConfig(**base)), Engine(EngineConfig(**base, static_prefill=40))
+    expected = run_together(plain, 20)
+    assert run_together(static, 20) == expected and static.stage_times.static_prefills == 0   # nothing measured yet
+    eager_rows = 9 + 14 + 19
+    assert static._prefill_cost("eager", eager_rows) is None        # its first packed prefill: not a measure
+    for form, rows, seconds in [("eager", eager_rows, 0.010)] + [("static", n, s) for n in (9, 14, 19)
+                                                                 for s in (0.5, 0.002)]:
+        static._note_prefill(form, rows, seconds)
+    assert static._prefill_cost("eager", eager_rows) == pytest.approx(0.010)
+    assert static._prefill_cost("static", 9) == pytest.approx(0.002)   # the first of the two calls: not a measure
+    assert run_together(static, 20) == expected and static.stage_times.static_prefills == 3
+    for n in (9, 14, 19):    # now dearer together than the packed prefill: the group goes eager again
+        static._prefill_seconds[("static", row_bucket(n))] = (5, 0.004)
+    before = static.stage_times.static_prefills
+    assert run_together(static, 20) == expected and static.stage_times.static_prefills == before
+
+
+def test_a_prefill_forms_measure_decays_and_skips_its_first_call(tiny_models):
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), default_mode="ar", static_forward="on",
+                                 static_prefill=40))
+    assert engine._prefill_cost("static", 12) is None
+    engine._note_prefill("static", 12, 9.0)             # compiles (CUDA: captures): not a measure
+    assert engine._prefill_cost("static", 12) is None
+    engine._note_prefill("static", 12, 1.0)
+    engine._note_prefill("static", 13, 2.0)             # the same row bucket (16)
+    assert engine._prefill_cost("static", 16) == pytest.approx(PREFILL_DECAY * 1.0 + (1 - PREFILL_DECAY) * 2.0)
+    assert engine._prefill_cost("eager", 12) is None
 
 
 def test_a_hybrid_static_prefill_starts_from_a_zero_state_and_commits_the_eager_one(tmp_path):
