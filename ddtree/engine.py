@@ -34,6 +34,7 @@ from ddtree.models.graphs import (
     StaticTreeBuild,
     key_bucket,
     path_bucket,
+    prefill_bucket,
     row_bucket,
 )
 from ddtree.models.loader import dtype_of
@@ -54,7 +55,6 @@ WARM_UP_MAX_KEYS = 4096
 # Time between two decoding rounds beyond this is an idle spell (or a debugger), not serving work (auto's accounting).
 MAX_SERVE_GAP_S = 0.5
 POLICY_MIN_CAP = 8   # the policy arm's smallest tree-building cap (Engine.policy_cap)
-PREFILL_DECAY = 0.8  # a prefill form's measured seconds at a row bucket: this weight on the earlier measures
 COMMIT_PARTS = ("accept", "caches", "features", "tokens")   # StageTimes.commit_parts
 
 
@@ -234,9 +234,6 @@ class Engine:
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
         self.static_prefill = static_prefill if self.static_target is not None else 0
-        # ("static" | "eager", row bucket) -> (calls, decayed mean seconds): what a prompt's static prefill and a packed
-        # eager prefill of several cost here (Engine._static_prefills_pay)
-        self._prefill_seconds: dict[tuple[str, int], tuple[int, float]] = {}
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -345,22 +342,15 @@ class Engine:
         if not seqs:
             return []
         t0 = time.perf_counter()
-        outputs = []
-        if self._static_prefills_pay(seqs):
-            eager = []
-            for seq in seqs:
-                start = time.perf_counter()
-                output = self._prefill_static(seq)
-                if output is None:
-                    eager.append(seq)
-                else:
-                    outputs += output
-                    self._note_prefill("static", len(seq.request.prompt_ids), time.perf_counter() - start)
-            seqs = eager
-            if not seqs:
-                self.stage_times.prefill += time.perf_counter() - t0
-                return outputs
-        t_eager = time.perf_counter()
+        outputs, eager = [], []
+        for group in self._static_groups(seqs):
+            done = self._prefill_static(group)
+            outputs += done if done is not None else []
+            eager += group if done is None else []
+        seqs = eager + [seq for seq in seqs if not 0 < len(seq.request.prompt_ids) <= self.static_prefill]
+        if not seqs:
+            self.stage_times.prefill += time.perf_counter() - t0
+            return outputs
         ids, positions, segments, last_rows = [], [], [], []
         for seq in seqs:
             n = len(seq.request.prompt_ids)
@@ -377,37 +367,20 @@ class Engine:
             outputs.append(self._start_decoding(seq, n, logits[i : i + 1], taps, row))
             row += n
         self._sync()
-        if len(seqs) > 1:
-            self._note_prefill("eager", row, time.perf_counter() - t_eager)
         self.stage_times.prefill += time.perf_counter() - t0
         return outputs
 
-    def _static_prefills_pay(self, seqs: list[Sequence]) -> bool:
-        """Whether the admitted prompts go through the static prefill one by one (each where it fits): a lone one
-        always; several where their static prefills, as measured here, together cost less than one packed eager
-        prefill of them all (a CUDA graph replay each against an eager pass whose launches bound it at small batches:
-        at 27B shapes on the H200 22-53 ms a prompt of 16-256 tokens against 108-174; lone arrivals measure the
-        one, groups the other, and until both are measured groups take the eager pass)."""
-        if len(seqs) == 1:
-            return True
-        lengths = [len(seq.request.prompt_ids) for seq in seqs]
-        if not all(0 < n <= self.static_prefill for n in lengths):
-            return False
-        eager = self._prefill_cost("eager", sum(lengths))
-        static = [self._prefill_cost("static", n) for n in lengths]
-        return eager is not None and None not in static and sum(static) < eager
-
-    def _note_prefill(self, form: str, rows: int, seconds: float) -> None:
-        """A prefill's wall time (its results read) into its form's decayed mean at its row bucket; the first call of
-        a bucket made its programs or warmed its kernels, so it is not a measure."""
-        key = (form, row_bucket(rows))
-        calls, mean = self._prefill_seconds.get(key, (0, 0.0))
-        mean = 0.0 if calls == 0 else seconds if calls == 1 else PREFILL_DECAY * mean + (1 - PREFILL_DECAY) * seconds
-        self._prefill_seconds[key] = (calls + 1, mean)
-
-    def _prefill_cost(self, form: str, rows: int) -> float | None:
-        calls, mean = self._prefill_seconds.get((form, row_bucket(rows)), (0, 0.0))
-        return mean if calls >= 2 else None
+    def _static_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The admitted prompts of at most self.static_prefill tokens in the groups that share a static prefill: by
+        prefill_bucket (each prompt padded to at most twice its rows, the group to a power of two), each group at most
+        as many as fit one program."""
+        by_rows: dict[int, list[Sequence]] = {}
+        for seq in seqs:
+            n = len(seq.request.prompt_ids)
+            if 0 < n <= self.static_prefill:
+                by_rows.setdefault(prefill_bucket(n), []).append(seq)
+        size = {rows: max(1, StaticTarget.MAX_ROWS // rows) for rows in by_rows}
+        return [group[i : i + size[rows]] for rows, group in by_rows.items() for i in range(0, len(group), size[rows])]
 
     def _start_decoding(self, seq: Sequence, n: int, logits: torch.Tensor, taps: torch.Tensor | None,
                         row: int) -> RequestOutput:
@@ -424,26 +397,29 @@ class Engine:
             self.draft_caches[seq.slot].length = 0
         return self._commit(seq, [seq.root], accepted_length=None)
 
-    def _prefill_static(self, seq: Sequence) -> list[RequestOutput] | None:
-        """A lone prompt of at most self.static_prefill tokens through the static forward, as a chain of rows from
-        position 0 (a program per row bucket that serves every slot: on CUDA a graph replay instead of ~60 torch calls
-        a layer); None where it does not apply or no static program fits (the eager prefill runs)."""
-        prompt = seq.request.prompt_ids
-        n = len(prompt)
-        if not 0 < n <= self.static_prefill:
-            return None
-        result = self.static_target.batch([self.caches[seq.slot]], [0], [prompt], [list(range(n))],
-                                          [list(range(-1, n - 1))], any_slot=True)
+    def _prefill_static(self, seqs: list[Sequence]) -> list[RequestOutput] | None:
+        """Prompts admitted together (each of at most self.static_prefill tokens) through one static forward, as chains
+        of rows from position 0 (a program per row bucket and group size that serves every slot: on CUDA a graph replay
+        instead of ~60 torch calls a layer, for one prompt or 32); None where no static program fits (the eager prefill
+        runs)."""
+        prompts = [seq.request.prompt_ids for seq in seqs]
+        result = self.static_target.batch([self.caches[seq.slot] for seq in seqs], [0] * len(seqs), prompts,
+                                          [list(range(len(p))) for p in prompts],
+                                          [list(range(-1, len(p) - 1)) for p in prompts], prefill=True)
         if result is None:
             return None
-        logits, taps = result
+        logits, taps = result   # logits: each prompt's last row's alone
         # the features are views of the program's outputs, which another static forward of its shape would overwrite
         # before the drafter reads them (an `auto` request's `ar` rounds at the same rows): a copy of their own
-        taps = taps.clone() if taps is not None and seq.request.params.mode != "ar" else None
-        output = self._start_decoding(seq, n, logits[-1:], taps, 0)   # the program's logits: the last row's alone
+        drafting = taps is not None and any(seq.request.params.mode != "ar" for seq in seqs)
+        taps = taps.clone() if drafting else None
+        outputs, row = [], 0
+        for i, seq in enumerate(seqs):
+            outputs.append(self._start_decoding(seq, len(prompts[i]), logits[i : i + 1], taps, row))
+            row += len(prompts[i])
         self._sync()
-        self.stage_times.static_prefills += 1
-        return [output]
+        self.stage_times.static_prefills += len(seqs)
+        return outputs
 
     def _round(self, seqs: list[Sequence], prefill_s: float = 0.0) -> list[RequestOutput]:
         times, t_round = self.stage_times, time.perf_counter()
@@ -988,16 +964,24 @@ class Engine:
 
     @torch.inference_mode()
     def _warm_prefills(self) -> None:
-        """The static prefills' programs (_prefill_static) of every row bucket up to self.static_prefill, on slot 0,
-        whose contents the next request's prefill replaces (a hybrid's recurrent state is reset by each)."""
-        cache = self.caches[0]
-        for rows in sorted({row_bucket(n) for n in range(1, self.static_prefill + 1)}):
-            chain = list(range(rows))
-            if self.static_target.batch([cache], [0], [[1] * rows], [chain], [[i - 1 for i in chain]],
-                                        any_slot=True) is None:
-                break   # no static shape fits (the eager prefill runs): longer prompts fit none either
-            if getattr(cache, "pending", None) is not None:
-                cache.pending = None   # a hybrid's stash of this forward, never committed
+        """The static prefills' programs (_prefill_static) up to self.static_prefill tokens: a lone prompt's of every
+        row bucket, and those of 2, 4, ... max_num_seqs prompts together (padded to a power of two) of every
+        prefill_bucket, in slots 0.. whose contents their next requests' prefills replace (a hybrid's recurrent state
+        is reset by each)."""
+        shapes = [(1, rows) for rows in sorted({row_bucket(n) for n in range(1, self.static_prefill + 1)})]
+        for rows in sorted({prefill_bucket(n) for n in range(1, self.static_prefill + 1)}):
+            reqs = 2
+            while reqs // 2 < self.config.max_num_seqs and reqs * rows <= StaticTarget.MAX_ROWS:
+                shapes.append((min(reqs, self.config.max_num_seqs), rows))
+                reqs *= 2
+        for reqs, rows in shapes:
+            caches, chain = self.caches[:reqs], list(range(rows))
+            if self.static_target.batch(caches, [0] * reqs, [[1] * rows] * reqs, [chain] * reqs,
+                                        [[i - 1 for i in chain]] * reqs, prefill=True) is None:
+                continue   # no static shape fits (the eager prefill runs)
+            for cache in caches:
+                if getattr(cache, "pending", None) is not None:
+                    cache.pending = None   # a hybrid's stash of this forward, never committed
 
     @torch.inference_mode()
     def _warm_device_trees(self, start: int, max_rows: int) -> None:

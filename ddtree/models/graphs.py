@@ -145,6 +145,12 @@ class GraphPool:
         return program.outputs
 
 
+def prefill_bucket(n: int) -> int:
+    """Rows each prompt of a group prefilled together is padded to: the next power of two, at least 16 (fewer programs
+    than row_bucket's, made at warm-up for every group size: StaticTarget.batch's prefill)."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
 def batch_bucket(n: int) -> int:
     """Requests a batched static forward is padded to: the next power of two (padding requests use a scratch slot)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -172,7 +178,7 @@ class StaticTarget:
 
     def batch(self, caches: list, starts: list[int], input_ids: list, positions: list, parents: list[list[int]],
               tree: tuple[torch.Tensor, torch.Tensor | None] | None = None, staged: bool = False,
-              any_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+              prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Several requests' trees (the lists hold one entry per request): logits and taps of their rows packed in
         request order, or None (the caller runs the dynamic forward).
         tree: a lone request's tree inputs on the device (StaticTreeBuild's: its rows' ids, positions and parents, and
@@ -180,28 +186,30 @@ class StaticTarget:
         input_ids, positions and parents (placeholders of the tree's length); (ids, None) for the ids alone: a lone
         request's tree's, or one id per request where every request has one row (the `ar` lookahead's steps).
         staged: see GraphPool.run.
-        any_slot: a lone request's program with its slot as an input, as a batch's (one program serves every slot:
-        prefills, which a request runs once, in whatever slot it was given), instead of one made for its slot; its
-        logits are its last row's alone (a prefill reads nothing else: [1, vocab] where every row's took rows x vocab in
-        each program's outputs, 771 rows more over the 16 prefill buckets to 256 rows: 358 MiB in bf16 at Qwen3.6-27B's
-        vocabulary of 248,320, and the lm_head's pass over them)."""
-        shape = self._shape(caches, starts, parents)
+        prefill: prompts from position 0 (chains), a program that serves every slot (a lone request's too: prefills,
+        which a request runs once, in whatever slot it was given, instead of one made for its slot) whose logits are
+        each request's last row's alone, [requests, vocab] (a prefill reads nothing else: every row's took rows x vocab
+        in each program's outputs, 771 rows more over the 16 lone prefill buckets to 256 rows: 358 MiB in bf16 at
+        Qwen3.6-27B's vocabulary of 248,320, and the lm_head's pass over them); several prompts are padded to
+        prefill_bucket rows each (a lone one to row_bucket's)."""
+        shape = self._shape(caches, starts, parents, prefill)
         if shape is None:
             return None
         reqs, rows, keys = shape
         assert tree is None or reqs == 1 or rows == 1, "device inputs of several requests: one row each"
-        any_slot = any_slot and reqs == 1   # a batch's program serves every slot anyway
         if self.conv_kernel is not None:
-            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged, any_slot)
+            return self._hybrid(*shape, caches, starts, input_ids, positions, parents, tree, staged, prefill)
         # a batch's program serves every slot (the slots are inputs); a lone request's is made for its slot, whose K/V
         # its attention reads as views of the pool (no gather of every key per layer: 2 index kernels per layer, ~1 MB
         # each at Qwen3-8B dims and 512 keys), as a hybrid target's (a lone request mostly holds slot 0)
-        fixed_slot = caches[0].slot if reqs == 1 and not any_slot else None
-        key = ("batch", reqs, rows, keys) + (("any",) if any_slot else (fixed_slot,) if fixed_slot is not None else ())
-        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot, any_slot))
-        total, _ = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
+        fixed_slot = caches[0].slot if reqs == 1 and not prefill else None
+        key = ("batch", reqs, rows, keys) + (("prefill",) if prefill else (fixed_slot,) if fixed_slot is not None else ())
+        program = self.graphs.program(key, lambda: self._make_batch(caches[0], reqs, rows, keys, fixed_slot, prefill))
+        total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
+        if prefill:
+            _last_rows(rest, rows, parents)
         logits, taps = self.graphs.run(key, program, () if tree is None else ((0, tree[0]),), staged)
-        return logits[:total], None if taps is None else taps[:total]
+        return logits[: len(caches) if prefill else total], None if taps is None else taps[:total]
 
     def device_tree_shape(self, cache, start: int, num_rows: int) -> tuple[int, int] | None:
         """(rows, paths) of a lone request's static verify of a tree of num_rows rows whose inputs are built on the
@@ -215,10 +223,13 @@ class StaticTarget:
             return rows, 0
         return (rows, rows) if self.target.free_padding_paths(self.graphs.device) else None
 
-    def _shape(self, caches: list, starts: list[int], parents: list[list[int]]) -> tuple[int, int, int] | None:
-        """(requests, rows, keys) of a batched static forward: rows padded to the largest tree's bucket, requests to a
-        power of two (padding requests in the scratch slot), keys to a bucket; None where none fits."""
-        rows = row_bucket(max(len(p) for p in parents))
+    def _shape(self, caches: list, starts: list[int], parents: list[list[int]], prefill: bool = False
+               ) -> tuple[int, int, int] | None:
+        """(requests, rows, keys) of a batched static forward: rows padded to the largest tree's bucket (a group
+        prefill's: prefill_bucket), requests to a power of two (padding requests in the scratch slot), keys to a bucket;
+        None where none fits."""
+        longest = max(len(p) for p in parents)
+        rows = prefill_bucket(longest) if prefill and len(caches) > 1 else row_bucket(longest)
         keys = key_bucket(max(starts) + rows, caches[0].max_len)
         reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
         # from position 0: a prefill (a hybrid's slot state is reset first: _hybrid)
@@ -248,27 +259,28 @@ class StaticTarget:
 
     def _make_batch(self, cache, reqs: int, rows: int, keys: int, fixed_slot: int | None = None,
                     last_row: bool = False) -> Program:
-        """last_row: the logits of the last of the request's rows alone (batch's any_slot)."""
+        """last_row: the logits of each request's last row alone (batch's prefill; the rows named by the inputs after
+        the output rows)."""
         n = reqs * rows
-        host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs)
+        host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs + reqs * last_row)
 
         def body():
-            ids, positions, parents, starts, slots, out = inputs.split([n, n, n, reqs, reqs, n])
+            ids, positions, parents, starts, slots, out, last = inputs.split([n, n, n, reqs, reqs, n, reqs * last_row])
             ancestors = ancestors_from_parents(parents.view(reqs, rows))          # [R, Q, Q]
             plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys, fixed_slot=fixed_slot))
             segment = Segment(cache=cache, start=-1, length=n, mask=ancestors)   # the pool is all a dense forward reads
             logits, taps = self.target.forward_packed(ids, positions, [segment], self.tap_layers or None,
-                                                      logit_rows=_last(out) if last_row else out, plan=plan)
+                                                      logit_rows=last if last_row else out, plan=plan)
             return logits, None if taps is None else taps[out]
 
         return Program(body=body, host=host, inputs=inputs)
 
     def _hybrid(self, reqs: int, rows: int, keys: int, caches: list, starts: list[int], input_ids: list, positions: list,
                 parents: list[list[int]], tree: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                staged: bool = False, any_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                staged: bool = False, prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A hybrid target's verify (or ar step) of several requests as one static forward, shaped like the dense one;
         every request's GDN layers run on its own slot's state (PooledSlot), its tree on its own layout. Each
-        request's commit stash goes to its cache (compact() commits from it). any_slot: see batch."""
+        request's commit stash goes to its cache (compact() commits from it). prefill: see batch."""
         paths, num_paths = [], 0
         # a prefill's chain is one path as long as the prompt, past the paths form's PATHS_MAX_LEN: the masked form
         if self.uses_paths(rows, self.graphs.device) and min(starts) > 0:
@@ -289,13 +301,15 @@ class StaticTarget:
                 cache.reset()
         # a lone request's program works on its own cache's views (no per-layer gather and scatter of its recurrent
         # state: ~0.1 ms and 300 MB of a 27B step; its attention reads its K/V as views too), so it is made per slot
-        # (a lone request mostly holds slot 0); a batch's program, and any_slot's, serves every slot (slots are inputs)
-        pooled = reqs > 1 or any_slot
-        key = ("target", reqs, rows, keys, num_paths) + (("any",) if any_slot else () if pooled else (caches[0].slot,))
+        # (a lone request mostly holds slot 0); a batch's program, and a prefill's, serves every slot (slots are inputs)
+        pooled = reqs > 1 or prefill
+        key = ("target", reqs, rows, keys, num_paths) + (("prefill",) if prefill else () if pooled else (caches[0].slot,))
         program = self.graphs.program(key, lambda: self._make_hybrid(caches[0], reqs, rows, keys, num_paths, pooled,
-                                                                     any_slot))
+                                                                     prefill))
         total, rest = self._fill(program.host.numpy(), reqs, rows, caches, starts, input_ids, positions, parents)
         rest[:] = 0                                    # padding requests: no paths
+        if prefill:
+            _last_rows(rest[rest.size - reqs :], rows, parents)
         if num_paths and tree is None:
             tokens, bounds, node_pos = np.split(rest, np.cumsum([reqs * num_paths * PATHS_MAX_LEN, reqs * (num_paths + 1)]))
             for r, (t, b, p) in enumerate(paths):
@@ -311,19 +325,20 @@ class StaticTarget:
         for cache, stash in zip(caches, stashes):
             cache.pending = stash          # what compact() commits from (set by the body, which a replay skips)
             cache.static_stash = stash if fixed else None
-        return logits[:total], None if taps is None else taps[:total]
+        return logits[: len(caches) if prefill else total], None if taps is None else taps[:total]
 
     def _make_hybrid(self, cache, reqs: int, rows: int, keys: int, num_paths: int, pooled: bool,
                      last_row: bool = False) -> Program:
         """num_paths: 0, or the (bucketed) number of root-to-leaf paths of each request's tree (the paths form). A
-        pooled program (a batch's, or any_slot's) works on any slot named by its inputs (PooledSlot over `cache`'s
+        pooled program (a batch's, or a prefill's) works on any slot named by its inputs (PooledSlot over `cache`'s
         pools); another on `cache` itself. last_row: as _make_batch's."""
         n = reqs * rows
         path_sizes = [num_paths * PATHS_MAX_LEN, num_paths + 1, rows] if num_paths else []   # per request
-        host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs + reqs * sum(path_sizes))
+        host, inputs = self.graphs.new_inputs(4 * n + 2 * reqs + reqs * sum(path_sizes) + reqs * last_row)
 
         def body():
-            ids, positions, parents, starts, slots, out, rest = inputs.split([n, n, n, reqs, reqs, n, reqs * sum(path_sizes)])
+            ids, positions, parents, starts, slots, out, rest, last = inputs.split(
+                [n, n, n, reqs, reqs, n, reqs * sum(path_sizes), reqs * last_row])
             parents = parents.view(reqs, rows)
             ancestors = ancestors_from_parents(parents)                               # [R, Q, Q]
             per_request = ([part.view(reqs, -1) for part in rest.split([reqs * size for size in path_sizes])]
@@ -338,17 +353,19 @@ class StaticTarget:
             plan = ForwardPlan(PackedAttention.static(slots, starts, ancestors, keys,
                                                       fixed_slot=None if pooled else cache.kv.slot), layouts)
             logits, taps = self.target.forward_packed(ids, positions, segments, self.tap_layers or None,
-                                                      logit_rows=_last(out) if last_row else out, plan=plan)
+                                                      logit_rows=last if last_row else out, plan=plan)
             stashes = [seg.cache.pending for seg in segments]
             return logits, None if taps is None else taps[out], stashes
 
         return Program(body=body, host=host, inputs=inputs)
 
 
-def _last(out: torch.Tensor) -> torch.Tensor:
-    """The last of a lone request's rows  # [1], on the device: its output rows are 0, 1, ..., n - 1 and its padding
-    rows' 0 (_fill), so the largest."""
-    return out.max().view(1)
+def _last_rows(last: np.ndarray, rows: int, parents: list[list[int]]) -> None:
+    """A prefill program's host inputs naming each request's last row (r x rows + its length - 1; a padding request's
+    first, unread)."""
+    last[:] = np.arange(last.size) * rows
+    for r, tree in enumerate(parents):
+        last[r] += len(tree) - 1
 
 
 def path_bucket(n: int) -> int:

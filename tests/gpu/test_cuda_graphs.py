@@ -227,7 +227,7 @@ def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(famil
     the drafter reads the prompt's features (the same memory every replay: they must be copied out). A hybrid's
     prefills take the masked form whatever their length (the paths form takes 16 rows a path). static_prefill is left
     at "auto" (256 here) and its programs are made at warm-up, one a row bucket for every slot: a request admitted
-    alone into slot 1 replays slot 0's."""
+    alone into slot 1 replays slot 0's; two admitted together share one."""
     from ddtree.budget import Arm
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine, _joined
@@ -271,6 +271,16 @@ def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(famil
             engine.step()
         outputs.append((a.output_ids, b.output_ids))
     assert outputs[0] == outputs[1]
-    assert static.stage_times.static_prefills == 8
-    assert not [key for key in static.graphs.late_keys if "any" in key], static.graphs.late_keys   # no prefill's
+    outputs = []
+    for engine in (plain, static):   # two prompts admitted together: one captured program of both (16 rows each)
+        together = [Request(f"g{i}", list(range(30 + i, 39 + 5 * i)), SamplingParams(
+            mode=mode, tree_budget=16, max_tokens=24, ignore_eos=True)) for i, mode in enumerate(("ddtree", "auto"))]
+        for request in together:
+            engine.add(request)
+        while engine.has_work:
+            engine.step()
+        outputs.append([r.output_ids for r in together])
+    assert outputs[0] == outputs[1]
+    assert static.stage_times.static_prefills == 10
+    assert not [key for key in static.graphs.late_keys if "prefill" in key], static.graphs.late_keys   # no prefill's
     assert captured(static.static_target) >= 5

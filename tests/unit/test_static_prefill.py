@@ -1,17 +1,19 @@
 """EngineConfig.static_prefill: a lone dense prompt prefilled through the static forward (a chain of rows from
 position 0, its own program per row bucket; on CUDA a graph replay) decodes what the eager prefill decodes, in every
-mode, for dense and hybrid targets; longer prompts keep the eager prefill, and arrivals admitted together take a
-static prefill each only where those were measured cheaper than one packed eager prefill. The CPU runs the static forwards
-eagerly (static_forward="on"), the same programs CUDA graphs capture."""
+mode, for dense and hybrid targets; longer prompts keep the eager prefill, and arrivals admitted together share one
+static prefill per row bucket. The CPU runs the static forwards eagerly (static_forward="on"), the same programs CUDA
+graphs capture."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from ddtree.config import EngineConfig
-from ddtree.engine import PREFILL_DECAY, Engine
-from ddtree.models.graphs import row_bucket
+from ddtree.engine import Engine
+from ddtree.models.graphs import StaticTarget, prefill_bucket, row_bucket
 from ddtree.request import Request
 from ddtree.sampling_params import SamplingParams
 from tests.unit.oracle import make_tiny_hybrid
@@ -72,19 +74,21 @@ def test_a_prefill_program_computes_the_last_rows_logits_alone(family, tiny_mode
     plain, static = engines(target, drafter)
     shapes = []
     real = static.static_target.batch
-    static.static_target.batch = lambda *a, **k: (lambda r: shapes.append((k.get("any_slot"), r[0].shape)) or r)(
+    static.static_target.batch = lambda *a, **k: (lambda r: shapes.append((k.get("prefill"), r[0].shape)) or r)(
         real(*a, **k))
     for n in (1, 7, 23):
         params = SamplingParams(mode="ddtree", tree_budget=8, max_tokens=6, ignore_eos=True)
         assert static.generate_ids(prompt(n, n), params).output_ids == plain.generate_ids(prompt(n, n), params).output_ids
-    prefills = [shape for any_slot, shape in shapes if any_slot]
+    prefills = [shape for prefill, shape in shapes if prefill]
     assert len(prefills) == 3 and all(shape[0] == 1 for shape in prefills), prefills
 
 
-def run_together(engine: Engine, seed: int) -> list[list[int]]:
-    """Three requests admitted in one step (one packed prefill, or a static prefill each), decoded to the end."""
-    requests = [Request(f"r{i}", prompt(seed + i, 9 + 5 * i), SamplingParams(mode="ddtree", tree_budget=8, max_tokens=12,
-                                                                             ignore_eos=True)) for i in range(3)]
+def run_together(engine: Engine, seed: int, lengths=(9, 14, 19, 45)) -> list[list[int]]:
+    """Requests admitted in one step, decoded to the end (mixed modes)."""
+    modes = [("ddtree", 8), ("ar", 1), ("dflash", 1), ("auto", 8)]
+    requests = [Request(f"r{i}", prompt(seed + i, n), SamplingParams(mode=modes[i % 4][0], tree_budget=modes[i % 4][1],
+                                                                     max_tokens=12, ignore_eos=True))
+                for i, n in enumerate(lengths)]
     for request in requests:
         engine.add(request)
     while engine.has_work:
@@ -93,41 +97,32 @@ def run_together(engine: Engine, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_arrivals_together_take_the_static_prefills_where_measured_cheaper(family, tiny_models, tmp_path):
-    """Several prompts admitted at once take one packed eager prefill until both forms are measured at their sizes,
-    then the cheaper: a static prefill each where those cost less than the packed one (the same tokens either way),
-    dense and hybrid."""
+def test_arrivals_together_share_a_static_prefill(family, tiny_models, tmp_path):
+    """Prompts admitted at once share one static program per prefill_bucket (9 and 14 tokens: one of two prompts of
+    16 rows, each prompt's last row's logits and its own rows' features; 19 alone; 45, over static_prefill, eager) and
+    decode what the packed eager prefill decodes, dense and hybrid, in every mode."""
     root = make_tiny_hybrid(tmp_path)[0] if family == "hybrid" else None
     target, drafter = ((str(root / "target"), str(root / "dflash")) if root is not None else
                        (str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash")))
-    base = dict(target_path=target, drafter_path=drafter, max_model_len=160, max_num_seqs=3, static_forward="on")
+    base = dict(target_path=target, drafter_path=drafter, max_model_len=160, max_num_seqs=4, static_forward="on")
     plain, static = Engine(EngineConfig(**base)), Engine(EngineConfig(**base, static_prefill=40))
-    expected = run_together(plain, 20)
-    assert run_together(static, 20) == expected and static.stage_times.static_prefills == 0   # nothing measured yet
-    eager_rows = 9 + 14 + 19
-    assert static._prefill_cost("eager", eager_rows) is None        # its first packed prefill: not a measure
-    for form, rows, seconds in [("eager", eager_rows, 0.010)] + [("static", n, s) for n in (9, 14, 19)
-                                                                 for s in (0.5, 0.002)]:
-        static._note_prefill(form, rows, seconds)
-    assert static._prefill_cost("eager", eager_rows) == pytest.approx(0.010)
-    assert static._prefill_cost("static", 9) == pytest.approx(0.002)   # the first of the two calls: not a measure
-    assert run_together(static, 20) == expected and static.stage_times.static_prefills == 3
-    for n in (9, 14, 19):    # now dearer together than the packed prefill: the group goes eager again
-        static._prefill_seconds[("static", row_bucket(n))] = (5, 0.004)
-    before = static.stage_times.static_prefills
-    assert run_together(static, 20) == expected and static.stage_times.static_prefills == before
+    assert run_together(static, 20) == run_together(plain, 20)
+    assert static.stage_times.static_prefills == 3 and plain.stage_times.static_prefills == 0
+    groups = [key for key in static.graphs.programs if key[-1] == "prefill"]
+    assert sorted(key[1:3] for key in groups) == [(1, row_bucket(19)), (2, 16)], groups
 
 
-def test_a_prefill_forms_measure_decays_and_skips_its_first_call(tiny_models):
-    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), default_mode="ar", static_forward="on",
-                                 static_prefill=40))
-    assert engine._prefill_cost("static", 12) is None
-    engine._note_prefill("static", 12, 9.0)             # compiles (CUDA: captures): not a measure
-    assert engine._prefill_cost("static", 12) is None
-    engine._note_prefill("static", 12, 1.0)
-    engine._note_prefill("static", 13, 2.0)             # the same row bucket (16)
-    assert engine._prefill_cost("static", 16) == pytest.approx(PREFILL_DECAY * 1.0 + (1 - PREFILL_DECAY) * 2.0)
-    assert engine._prefill_cost("eager", 12) is None
+def test_a_group_is_split_where_one_program_would_pass_its_rows(tiny_models, monkeypatch):
+    config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                          max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=40)
+    engine = Engine(config)
+    monkeypatch.setattr(StaticTarget, "MAX_ROWS", 64)   # two prompts of 32 rows a program
+    lengths = (20, 30, 17, 25)
+    assert {prefill_bucket(n) for n in lengths} == {32}
+    expected = run_together(Engine(dataclasses.replace(config, static_prefill=0)), 30, lengths)
+    assert run_together(engine, 30, lengths) == expected
+    assert engine.stage_times.static_prefills == 4
+    assert [key[1:3] for key in engine.graphs.programs if key[-1] == "prefill"] == [(2, 32)]
 
 
 def test_a_hybrid_static_prefill_starts_from_a_zero_state_and_commits_the_eager_one(tmp_path):
@@ -203,7 +198,7 @@ def test_one_prefill_program_serves_every_slot(family, tiny_models, tmp_path):
         results[name] = (a.output_ids, b.output_ids, new)
     assert results["static"][:2] == results["plain"][:2]
     assert static.stage_times.static_prefills == 2
-    assert [key for key in static.graphs.programs if "any" in key and key[2] == row_bucket(8)]   # a's (7 rows: 8)
+    assert [key for key in static.graphs.programs if "prefill" in key and key[2] == row_bucket(8)]   # a's (7 rows: 8)
     assert not [key for key in results["static"][2] if key[1] == 1 and key[2] == row_bucket(8)], results["static"][2]
 
 
@@ -219,9 +214,10 @@ def test_auto_turns_static_prefill_on_where_static_forwards_are_graphs(tiny_mode
 
 
 def test_warm_up_prepares_the_prefills_programs(tiny_models):
-    """Every row bucket up to static_prefill is made at warm-up: a prompt served after it makes no program (a
-    capture on a user's request, tens of milliseconds at 27B), in slot 0 or slot 1."""
-    base = dict(target_path=str(tiny_models / "qwen3-target"), default_mode="ar", max_model_len=160, max_num_seqs=2,
+    """Every row bucket up to static_prefill is made at warm-up, for a lone prompt and for prompts admitted together:
+    a prompt served after it makes no program (a capture on a user's request, tens of milliseconds at 27B), in slot 0
+    or slot 1, alone or with others."""
+    base = dict(target_path=str(tiny_models / "qwen3-target"), default_mode="ar", max_model_len=160, max_num_seqs=3,
                 static_forward="on")
     engine = Engine(EngineConfig(**base, static_prefill=20))
     engine.warm_up()
@@ -236,4 +232,10 @@ def test_warm_up_prepares_the_prefills_programs(tiny_models):
     while engine.has_work:
         engine.step()
     assert engine.stage_times.static_prefills == 7
-    assert not [key for key in engine.graphs.late_keys if "any" in key], engine.graphs.late_keys   # no prefill's
+    for lengths in ((4, 20), (2, 9, 15), (17, 18, 19)):
+        for n in lengths:
+            engine.add(Request(f"g{n}", prompt(n, n), params))
+        while engine.has_work:
+            engine.step()
+    assert engine.stage_times.static_prefills == 15
+    assert not [key for key in engine.graphs.late_keys if "prefill" in key], engine.graphs.late_keys   # no prefill's
