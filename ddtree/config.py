@@ -73,15 +73,21 @@ class EngineConfig:
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0
-    # a prompt of at most this many tokens admitted alone is prefilled through a static forward, and prompts admitted
-    # together each where measured cheaper than their packed eager prefill (Engine._static_prefills_pay); a CUDA graph
-    # per row bucket on CUDA, one for every slot, made at warm-up: an eager prefill makes ~60 torch calls a layer, host-bound
-    # at small models; a hybrid's slot state reset first, its GDN layers on the masked form; 0: off. None ("auto"):
+    # a prompt of at most this many tokens is prefilled through a static forward, prompts admitted together through one
+    # per row bucket (Engine._static_groups); a CUDA graph per row bucket (and group size) on CUDA, one for every slot,
+    # made at warm-up: an eager prefill makes ~60 torch calls a layer, host-bound at small models; a hybrid's slot state
+    # reset first, its GDN layers on the masked form; 0: off. None ("auto"):
     # STATIC_PREFILL_AUTO where the static forwards are CUDA graphs on CUDA, else off (the embedded default on the
     # H200: time to first token 2.2 ms against 25 in process, `ar` 1109 tok/s against 898:
     # perf/results/humaneval_h200_sprefill.md beside humaneval_h200_default.md; a 27B-shaped hybrid's 16-256-token
     # prompts 22-54 ms against 139-171, its programs holding 3.4 GB: prefill_probe_h200_27b.md)
     static_prefill: int | None = None
+    # MiB of device memory the static prefills of prompts admitted together may hold: warm-up makes their programs
+    # (2, 4, ... prompts of each row bucket), smallest first, until they hold this much; larger groups split into the
+    # largest made (a 27B hybrid's hold ~2.5 MiB a row: groups of up to 8 prompts of up to 128 rows took 13 GB with
+    # every program, 6.3 GB within 256 rows a program, against 3 GB for the lone prompts'; prefill_probe_h200_27b_group8*.md).
+    # 0: prompts admitted together take a lone static prefill each
+    static_prefill_memory: int = 2048
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 
@@ -113,6 +119,8 @@ class EngineConfig:
             raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if self.static_prefill is not None and self.static_prefill < 0:
             raise ValueError(f"static_prefill must be >= 0, got {self.static_prefill}")
+        if self.static_prefill_memory < 0:
+            raise ValueError(f"static_prefill_memory must be >= 0 (MiB), got {self.static_prefill_memory}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         parse_arms(self.auto_arms)   # raises ValueError on an unknown arm

@@ -234,6 +234,9 @@ class Engine:
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
         self.static_prefill = static_prefill if self.static_target is not None else 0
+        # prefill_bucket rows -> the most prompts one static prefill takes there: set by warm-up (the programs it made
+        # within config.static_prefill_memory); None: as many as StaticTarget.MAX_ROWS allows, made on first use
+        self._group_sizes: dict[int, int] | None = None
         self.arm: Arm | None = None   # this round's choice for mode "auto" requests
         self.auto_calibration = 1.0
         self.auto_backoff = 1
@@ -373,13 +376,15 @@ class Engine:
     def _static_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """The admitted prompts of at most self.static_prefill tokens in the groups that share a static prefill: by
         prefill_bucket (each prompt padded to at most twice its rows, the group to a power of two), each group at most
-        as many as fit one program."""
+        as many as one program takes: up to StaticTarget.MAX_ROWS rows, after warm-up the largest group made there
+        (config.static_prefill_memory)."""
         by_rows: dict[int, list[Sequence]] = {}
         for seq in seqs:
             n = len(seq.request.prompt_ids)
             if 0 < n <= self.static_prefill:
                 by_rows.setdefault(prefill_bucket(n), []).append(seq)
-        size = {rows: max(1, StaticTarget.MAX_ROWS // rows) for rows in by_rows}
+        size = {rows: self._group_sizes.get(rows, 1) if self._group_sizes is not None else
+                max(1, StaticTarget.MAX_ROWS // rows) for rows in by_rows}
         return [group[i : i + size[rows]] for rows, group in by_rows.items() for i in range(0, len(group), size[rows])]
 
     def _start_decoding(self, seq: Sequence, n: int, logits: torch.Tensor, taps: torch.Tensor | None,
@@ -965,23 +970,45 @@ class Engine:
     @torch.inference_mode()
     def _warm_prefills(self) -> None:
         """The static prefills' programs (_prefill_static) up to self.static_prefill tokens: a lone prompt's of every
-        row bucket, and those of 2, 4, ... max_num_seqs prompts together (padded to a power of two) of every
-        prefill_bucket, in slots 0.. whose contents their next requests' prefills replace (a hybrid's recurrent state
-        is reset by each)."""
-        shapes = [(1, rows) for rows in sorted({row_bucket(n) for n in range(1, self.static_prefill + 1)})]
-        for rows in sorted({prefill_bucket(n) for n in range(1, self.static_prefill + 1)}):
+        row bucket, then those of 2, 4, ... max_num_seqs prompts together (padded to a power of two) of every
+        prefill_bucket, smallest first, until the group programs hold config.static_prefill_memory MiB (each holds its
+        outputs: ~2.5 MiB a row at 27B, prefill_probe_h200_27b_group8*.md); later groups of a row bucket are split into
+        the largest made there (_static_groups). In slots 0.. whose contents their next requests' prefills replace (a
+        hybrid's recurrent state is reset by each)."""
+        lengths = range(1, self.static_prefill + 1)
+        for rows in sorted({row_bucket(n) for n in lengths}):
+            self._warm_prefill(1, rows)
+        groups = []
+        for rows in sorted({prefill_bucket(n) for n in lengths}):
             reqs = 2
             while reqs // 2 < self.config.max_num_seqs and reqs * rows <= StaticTarget.MAX_ROWS:
-                shapes.append((min(reqs, self.config.max_num_seqs), rows))
+                groups.append((min(reqs, self.config.max_num_seqs), rows))
                 reqs *= 2
-        for reqs, rows in shapes:
-            caches, chain = self.caches[:reqs], list(range(rows))
-            if self.static_target.batch(caches, [0] * reqs, [[1] * rows] * reqs, [chain] * reqs,
-                                        [[i - 1 for i in chain]] * reqs, prefill=True) is None:
-                continue   # no static shape fits (the eager prefill runs)
-            for cache in caches:
-                if getattr(cache, "pending", None) is not None:
-                    cache.pending = None   # a hybrid's stash of this forward, never committed
+        self._group_sizes, held = {}, 0
+        for reqs, rows in sorted(groups, key=lambda shape: (shape[0] * shape[1], shape[1])):
+            if held >= self.config.static_prefill_memory * 2**20:
+                break
+            before = self._allocated_bytes()
+            if self._warm_prefill(reqs, rows):
+                self._group_sizes[rows] = max(reqs, self._group_sizes.get(rows, 1))
+                held += self._allocated_bytes() - before
+        logger.info("warm-up: static prefills of prompts admitted together up to %s (prompts by rows), holding %.0f MiB",
+                    self._group_sizes, held / 2**20)
+
+    def _warm_prefill(self, reqs: int, rows: int) -> bool:
+        """One static prefill program of reqs prompts of `rows` tokens made (False: no static shape fits)."""
+        caches, chain = self.caches[:reqs], list(range(rows))
+        if self.static_target.batch(caches, [0] * reqs, [[1] * rows] * reqs, [chain] * reqs,
+                                    [[i - 1 for i in chain]] * reqs, prefill=True) is None:
+            return False
+        for cache in caches:
+            if getattr(cache, "pending", None) is not None:
+                cache.pending = None   # a hybrid's stash of this forward, never committed
+        return True
+
+    def _allocated_bytes(self) -> int:
+        """The device memory tensors hold now (CUDA; elsewhere 0: the static forwards run eagerly, holding nothing)."""
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
     @torch.inference_mode()
     def _warm_device_trees(self, start: int, max_rows: int) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from ddtree.config import EngineConfig
 from ddtree.engine import Engine
-from ddtree.models.graphs import StaticTarget, prefill_bucket, row_bucket
+from ddtree.models.graphs import prefill_bucket, row_bucket
 from ddtree.request import Request
 from ddtree.sampling_params import SamplingParams
 from tests.unit.oracle import make_tiny_hybrid
@@ -112,17 +112,26 @@ def test_arrivals_together_share_a_static_prefill(family, tiny_models, tmp_path)
     assert sorted(key[1:3] for key in groups) == [(1, row_bucket(19)), (2, 16)], groups
 
 
-def test_a_group_is_split_where_one_program_would_pass_its_rows(tiny_models, monkeypatch):
+@pytest.mark.parametrize("budget, sizes", [(2048, {16: 4, 32: 4, 64: 4}), (7, {16: 4, 32: 2}), (0, {})])
+def test_warm_up_makes_group_prefills_within_their_memory(budget, sizes, tiny_models):
+    """static_prefill_memory bounds what the group prefills' programs hold: warm-up makes them smallest first (here
+    each holds 1 MiB a row, counted by a stand-in for CUDA's allocator) until the budget is reached; a group larger than
+    its row bucket's largest program is split into those (four prompts of 32 rows: two programs of two within 5 MiB,
+    a lone prefill each at 0), the tokens the eager prefill's either way, and no program made after warm-up."""
     config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
-                          max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=40)
+                          max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=40,
+                          static_prefill_memory=budget)
     engine = Engine(config)
-    monkeypatch.setattr(StaticTarget, "MAX_ROWS", 64)   # two prompts of 32 rows a program
+    engine._allocated_bytes = lambda: 2**20 * sum(key[1] * key[2] // 16 for key in engine.graphs.programs
+                                                  if key[-1] == "prefill" and key[1] > 1)
+    engine.warm_up()
+    assert engine._group_sizes == sizes
     lengths = (20, 30, 17, 25)
     assert {prefill_bucket(n) for n in lengths} == {32}
     expected = run_together(Engine(dataclasses.replace(config, static_prefill=0)), 30, lengths)
     assert run_together(engine, 30, lengths) == expected
     assert engine.stage_times.static_prefills == 4
-    assert [key[1:3] for key in engine.graphs.programs if key[-1] == "prefill"] == [(2, 32)]
+    assert not [key for key in engine.graphs.late_keys if "prefill" in key], engine.graphs.late_keys
 
 
 def test_a_hybrid_static_prefill_starts_from_a_zero_state_and_commits_the_eager_one(tmp_path):
