@@ -19,6 +19,15 @@ from ddtree.models.dflash import dflash_hf_config, init_random_drafter, save_dra
 VOCAB = 96   # tiny hybrid checkpoints (make_tiny_hybrid)
 
 
+def serve_together(engine: Engine, requests: list) -> list[list[int]]:
+    """The requests added at once (admitted in one step where slots allow), stepped to the end: their output ids."""
+    for request in requests:
+        engine.add(request)
+    while engine.has_work:
+        engine.step()
+    return [request.output_ids for request in requests]
+
+
 def make_tiny_hybrid(root: Path):
     """A 4-layer Qwen3.5 hybrid (3 GDN + 1 gated attention) saved by transformers, and a 1-layer random DFlash
     drafter for it: returns (root, transformers reference model in float32). Norms and gates are perturbed

@@ -19,7 +19,7 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.tree import build_tree, compile_tree, top_log_probs
 from ddtree.tree.compile import ancestor_matrix
 from tests.triton_interpreter import AVAILABLE
-from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid
+from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid, serve_together
 
 
 @pytest.fixture(scope="module")
@@ -345,11 +345,7 @@ def test_warm_up_prepares_plain_decoding_at_every_batch_size(family, tiny_models
         requests = [Request(request_id=f"r{i}", prompt_ids=prompt, params=SamplingParams(
             max_tokens=3 + 2 * i, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True))   # 3, 2, 1 left
             for i, prompt in enumerate(prompts)]
-        for request in requests:
-            engine.add(request)
-        while engine.has_work:
-            engine.step()
-        return [request.output_ids for request in requests]
+        return serve_together(engine, requests)
 
     outputs = together("ar", 1)
     assert engine.graphs.late_keys == [], engine.graphs.late_keys

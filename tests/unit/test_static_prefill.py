@@ -16,7 +16,7 @@ from ddtree.engine import Engine
 from ddtree.models.graphs import prefill_bucket, row_bucket
 from ddtree.request import Request
 from ddtree.sampling_params import SamplingParams
-from tests.unit.oracle import make_tiny_hybrid
+from tests.unit.oracle import make_tiny_hybrid, serve_together
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -89,11 +89,7 @@ def run_together(engine: Engine, seed: int, lengths=(9, 14, 19, 45)) -> list[lis
     requests = [Request(f"r{i}", prompt(seed + i, n), SamplingParams(mode=modes[i % 4][0], tree_budget=modes[i % 4][1],
                                                                      max_tokens=12, ignore_eos=True))
                 for i, n in enumerate(lengths)]
-    for request in requests:
-        engine.add(request)
-    while engine.has_work:
-        engine.step()
-    return [r.output_ids for r in requests]
+    return serve_together(engine, requests)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
