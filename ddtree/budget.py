@@ -349,12 +349,21 @@ class ArmSelector:
         rate = self.rate(bucket, arm)
         return min(MAX_GAP, max(1.0, self.rate(bucket, best) / rate)) if rate > 0 else MAX_GAP
 
-    def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float, drafted: bool = True) -> Arm:
+    def record(self, num_seqs: int, arm: Arm, tokens: int, seconds: float, drafted: bool = True,
+               made_programs: bool = False) -> Arm:
         """Account a round of `arm`; returns the arm it is credited to. A round of the policy arm in which no `auto`
         request drafted (the policy's back-off skipped drafting for all of them) was an `ar` round: it is credited
         to `ar` (where `ar` is an arm), so that the policy is judged by the rounds in which it drafted. Otherwise its
         cheap skipped rounds, as fast as `ar`'s, mixed into its rate let it win rounds whose drafting lost (on 2 CPU
-        cores at 16 streams it ran 56% of auto's rounds at 0.91x `ar`: concurrency_cpu_turns.md)."""
+        cores at 16 streams it ran 56% of auto's rounds at 0.91x `ar`: concurrency_cpu_turns.md).
+        made_programs: the round made static programs of shapes warm-up did not prepare (compiled and, on CUDA,
+        captured: a one-off of hundreds of milliseconds, seconds at 27B, against rounds of 1-30 ms), so it is not the
+        arm's measure, nor its catch-up's: the same arm runs again next round (choose), and that round counts. On the
+        H200 a `dflash` probe at 16 streams measured 900 ms a round this way and was then left alone for good
+        (concurrency_h200_groupprefill.md)."""
+        if made_programs:
+            self.catching_up, self.repeat = False, (self.bucket(num_seqs), arm)
+            return arm
         if arm.mode == "policy" and not drafted and AR in self.arms:
             # no catch-up happened (nobody drafted); the policy's next drafting round pays the catch-up its skipping
             # causes, measured: it is the policy's own cost

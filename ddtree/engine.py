@@ -431,6 +431,7 @@ class Engine:
         cycle_start = self._cycle_start(t_round, prefill_s)
         budgets = [s.request.params.tree_budget for s in seqs if s.request.params.mode == "auto"]
         self.arm = self.arm_selector.choose(len(seqs), max(budgets)) if budgets else None
+        late = len(self.graphs.late_keys)
         settled = []
         if self._ahead is not None and not (self._lookahead_ok(seqs) and self._ahead.matches(seqs)):
             # `auto` requests' step queued on the `ar` arm, and this round's arm is another: the step is a round
@@ -452,7 +453,8 @@ class Engine:
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(len(out.new_token_ids) for seq, out in zip(seqs, outputs) if seq.request.params.mode == "auto")
-            ran = self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start, drafted=self._auto_drafted)
+            ran = self.arm_selector.record(len(seqs), self.arm, produced, now - cycle_start, drafted=self._auto_drafted,
+                                           made_programs=len(self.graphs.late_keys) > late)
             times.auto_arm_rounds[ran.name] = times.auto_arm_rounds.get(ran.name, 0) + 1
             times.auto_arm_seconds[ran.name] = times.auto_arm_seconds.get(ran.name, 0.0) + now - cycle_start
         self._round_end = now

@@ -312,8 +312,8 @@ def test_auto_charges_each_round_the_serving_work_since_the_last_one(tiny_models
                                  drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=160, max_tree_budget=16))
     charged = []
     record = engine.arm_selector.record
-    engine.arm_selector.record = lambda n, arm, tokens, seconds, drafted=True: (
-        charged.append(seconds), record(n, arm, tokens, seconds, drafted=drafted))[1]
+    engine.arm_selector.record = lambda n, arm, tokens, seconds, **kw: (
+        charged.append(seconds), record(n, arm, tokens, seconds, **kw))[1]
     engine.add(Request("a", [5, 6, 7], SamplingParams(mode="auto", tree_budget=16, max_tokens=12, ignore_eos=True)))
     engine.step()                        # prefill only: no round
     gaps = []
@@ -417,3 +417,48 @@ def test_a_settled_choice_is_dropped_when_another_arm_is_credited():
         if passed is None and selector.score(0, Arm("ar")) > selector.score(0, Arm("policy")):
             passed = i
     assert arm == Arm("ar") and passed is not None and i == passed + 1, (i, passed)
+
+
+def test_a_round_that_made_programs_is_not_its_arms_measure():
+    """A round that compiled (CUDA: captured) a static program warm-up did not make is a one-off, not the arm's cost
+    nor its catch-up's: nothing of it is recorded, and the same arm runs again next round, measured."""
+    selector = ArmSelector(parse_arms("ar,dflash"), min_samples=1, reprobe_every=16)
+    b = selector.bucket(16)
+    for arm in (Arm("ar"), Arm("dflash")):
+        selector.choose(16)
+        selector.record(16, arm, tokens=16, seconds=0.01)
+    rates = {arm: selector.rate(b, arm) for arm in (Arm("ar"), Arm("dflash"))}
+    arm = selector.choose(16)
+    assert selector.record(16, arm, tokens=16, seconds=0.9, made_programs=True) == arm
+    assert {a: selector.rate(b, a) for a in rates} == rates
+    assert selector.choose(16) == arm and selector.choose(16) is not None
+    # a drafting arm's catch-up round that made programs: its catch-up cost is not stored either
+    selector.catching_up, selector.catch_up[(b, Arm("dflash"))] = True, 0.002
+    selector.record(16, Arm("dflash"), tokens=16, seconds=0.9, made_programs=True)
+    assert selector.catch_up[(b, Arm("dflash"))] == 0.002 and not selector.catching_up
+    assert selector.choose(16) == Arm("dflash")
+
+
+def test_the_engine_tells_the_selector_which_rounds_made_programs(tiny_models):
+    """After warm-up, the round whose static programs were not prepared (an `auto` request's `dflash` rounds at two
+    requests: warm-up makes the batch programs of one-token steps and the lone request's) is flagged, and the next
+    rounds of that shape are not."""
+    from ddtree.request import Request
+
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                                 max_model_len=160, max_num_seqs=2, static_forward="on", static_prefill=0))
+    engine.warm_up()
+    engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("dflash")
+    flags = []
+    record = engine.arm_selector.record
+    engine.arm_selector.record = lambda *a, made_programs=False, **kw: (flags.append(made_programs),
+                                                                         record(*a, made_programs=made_programs, **kw))[1]
+    for i in range(2):
+        engine.add(Request(f"r{i}", [5 + i, 6, 7, 8], SamplingParams(mode="auto", tree_budget=16, max_tokens=24,
+                                                                     ignore_eos=True)))
+    late = []
+    while engine.has_work:
+        before = len(engine.graphs.late_keys)
+        engine.step()
+        late.append(len(engine.graphs.late_keys) > before)
+    assert flags == late[-len(flags):] and any(flags) and not all(flags), (flags, engine.graphs.late_keys)
