@@ -345,6 +345,9 @@ class Engine:
         if not seqs:
             return []
         t0 = time.perf_counter()
+        admitted = seqs
+        for seq in admitted:
+            seq.request.prefill_start_s = t0
         outputs, eager = [], []
         for group in self._static_groups(seqs):
             done = self._prefill_static(group)
@@ -352,7 +355,7 @@ class Engine:
             eager += group if done is None else []
         seqs = eager + [seq for seq in seqs if not 0 < len(seq.request.prompt_ids) <= self.static_prefill]
         if not seqs:
-            self.stage_times.prefill += time.perf_counter() - t0
+            self._prefilled(admitted, t0)
             return outputs
         ids, positions, segments, last_rows = [], [], [], []
         for seq in seqs:
@@ -370,8 +373,14 @@ class Engine:
             outputs.append(self._start_decoding(seq, n, logits[i : i + 1], taps, row))
             row += n
         self._sync()
-        self.stage_times.prefill += time.perf_counter() - t0
+        self._prefilled(admitted, t0)
         return outputs
+
+    def _prefilled(self, seqs: list[Sequence], t0: float) -> None:
+        end = time.perf_counter()
+        for seq in seqs:
+            seq.request.prefill_end_s = end
+        self.stage_times.prefill += end - t0
 
     def _static_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """The admitted prompts of at most self.static_prefill tokens in the groups that share a static prefill: by

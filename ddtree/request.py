@@ -16,6 +16,10 @@ class Request:
     acceptance_lengths: list[int] = field(default_factory=list)   # tokens committed per round (add_round)
     finish_reason: str | None = None
     accepted_total: int = 0            # sum(acceptance_lengths), kept as they are added: read every round
+    # time.perf_counter() at the start and the end of the engine's prefill that admitted it (with whatever else that
+    # step admitted): where its time to first token went (ddtree_request_queue_seconds, ..._prefill_seconds)
+    prefill_start_s: float = 0.0
+    prefill_end_s: float = 0.0
 
     def add_round(self, accepted_length: int) -> None:
         self.acceptance_lengths.append(accepted_length)

@@ -80,6 +80,10 @@ class ServiceStats:
     # requests), observed since the last publication: each published once (only while stats are published)
     ttft_seconds: list[float] = field(default_factory=list)
     latency_seconds: list[float] = field(default_factory=list)
+    # of each time to first token: from the arrival to the start of the step's prefill that admitted the request (the
+    # engine's queue, a full batch, the step in progress), and that prefill (all the requests that step admitted)
+    queue_seconds: list[float] = field(default_factory=list)
+    prefill_seconds: list[float] = field(default_factory=list)
 
 
 METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engine works
@@ -295,7 +299,9 @@ class GenerationService:
             self._outbox.put(self.on_stats, dataclasses.replace(
                 self.stats, acceptance_histogram=dict(self.stats.acceptance_histogram),
                 auto_arm_rounds=dict(self.stats.auto_arm_rounds), auto_arm_seconds=dict(self.stats.auto_arm_seconds)))
-            self.stats.ttft_seconds, self.stats.latency_seconds = [], []   # the snapshot took them
+            # the snapshot took them
+            self.stats.ttft_seconds, self.stats.latency_seconds = [], []
+            self.stats.queue_seconds, self.stats.prefill_seconds = [], []
 
     def _loop(self) -> None:
         name_native_thread("ddtree-engine")
@@ -423,7 +429,10 @@ class GenerationService:
             if not job.first_token and output.new_token_ids:
                 job.first_token = True
                 if self.on_stats is not None:
+                    request = job.engine_request
                     self.stats.ttft_seconds.append(time.perf_counter() - job.arrival_s)
+                    self.stats.queue_seconds.append(max(request.prefill_start_s - job.arrival_s, 0.0))
+                    self.stats.prefill_seconds.append(request.prefill_end_s - request.prefill_start_s)
             try:
                 if job.is_stopped:
                     self.engine.abort(job.key)

@@ -57,7 +57,8 @@ def test_new_metrics_are_exported(server):
                                   "ddtree_host_seconds_total", "ddtree_batch_rounds_total", "ddtree_serve_seconds_total",
                                   "ddtree_static_programs_late_total", "ddtree_responses_total",
                                   "ddtree_time_to_first_token_seconds_count", "ddtree_request_latency_seconds_sum",
-                                  'ddtree_time_to_first_token_seconds_bucket{le="0.001"}']:
+                                  'ddtree_time_to_first_token_seconds_bucket{le="0.001"}',
+                                  "ddtree_request_queue_seconds_count", "ddtree_request_prefill_seconds_sum"]:
         assert name in samples, sorted(samples)
 
 
@@ -78,6 +79,11 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     assert delta(after, before, "ddtree_request_latency_seconds_count") == requests
     ttft, latency = (delta(after, before, f"ddtree_{name}_seconds_sum") for name in ("time_to_first_token", "request_latency"))
     assert 0 < ttft < latency < time.perf_counter() - start
+    # of each time to first token: the wait for the prefill that admits it, and that prefill
+    queue, prefill = (delta(after, before, f"ddtree_request_{name}_seconds_sum") for name in ("queue", "prefill"))
+    assert delta(after, before, "ddtree_request_queue_seconds_count") == requests
+    assert delta(after, before, "ddtree_request_prefill_seconds_count") == requests
+    assert 0 <= queue and 0 < prefill and queue + prefill <= ttft
     assert delta(after, before, "ddtree_rounds_total") == rounds
     assert delta(after, before, "ddtree_acceptance_length_count") == rounds
     assert delta(after, before, "ddtree_acceptance_length_sum") == rounds
