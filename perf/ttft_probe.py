@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import threading
@@ -97,8 +98,11 @@ class StreamSink:
 
 
 def run_level(service: GenerationService, clock: Clock, prompts: list[list[int]], params: SamplingParams,
-              concurrency: int, per_stream: int, timeout_s: float) -> dict:
-    """C streams of per_stream requests each; the requests' split times and the steps' over the whole run."""
+              concurrency: int, per_stream: int, timeout_s: float, think_s: float = 0.0) -> dict:
+    """C streams of per_stream requests each; the requests' split times and the steps' over the whole run. think_s:
+    a stream waits uniform(0, 2 think_s) before each request (its first too), so that arrivals spread as a client's
+    and a server's own delays spread them (0: each stream's next request at once: equal lengths end together)."""
+    rng = random.Random(0)
     done = threading.Event()
     lock = threading.Lock()
     records, remaining, counter = [], [concurrency * per_stream], [0]
@@ -122,7 +126,7 @@ def run_level(service: GenerationService, clock: Clock, prompts: list[list[int]]
                 left = remaining[0]
                 again = counter[0] < concurrency * per_stream
             if again:
-                submit(stream)
+                later(stream)
             if left == 0:
                 done.set()
 
@@ -131,9 +135,15 @@ def run_level(service: GenerationService, clock: Clock, prompts: list[list[int]]
         service.submit(f"probe-{i}", request, sink)
         record["key"] = next(iter(set(service._by_key) - before), None)
 
+    def later(stream: int) -> None:
+        if think_s > 0:
+            threading.Timer(rng.uniform(0, 2 * think_s), submit, (stream,)).start()
+        else:
+            submit(stream)
+
     t0 = time.perf_counter()
     for stream in range(concurrency):
-        submit(stream)
+        later(stream)
     if not done.wait(timeout_s):
         raise RuntimeError(f"{remaining[0]} requests did not finish in {timeout_s} s")
     seconds = time.perf_counter() - t0
@@ -163,7 +173,8 @@ def run_level(service: GenerationService, clock: Clock, prompts: list[list[int]]
 
 
 def table(result: dict) -> str:
-    rows = [f"Engine settings: `{json.dumps(result['settings'])}`.", "",
+    rows = [f"Engine settings: `{json.dumps(result['settings'])}`; a stream's mean wait before each request: "
+            f"{result.get('think_ms', 0.0):g} ms.", "",
             "Time to first response, in process (ms, mean / p50), split where the request waits; the steps: mean ms "
             "of those that prefill arrivals (and how many requests each prefill took) and of those that only decode.",
             "", "| method | streams | tok/s | " + " | ".join(PARTS) + " | TTFT | prefilling steps | decoding steps |",
@@ -196,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-stream", type=int, default=8)
     parser.add_argument("--engine", action="append", default=[], help="KEY=VALUE engine settings (EngineConfig)")
+    parser.add_argument("--think-ms", type=float, default=0.0, help="a stream's mean wait before each request "
+                        "(uniform, 0 to twice this): spread arrivals")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="ttft_probe_cpu")
@@ -210,14 +223,15 @@ def main(argv: list[str] | None = None) -> dict:
     engine.warm_up()
     service = GenerationService(engine, Tokenizer(args.target))
     clock = Clock(service)
-    result = {"header": header(), "name": args.name, "settings": settings, "runs": {}}
+    result = {"header": header(), "name": args.name, "settings": settings, "think_ms": args.think_ms, "runs": {}}
     try:
         for method in tqdm(args.methods.split(","), desc="methods"):
             params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, mode=method, seed=0)
             for level in levels:
                 run_level(service, clock, prompts, params, level, 1, args.timeout_s)   # unmeasured: programs, caches
                 result["runs"][f"{method}@{level}"] = run_level(service, clock, prompts, params, level,
-                                                                args.requests_per_stream, args.timeout_s)
+                                                                args.requests_per_stream, args.timeout_s,
+                                                                args.think_ms / 1e3)
     finally:
         service.shutdown()
     write_results(Path(args.out), args.name, result, table(result))

@@ -1,6 +1,6 @@
 """perf/ttft_probe.py on tiny models (CPU): every stream's requests end, each request's time to first response is the
 sum of its parts (the engine's queue, admission, the prefill step, the first response), and the steps that prefill
-arrivals are told apart from those that only decode."""
+arrivals are told apart from those that only decode; with a think time the streams' requests still all end."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from perf import ttft_probe
 
 
-def test_ttft_probe(tiny_models, tmp_path):
-    result = ttft_probe.main(["--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
+@pytest.mark.parametrize("think_ms", ["0", "3"])
+def test_ttft_probe(think_ms, tiny_models, tmp_path):
+    result = ttft_probe.main(["--think-ms", think_ms, "--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
                               "--concurrency", "1,3", "--requests-per-stream", "2", "--max-tokens", "5",
                               "--methods", "ar,ddtree", "--engine", "stream_response_rate=1000",
                               "--out", str(tmp_path), "--name", "t"])
