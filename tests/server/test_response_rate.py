@@ -60,11 +60,17 @@ def test_a_stream_cancelled_while_its_text_is_held_is_freed(rate_server):
     stream = stream_chat(rate_server.grpc_url, "ensemble", build_inputs(CHAT, long))
     next(stream)            # the first text; the rest is held for 1 / RATE s at a time
     stream.close()          # cancels the request (client.chat: an abandoned generator cancels)
+    # the metrics are published every METRICS_INTERVAL_S: until the cancellation is counted they may still be the
+    # ones from before this request started (no request active), so wait for the count, then for the slot
+    def freed() -> bool:
+        return (metric(rate_server, "ddtree_requests_cancelled_total") >= 1
+                and metric(rate_server, "ddtree_active_requests") == 0
+                and metric(rate_server, "ddtree_held_cache_slots") == 0)
+
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (metric(rate_server, "ddtree_active_requests")
-                                           or metric(rate_server, "ddtree_held_cache_slots")):
+    while time.monotonic() < deadline and not freed():
         time.sleep(0.2)
-    assert metric(rate_server, "ddtree_active_requests") == 0
-    assert metric(rate_server, "ddtree_held_cache_slots") == 0
-    assert metric(rate_server, "ddtree_requests_cancelled_total") >= 1
+    assert freed(), {name: metric(rate_server, name) for name in ("ddtree_requests_cancelled_total", "ddtree_active_requests",
+                                                                  "ddtree_held_cache_slots", "ddtree_requests_failed_total",
+                                                                  "ddtree_requests_finished_total")}
     assert "".join(streamed(rate_server, {**SAMPLING, "max_tokens": 8})[0]) != ""   # still serving

@@ -13,7 +13,8 @@ from perf import ttft_probe
 
 @pytest.mark.parametrize("think_ms", ["0", "3"])
 def test_ttft_probe(think_ms, tiny_models, tmp_path):
-    result = ttft_probe.main(["--think-ms", think_ms, "--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
+    result = ttft_probe.main(["--think-ms", think_ms,
+                              "--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
                               "--concurrency", "1,3", "--requests-per-stream", "2", "--max-tokens", "5",
                               "--methods", "ar,ddtree", "--engine", "stream_response_rate=1000",
                               "--out", str(tmp_path), "--name", "t"])
