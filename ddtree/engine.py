@@ -348,12 +348,14 @@ class Engine:
         admitted = seqs
         for seq in admitted:
             seq.request.prefill_start_s = t0
-        outputs, eager = [], []
-        for group in self._static_groups(seqs):
+        groups, seqs = self._static_groups(admitted)   # seqs: the prompts longer than self.static_prefill
+        outputs = []
+        for group in groups:
             done = self._prefill_static(group)
-            outputs += done if done is not None else []
-            eager += group if done is None else []
-        seqs = eager + [seq for seq in seqs if not 0 < len(seq.request.prompt_ids) <= self.static_prefill]
+            if done is None:
+                seqs += group   # no static program fits: the eager prefill
+            else:
+                outputs += done
         if not seqs:
             self._prefilled(admitted, t0)
             return outputs
@@ -382,19 +384,23 @@ class Engine:
             seq.request.prefill_end_s = end
         self.stage_times.prefill += end - t0
 
-    def _static_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """The admitted prompts of at most self.static_prefill tokens in the groups that share a static prefill: by
-        prefill_bucket (each prompt padded to at most twice its rows, the group to a power of two), each group at most
-        as many as one program takes: up to StaticTarget.MAX_ROWS rows, after warm-up the largest group made there
-        (config.static_prefill_memory)."""
+    def _static_groups(self, seqs: list[Sequence]) -> tuple[list[list[Sequence]], list[Sequence]]:
+        """The admitted prompts of at most self.static_prefill tokens in the groups that share a static prefill, and the
+        others (the eager prefill's). Grouped by prefill_bucket (each prompt padded to at most twice its rows, the group
+        to a power of two), each group at most as many as one program takes: up to StaticTarget.MAX_ROWS rows, after
+        warm-up the largest group made there (config.static_prefill_memory)."""
         by_rows: dict[int, list[Sequence]] = {}
+        others = []
         for seq in seqs:
             n = len(seq.request.prompt_ids)
             if 0 < n <= self.static_prefill:
                 by_rows.setdefault(prefill_bucket(n), []).append(seq)
+            else:
+                others.append(seq)
         size = {rows: self._group_sizes.get(rows, 1) if self._group_sizes is not None else
                 max(1, StaticTarget.MAX_ROWS // rows) for rows in by_rows}
-        return [group[i : i + size[rows]] for rows, group in by_rows.items() for i in range(0, len(group), size[rows])]
+        groups = [group[i : i + size[rows]] for rows, group in by_rows.items() for i in range(0, len(group), size[rows])]
+        return groups, others
 
     def _start_decoding(self, seq: Sequence, n: int, logits: torch.Tensor, taps: torch.Tensor | None,
                         row: int) -> RequestOutput:

@@ -178,13 +178,10 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     entry["postprocessing"] = per_execution(post, after)
     entry["postprocessing"]["per_request"] = max(entry["postprocessing"]["executions"], 1) / max(entry["num_requests"], 1)
     # the engine's share of the time to first token: from a request's arrival at the generation model to its first
-    # token (queue and prefill), mean over the run's requests
+    # token, mean over the run's requests; of which the wait for the prefill that admits it, and that prefill
+    # (ddtree_request_{queue,prefill}_seconds: published with the TTFT's samples)
     now = wait_count(server.metrics_url, TTFT[1], ttft.get(TTFT[1], 0.0) + entry["num_requests"])
-    done = now.get(TTFT[1], 0.0) - ttft.get(TTFT[1], 0.0)
-    entry["engine_ttft_ms"] = 1e3 * (now.get(TTFT[0], 0.0) - ttft.get(TTFT[0], 0.0)) / done if done else None
-    # of which: waiting for the prefill that admits it, and that prefill (ddtree_request_{queue,prefill}_seconds)
-    now = scrape_metrics(server.metrics_url, set(QUEUE + PREFILL))
-    for key, (total, count) in (("engine_queue_ms", QUEUE), ("engine_prefill_ms", PREFILL)):
+    for key, (total, count) in (("engine_ttft_ms", TTFT), ("engine_queue_ms", QUEUE), ("engine_prefill_ms", PREFILL)):
         n = now.get(count, 0.0) - ttft.get(count, 0.0)
         entry[key] = 1e3 * (now.get(total, 0.0) - ttft.get(total, 0.0)) / n if n else None
     # the preprocessing step: one execution per request (chat template, tokenizer), part of its time to first token
@@ -206,11 +203,11 @@ PREFILL = ("ddtree_request_prefill_seconds_sum", "ddtree_request_prefill_seconds
 
 
 def wait_count(metrics_url: str, name: str, at_least: float, timeout_s: float = 5.0) -> dict[str, float]:
-    """The TTFT histogram's sum and count once `name` reaches at_least (metrics trail the responses) or the time is
-    up."""
+    """The TTFT, queue and prefill histograms' sums and counts once `name` reaches at_least (metrics trail the
+    responses) or the time is up."""
     deadline = time.monotonic() + timeout_s
     while True:
-        values = scrape_metrics(metrics_url, set(TTFT))
+        values = scrape_metrics(metrics_url, set(TTFT + QUEUE + PREFILL))
         if values.get(name, 0.0) >= at_least or time.monotonic() > deadline:
             return values
         time.sleep(0.1)
