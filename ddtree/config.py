@@ -84,8 +84,8 @@ class EngineConfig:
     static_prefill: int | None = None
     # MiB of device memory the static prefills of prompts admitted together may hold: warm-up makes their programs
     # (2, 4, ... prompts of each row bucket), smallest first, until they hold this much; larger groups split into the
-    # largest made (a 27B hybrid's hold ~2.5 MiB a row: groups of up to 8 prompts of up to 128 rows took 13 GB with
-    # every program, 6.3 GB within 256 rows a program, against 3 GB for the lone prompts'; prefill_probe_h200_27b_group8*.md).
+    # largest made (a 27B hybrid's hold ~2.5 MiB a row: with the lone prompts' programs, groups of up to 8 prompts of
+    # up to 128 rows held 13,095 MiB with every program, 6,353 MiB within 256 rows a program; prefill_probe_h200_27b_group8*.md).
     # 0: prompts admitted together take a lone static prefill each
     static_prefill_memory: int = 2048
     seed: int = 0                      # seed for requests that give none
