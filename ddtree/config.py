@@ -88,6 +88,12 @@ class EngineConfig:
     # up to 128 rows held 13,095 MiB with every program, 6,353 MiB within 256 rows a program; prefill_probe_h200_27b_group8*.md).
     # 0: prompts admitted together take a lone static prefill each
     static_prefill_memory: int = 2048
+    # MiB of device memory the verifies of several requests' trees may hold as programs made at warm-up (2, 4, ...
+    # max_num_seqs requests, the row bucket of each drafting arm of `auto_arms`: a dflash block, a ddtree-b tree's
+    # b + 1 rows; smallest first, every key bucket): what `auto`'s probes and concurrent drafting requests verify
+    # through. A shape not made is made on first use, on requests' time (60-70 ms a capture at SmolLM2 dims on the
+    # H200, against 1.5 ms an `ar` round at 16 streams: concurrency_h200_split.md). 0: none made at warm-up
+    static_batch_memory: int = 2048
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 
@@ -121,6 +127,8 @@ class EngineConfig:
             raise ValueError(f"static_prefill must be >= 0, got {self.static_prefill}")
         if self.static_prefill_memory < 0:
             raise ValueError(f"static_prefill_memory must be >= 0 (MiB), got {self.static_prefill_memory}")
+        if self.static_batch_memory < 0:
+            raise ValueError(f"static_batch_memory must be >= 0 (MiB), got {self.static_batch_memory}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         parse_arms(self.auto_arms)   # raises ValueError on an unknown arm

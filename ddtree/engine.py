@@ -32,6 +32,7 @@ from ddtree.models.graphs import (
     StaticDrafter,
     StaticTarget,
     StaticTreeBuild,
+    batch_bucket,
     key_bucket,
     path_bucket,
     prefill_bucket,
@@ -955,6 +956,7 @@ class Engine:
         while keys <= min(WARM_UP_MAX_KEYS, 2 * self.config.max_model_len) and keys // 2 + 1 < self.config.max_model_len - 8:
             lengths.append(keys // 2 + 1)
             keys *= 2
+        starts = [n + 4 for n in lengths]
         for n in tqdm(lengths, desc="warm-up (compile, capture)", disable=None):
             prompt = [1 + i % (self.target.config.vocab_size - 1) for i in range(n)]
             for mode, budget in dict.fromkeys(modes):
@@ -962,7 +964,9 @@ class Engine:
                                   request_id="warm-up")
             self._warm_shapes(n + 4, max(budgets) + 1 if self.drafter is not None else 1)
             self._warm_batched_steps(n + 4)
+            self._warm_batched_drafts(n + 4)
         self._warm_device_trees(lengths[0] + 4, max(budgets) + 1)
+        self._warm_batched_verifies(starts)
         self._warm_prefills()
         self._events.settle()
         self.stage_times, self._num_requests, self._round_end = StageTimes(), 0, None
@@ -983,6 +987,65 @@ class Engine:
             if self.static_target.batch(self.caches[:n], [start] * n, [[1]] * n, [[start]] * n, [[-1]] * n) is None:
                 break
             reqs *= 2
+
+    @torch.inference_mode()
+    def _warm_batched_drafts(self, start: int) -> None:
+        """The drafter's pass at this key bucket of 2, 4, ... max_num_seqs requests (padded to a power of two) appending
+        a round's most context rows (StaticDrafter.round_rows): the program every batch of that size drafts through
+        after warm-up unless its own rows' was made (longer contexts are written by the dynamic pass first:
+        StaticDrafter.batch). Small programs (the block's hidden states, the staged features): ~30 MB at 27B dims and
+        32 requests. In slots 0.. whose drafter contexts their next requests' prefills rewrite."""
+        if self.static_drafter is None:
+            return
+        rows, block = self.static_drafter.round_rows, self.drafter.block_size
+        ids = [1] + [self.drafter.config.mask_token_id] * (block - 1)
+        features = torch.zeros(rows, len(self.tap_layers) * self.target.config.hidden_size,
+                               dtype=dtype_of(self.config.dtype), device=self.device)
+        reqs = 2
+        while reqs // 2 < self.config.max_num_seqs:
+            caches = self.draft_caches[: min(reqs, self.config.max_num_seqs)]
+            for cache in caches:
+                cache.length = max(start - rows, 0)
+            self.static_drafter.batch(caches, [features] * len(caches), [ids] * len(caches))
+            reqs *= 2
+        for cache in self.draft_caches:
+            cache.length = 0
+        self._sync()
+
+    @torch.inference_mode()
+    def _warm_batched_verifies(self, starts: list[int]) -> None:
+        """The target's verify of 2, 4, ... max_num_seqs requests' trees (padded to a power of two) at the row bucket
+        of each drafting arm of config.auto_arms and at each of these key buckets, smallest first (requests x rows,
+        then keys), until they hold config.static_batch_memory MiB (each holds its rows' logits and, for a hybrid,
+        its stash). In slots 0.. whose contents their next requests' prefills replace."""
+        if self.drafter is None or self.config.max_num_seqs < 2:
+            return
+        block = self.drafter.block_size
+        rows = sorted({row_bucket(block) if arm.mode == "dflash" else row_bucket(arm.budget + 1)
+                       for arm in parse_arms(self.config.auto_arms)
+                       if arm.mode == "dflash" or (arm.mode == "ddtree" and arm.budget <= self.config.max_tree_budget)})
+        sizes, reqs = [], 2
+        while reqs // 2 < self.config.max_num_seqs:
+            sizes.append(min(reqs, self.config.max_num_seqs))
+            reqs *= 2
+        shapes = sorted(((n, r, start) for n in sizes for r in rows for start in starts
+                         if batch_bucket(n) * r <= StaticTarget.MAX_ROWS), key=lambda s: (batch_bucket(s[0]) * s[1], s[2]))
+        held, made = 0, 0
+        for n, r, start in shapes:
+            if held >= self.config.static_batch_memory * 2**20:
+                break
+            depth = min(r, block)   # a chain of `depth` rows, the other rows leaves under its first node
+            parents = list(range(-1, depth - 1)) + [0] * (r - depth)
+            positions = [start + i for i in range(depth)] + [start + 1] * (r - depth)
+            caches, before = self.caches[:n], self._allocated_bytes()
+            if self.static_target.batch(caches, [start] * n, [[1] * r] * n, [positions] * n, [parents] * n) is not None:
+                made += 1
+            held += self._allocated_bytes() - before
+            for cache in caches:
+                if getattr(cache, "pending", None) is not None:
+                    cache.pending = None   # a hybrid's stash of this forward, never committed
+        logger.info("warm-up: %d verifies of several requests' trees (of %d shapes), holding %.0f MiB", made, len(shapes),
+                    held / 2**20)
 
     @torch.inference_mode()
     def _warm_prefills(self) -> None:

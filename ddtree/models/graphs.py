@@ -168,6 +168,7 @@ class StaticTarget:
         self.target, self.tap_layers, self.graphs, self.scratch = target, list(tap_layers), graphs, scratch
         self.conv_kernel = getattr(target.config, "conv_kernel", None)   # hybrid targets only
         self.uses_paths = getattr(target, "uses_paths", lambda rows, device: False)
+        self._made, self._made_count = {}, -1   # _made_rows' index of the programs, and their count when it was made
 
     def __call__(self, cache, start: int, input_ids, positions, parents: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -235,7 +236,25 @@ class StaticTarget:
         # from position 0: a prefill (a hybrid's slot state is reset first: _hybrid)
         if min(starts) < 0 or keys is None or reqs * rows > self.MAX_ROWS:
             return None
+        if reqs > 1 and not prefill and self.graphs.warmed:
+            # after warm-up, trees of several requests whose row bucket has no program here (the smaller trees of
+            # requests that end together: their last rounds' depth is cut) are padded to the smallest made bucket
+            # above it (Engine._warm_batched_verifies) instead of making one on requests' time
+            made = [r for r in self._made_rows(reqs, keys) if r > rows and max(starts) + r <= keys]
+            if made and rows not in self._made_rows(reqs, keys):
+                rows = made[0]
         return reqs, rows, keys
+
+    def _made_rows(self, reqs: int, keys: int) -> list[int]:
+        """Row buckets (ascending) of the several requests' verifies made for this request bucket and key bucket."""
+        if self._made_count != len(self.graphs.programs):
+            kind, self._made = "target" if self.conv_kernel is not None else "batch", {}
+            for key in self.graphs.programs:
+                if key[0] == kind and key[1] > 1 and key[-1] != "prefill":
+                    self._made.setdefault((key[1], key[3]), set()).add(key[2])
+            self._made = {k: sorted(v) for k, v in self._made.items()}
+            self._made_count = len(self.graphs.programs)
+        return self._made.get((reqs, keys), [])
 
     def _fill(self, host: np.ndarray, reqs: int, rows: int, caches: list, starts: list[int], input_ids: list,
               positions: list, parents: list[list[int]]) -> tuple[int, np.ndarray]:
@@ -501,25 +520,46 @@ class StaticDrafter:
         """scratch: a cache slot no request holds, where padding requests write (None: no request padding)."""
         self.drafter, self.embed, self.graphs, self.scratch = drafter, embed, graphs, scratch
         self.block = drafter.block_size
+        self.round_rows = row_bucket(self.block + 1)   # the most context rows a drafting round appends (its path)
+        self.catch_up_rows = 0   # context rows written by the dynamic pass ahead of a static one (batch)
 
     def __call__(self, cache, taps: torch.Tensor | None, block_ids: list[int]) -> torch.Tensor | None:
         """One request: see batch."""
         return self.batch([cache], [taps], [block_ids])
 
-    def batch(self, caches: list, taps: list[torch.Tensor | None], blocks: list[list[int]]) -> torch.Tensor | None:
+    def batch(self, caches: list, taps: list[torch.Tensor | None], blocks: list[list[int]],
+              rows: int | None = None) -> torch.Tensor | None:
         """Hidden states [R, block, hidden] of the requests' blocks after the final norm (a view of a static output),
         having appended taps[r]  # [m_r, features] to cache r's context; None where no static shape fits (nothing
-        done: the caller runs the dynamic pass)."""
+        done: the caller runs the dynamic pass). rows: the context rows the program takes (default: the bucket of
+        the most rows a request appends)."""
         if any(t is None or t.shape[0] == 0 for t in taps):
             return None
         sizes = [t.shape[0] for t in taps]
         max_len = caches[0].pool.k.shape[2]
-        rows = row_bucket(max(sizes))
+        rows = rows or row_bucket(max(sizes))
         reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
         keys = key_bucket(max(c.length + m for c, m in zip(caches, sizes)), max_len)
         if keys is None or max(c.length for c in caches) + rows > max_len or reqs * rows > self.MAX_ROWS:
             return None
         key = ("draft", reqs, rows, keys)
+        if self.graphs.warmed and key not in self.graphs.programs and rows != self.round_rows and len(caches) > 1:
+            # a batch at a context-row bucket warm-up did not make (a catch-up: an `auto` arm drafting after `ar`
+            # rounds, a group's first draft after its prompts; a round's accepted tokens at a rare count) takes the
+            # program of a round's most rows that warm-up made for its batch size (Engine._warm_batched_drafts): the
+            # context before each request's last round_rows rows is written by the dynamic pass first. Otherwise
+            # each catch-up length and accepted count would make a program of its own on requests' time (60-70 ms a
+            # capture at SmolLM2 dims on the H200, where an `ar` round at 16 streams is 1.5 ms:
+            # concurrency_h200_split.md)
+            n = self.round_rows
+            after = [c.length + max(0, m - n) for c, m in zip(caches, sizes)]
+            if max(after) + n > max_len or reqs * n > self.MAX_ROWS:
+                return None
+            early = [(cache, t[:-n]) for cache, t in zip(caches, taps) if t.shape[0] > n]
+            if early:
+                self.drafter.add_contexts([cache for cache, _ in early], [t for _, t in early])
+                self.catch_up_rows += sum(t.shape[0] for _, t in early)
+            return self.batch(caches, [t[-n:] for t in taps], blocks, rows=n)
         program = self.graphs.program(key, lambda: self._make(caches[0].pool, reqs, rows, keys, taps[0]))
         b, host = self.block, program.host.numpy()
         ids, length, m, slot, src = np.split(host, np.cumsum([reqs * b, reqs, reqs, reqs]))

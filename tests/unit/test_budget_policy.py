@@ -441,12 +441,13 @@ def test_a_round_that_made_programs_is_not_its_arms_measure():
 
 def test_the_engine_tells_the_selector_which_rounds_made_programs(tiny_models):
     """After warm-up, the round whose static programs were not prepared (an `auto` request's `dflash` rounds at two
-    requests: warm-up makes the batch programs of one-token steps and the lone request's) is flagged, and the next
-    rounds of that shape are not."""
+    requests: warm-up makes the batch programs of one-token steps and the lone request's, and here none of several
+    requests' trees, static_batch_memory 0) is flagged, and the next rounds of that shape are not."""
     from ddtree.request import Request
 
     engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
-                                 max_model_len=160, max_num_seqs=2, static_forward="on", static_prefill=0))
+                                 max_model_len=160, max_num_seqs=2, static_forward="on", static_prefill=0,
+                                 static_batch_memory=0))
     engine.warm_up()
     engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("dflash")
     flags = []

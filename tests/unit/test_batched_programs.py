@@ -1,0 +1,95 @@
+"""Programs of several requests' drafting rounds made at warm-up: the drafter's pass of a round's rows and the
+target's verify of each drafting arm's trees, for every padded batch size (Engine._warm_batched_drafts,
+_warm_batched_verifies). A batch that would otherwise make a program on requests' time (a catch-up: `auto` drafting
+after `ar` rounds; a group's first draft after its prompts) drafts through the round's program, the context before
+its last rows written by the dynamic pass, and gives the dynamic pass's hidden states. The CPU runs the static
+forwards eagerly (static_forward="on"), the same programs CUDA graphs capture."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ddtree.config import EngineConfig
+from ddtree.engine import Engine
+from ddtree.models.graphs import GraphPool, StaticDrafter, row_bucket
+from ddtree.request import Request
+from ddtree.sampling_params import SamplingParams
+from tests.unit.oracle import make_tiny_hybrid, serve_together
+
+
+def test_a_catch_up_drafts_through_the_rounds_program(tmp_path):
+    """After warm-up, two requests appending 30 and 3 context rows (no program of 32 rows made) take the program of
+    a round's rows (block + 1, made): the first 13 of the 30 rows written by the dynamic pass, the hidden states and
+    context lengths those of the dynamic pass, no program made; before warm-up (and where it is made) a batch takes
+    its own rows' program."""
+    from ddtree.models.dflash import DFlashDrafter
+    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
+
+    taps = [1, 16, 31, 46, 61]
+    write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
+                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
+    embed = torch.nn.Embedding(50, HIDDEN)
+    graphs = GraphPool(torch.device("cpu"), capture=False)
+    static = StaticDrafter(drafter, embed, graphs)
+    assert static.round_rows == row_bucket(BLOCK + 1) == 17
+    gen = torch.Generator().manual_seed(7)
+    ours, theirs = drafter.new_caches(2, 300), drafter.new_caches(2, 300)
+    with torch.no_grad():
+        for step, sizes in enumerate([(5, 9), (17, 2), (30, 3), (1, 40)]):
+            features = [torch.randn(m, HIDDEN * len(taps), generator=gen) for m in sizes]
+            blocks = [torch.randint(0, 50, (BLOCK,), generator=gen).tolist() for _ in sizes]
+            made = set(graphs.programs)
+            got = static.batch(ours, features, blocks)
+            starts = [c.length + m for c, m in zip(theirs, sizes)]
+            drafter.add_contexts(theirs, features)
+            expected = drafter.forward_packed(theirs, embed(torch.tensor(blocks)), starts)
+            assert [c.length for c in ours] == [c.length for c in theirs] == starts
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            new = {key[2] for key in set(graphs.programs) - made}
+            if step < 2:   # before warm-up: each batch's own rows' program (9 rows, then 17)
+                assert new == {row_bucket(max(sizes))}, new
+            else:
+                assert not new and not graphs.late_keys, graphs.late_keys
+            if step == 1:
+                graphs.warmed = True
+    assert static.catch_up_rows == (30 - 17) + (40 - 17)
+
+
+def run_together(engine: Engine, lengths, modes) -> list[list[int]]:
+    requests = [Request(f"r{i}", torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+                        SamplingParams(mode=mode, tree_budget=4, max_tokens=12, ignore_eos=True))
+                for i, (n, mode) in enumerate(zip(lengths, modes))]
+    return serve_together(engine, requests)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "hybrid"])
+def test_warm_up_prepares_the_drafting_rounds_of_several_requests(family, tiny_models, tmp_path):
+    """Requests drafting together after warm-up (dflash chains and trees of the default arms' budgets, in groups of 2
+    to 4, their first drafts after prompts of 12 to 40 tokens, their last rounds' trees cut together) make no program
+    on their time, and decode the target's greedy tokens, dense and hybrid. With static_batch_memory 0 their verifies
+    are made on first use (what the budget saves)."""
+    if family == "hybrid":
+        root, _ = make_tiny_hybrid(tmp_path)
+        paths = dict(target_path=str(root / "target"), drafter_path=str(root / "dflash"))
+    else:
+        paths = dict(target_path=str(tiny_models / f"{family}-target"), drafter_path=str(tiny_models / f"{family}-dflash"))
+    config = EngineConfig(**paths, max_model_len=160, max_num_seqs=4, static_forward="on")
+    plain = Engine(dataclasses.replace(config, static_forward="off"))
+    batches = [((30, 12, 25, 40), ("dflash", "ddtree", "dflash", "ddtree")), ((18, 33), ("ddtree", "ddtree")),
+               ((14, 22, 35), ("dflash",) * 3)]
+    for budget in (2048, 0):
+        engine = Engine(dataclasses.replace(config, static_batch_memory=budget))
+        engine.warm_up()
+        for lengths, modes in batches:
+            expected = [run_together(plain, (n,), ("ar",))[0] for n in lengths]
+            assert run_together(engine, lengths, modes) == expected, (budget, lengths, modes)
+        late = {key[0] for key in engine.graphs.late_keys}
+        assert engine.static_drafter.catch_up_rows > 0   # the first drafts after 18-40-token prompts
+        if budget:
+            assert not engine.graphs.late_keys, engine.graphs.late_keys
+        else:
+            assert late == {"target" if family == "hybrid" else "batch"}, engine.graphs.late_keys
