@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -204,6 +205,9 @@ class GenerationService:
         gate = os.environ.get("DDTREE_OUTBOX_GATE", "")
         gated = gate == "1" or (gate != "0" and getattr(getattr(engine, "device", None), "type", None) == "cuda")
         self._gate = threading.Event() if gated else None
+        interval = os.environ.get("DDTREE_SWITCH_INTERVAL_MS", "")   # a diagnostic: how long a thread may keep the GIL
+        if interval:
+            sys.setswitchinterval(float(interval) / 1e3)
         engine.wait_gate = self._gate
         self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"), gate=self._gate)
         if on_stats is not None:

@@ -120,11 +120,13 @@ def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_m
     assert captured(ahead.static_target) >= 1
 
 
+@pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, hybrid):
+def test_batched_graphs_decode_what_requests_decode_alone(family, warm, tiny_models, hybrid):
     """Concurrent requests of mixed modes, arriving while others decode: the target's (dense or hybrid) and the
     drafter's batched passes captured as graphs (requests padded with scratch-slot requests) give each request the tokens
-    it gets alone without graphs."""
+    it gets alone without graphs. After warm-up (warm) the batches draft through the programs of a round's rows (their
+    first drafts' earlier context written by the dynamic pass) and verify through the drafting arms' made row buckets."""
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.request import Request
@@ -136,6 +138,8 @@ def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, h
     base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
     plain = Engine(EngineConfig(**base, static_forward="off", max_num_seqs=1))
     graphed = Engine(EngineConfig(**base, static_forward="auto", max_num_seqs=8))
+    if warm:
+        graphed.warm_up()
     gen = torch.Generator().manual_seed(5)
     modes = [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
     jobs = [(torch.randint(0, 90, (int(torch.randint(3, 60, (1,), generator=gen)),), generator=gen).tolist(),
@@ -152,6 +156,9 @@ def test_batched_graphs_decode_what_requests_decode_alone(family, tiny_models, h
     batched = {key[1] for key in graphed.graphs.programs if key[0] in ("batch", "draft", "target")}   # key[1]: requests
     assert max(batched) >= 4, batched
     assert captured(graphed.static_target) >= 4
+    if warm:
+        assert graphed.static_drafter.catch_up_rows > 0
+        assert not [key for key in graphed.graphs.late_keys if key[1] > 1 and key[0] == "draft"], graphed.graphs.late_keys
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
