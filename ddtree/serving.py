@@ -48,6 +48,7 @@ class Job:
     engine_request: Request | None = None
     stream: "_Stream | None" = None
     first_token: bool = False   # its first token was generated (time to first token observed)
+    taken_s: float = 0.0        # when the engine thread took it from the queue (_start; time.perf_counter)
 
 
 @dataclass(slots=True)
@@ -85,6 +86,8 @@ class ServiceStats:
     # engine's queue, a full batch, the step in progress), and that prefill (all the requests that step admitted)
     queue_seconds: list[float] = field(default_factory=list)
     prefill_seconds: list[float] = field(default_factory=list)
+    # of each queue time: from the arrival to the engine thread taking the request (the step in progress when it came)
+    take_seconds: list[float] = field(default_factory=list)
 
 
 METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engine works
@@ -305,7 +308,7 @@ class GenerationService:
                 auto_arm_rounds=dict(self.stats.auto_arm_rounds), auto_arm_seconds=dict(self.stats.auto_arm_seconds)))
             # the snapshot took them
             self.stats.ttft_seconds, self.stats.latency_seconds = [], []
-            self.stats.queue_seconds, self.stats.prefill_seconds = [], []
+            self.stats.queue_seconds, self.stats.prefill_seconds, self.stats.take_seconds = [], [], []
 
     def _loop(self) -> None:
         name_native_thread("ddtree-engine")
@@ -383,6 +386,7 @@ class GenerationService:
 
     def _start(self, job: Job) -> None:
         req, rid = job.request, job.request_id
+        job.taken_s = time.perf_counter()
         params = req.params
         logger.info("[%s] start: %d prompt tokens, mode %s, budget %d, max_tokens %d, temperature %.2f",
                     rid, len(req.prompt_ids), params.mode, params.tree_budget, params.max_tokens, params.temperature)
@@ -437,6 +441,7 @@ class GenerationService:
                     self.stats.ttft_seconds.append(time.perf_counter() - job.arrival_s)
                     self.stats.queue_seconds.append(max(request.prefill_start_s - job.arrival_s, 0.0))
                     self.stats.prefill_seconds.append(request.prefill_end_s - request.prefill_start_s)
+                    self.stats.take_seconds.append(max(job.taken_s - job.arrival_s, 0.0))
             try:
                 if job.is_stopped:
                     self.engine.abort(job.key)

@@ -147,12 +147,16 @@ class TritonMetrics:
                    "Of a request's time to first token: from its arrival at the generation model to the start of the "
                    "prefill that admits it (the engine's queue, a full batch, the step in progress)"),
                   ("ddtree_request_prefill_seconds", "prefill_seconds",
-                   "Of a request's time to first token: the prefill that admits it (with the others that step admits)"))
+                   "Of a request's time to first token: the prefill that admits it (with the others that step admits)"),
+                  ("ddtree_request_take_seconds", "take_seconds",
+                   "Of a request's queue time: from its arrival at the generation model to the engine thread taking it "
+                   "(the step in progress when it came); the rest waits for a free slot or the next step's prefill"))
     SECONDS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0, 160.0, 640.0]   # vLLM's time-to-first-token buckets
     BUCKETS = {"acceptance_histogram": {"buckets": [float(length) for length in range(1, 18)]},
                "ttft_seconds": {"buckets": SECONDS}, "latency_seconds": {"buckets": SECONDS},
-               "queue_seconds": {"buckets": SECONDS}, "prefill_seconds": {"buckets": SECONDS}}
+               "queue_seconds": {"buckets": SECONDS}, "prefill_seconds": {"buckets": SECONDS},
+               "take_seconds": {"buckets": SECONDS}}
     # counters with one series per key of a {key: count} field, the key as the label `label`
     KEYED_COUNTERS = (("ddtree_auto_arm_rounds_total", "auto_arm_rounds", "arm",
                        "Batch rounds of mode auto per arm it ran (ar, dflash, ddtree-<budget>, policy)"),

@@ -156,7 +156,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     pre = model_stats(server.http_url, "preprocessing")
     arms = auto_arms(server.metrics_url)
     late = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0)
-    ttft = scrape_metrics(server.metrics_url, set(TTFT + QUEUE + PREFILL))
+    ttft = scrape_metrics(server.metrics_url, set(TTFT + QUEUE + PREFILL + TAKE))
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
     # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing step (one
@@ -181,7 +181,8 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     # token, mean over the run's requests; of which the wait for the prefill that admits it, and that prefill
     # (ddtree_request_{queue,prefill}_seconds: published with the TTFT's samples)
     now = wait_count(server.metrics_url, TTFT[1], ttft.get(TTFT[1], 0.0) + entry["num_requests"])
-    for key, (total, count) in (("engine_ttft_ms", TTFT), ("engine_queue_ms", QUEUE), ("engine_prefill_ms", PREFILL)):
+    for key, (total, count) in (("engine_ttft_ms", TTFT), ("engine_queue_ms", QUEUE), ("engine_prefill_ms", PREFILL),
+                                ("engine_take_ms", TAKE)):
         n = now.get(count, 0.0) - ttft.get(count, 0.0)
         entry[key] = 1e3 * (now.get(total, 0.0) - ttft.get(total, 0.0)) / n if n else None
     # the preprocessing step: one execution per request (chat template, tokenizer), part of its time to first token
@@ -200,6 +201,7 @@ def per_execution(before: dict, after: dict) -> dict:
 TTFT = ("ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count")
 QUEUE = ("ddtree_request_queue_seconds_sum", "ddtree_request_queue_seconds_count")
 PREFILL = ("ddtree_request_prefill_seconds_sum", "ddtree_request_prefill_seconds_count")
+TAKE = ("ddtree_request_take_seconds_sum", "ddtree_request_take_seconds_count")   # of the queue: to the engine's take
 
 
 def wait_count(metrics_url: str, name: str, at_least: float, timeout_s: float = 5.0) -> dict[str, float]:
@@ -207,7 +209,7 @@ def wait_count(metrics_url: str, name: str, at_least: float, timeout_s: float = 
     responses) or the time is up."""
     deadline = time.monotonic() + timeout_s
     while True:
-        values = scrape_metrics(metrics_url, set(TTFT + QUEUE + PREFILL))
+        values = scrape_metrics(metrics_url, set(TTFT + QUEUE + PREFILL + TAKE))
         if values.get(name, 0.0) >= at_least or time.monotonic() > deadline:
             return values
         time.sleep(0.1)
@@ -272,7 +274,8 @@ def write(result: dict, levels: list[int], args) -> None:
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     if any("preprocessing" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
         rows += ["", "Time to first token, client p50 ms / the generation model's mean (arrival to first token; "
-                 "ddtree_time_to_first_token_seconds) = its queue (to the start of the prefill that admits it) + that "
+                 "ddtree_time_to_first_token_seconds) = its queue (to the start of the prefill that admits it; in "
+                 "brackets, of it, the wait for the engine thread to take the request: the step in progress) + that "
                  "prefill + the rest of that step; preprocessing (one execution per request, before its prefill): "
                  "queue ms / compute ms an execution.",
                  "", "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
@@ -281,9 +284,10 @@ def write(result: dict, levels: list[int], args) -> None:
             for c in levels:
                 e = by_level[str(c)]
                 p, engine = e.get("preprocessing"), e.get("engine_ttft_ms")
-                parts = (e.get("engine_queue_ms"), e.get("engine_prefill_ms"))
+                parts, take = (e.get("engine_queue_ms"), e.get("engine_prefill_ms")), e.get("engine_take_ms")
                 cells.append(f"{e['ttft_ms_p50']:.0f} / " + (f"{engine:.1f}" if engine is not None else "-")
-                             + (f" = {parts[0]:.1f} + {parts[1]:.1f} + {engine - parts[0] - parts[1]:.1f}"
+                             + (f" = {parts[0]:.1f}" + (f" ({take:.1f})" if take is not None else "")
+                                + f" + {parts[1]:.1f} + {engine - parts[0] - parts[1]:.1f}"
                                 if None not in parts and engine is not None else "")
                              + (f"; {p['queue_ms']:.2f} / {p['compute_ms']:.2f}" if p else ""))
             rows.append(f"| {name} | " + " | ".join(cells) + " |")

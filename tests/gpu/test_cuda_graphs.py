@@ -72,11 +72,15 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
         expected = plain.generate_ids(prompt, params).output_ids
         assert graphed.generate_ids(prompt, params).output_ids == expected, f"{family} {mode}-{budget}"
     assert captured(graphed.static_target) >= 3       # target and drafter programs, captured and replayed
-    # the stages' GPU timelines (CUDA events at their bounds) were measured, each within the stage's host time
+    # the stages' GPU timelines (CUDA events at their bounds) were measured, within the stages' host time: the draft's
+    # and the verify's together, since a lone greedy round builds its tree on the device and reads once (the draft
+    # stage's host time is its launches, while its device work runs on into the verify stage's; f7840c4 failed the
+    # draft's alone: 63.7 ms against 51.0 over the test's requests, gpu_tests_f7840c4.log), the commit's alone
     t = graphed.stage_times
     for stage in ("draft", "verify", "commit"):
-        gpu, host = getattr(t, f"{stage}_gpu"), getattr(t, stage)
-        assert 0 < gpu <= host * 1.05 + 1e-3, (stage, gpu, host)
+        assert getattr(t, f"{stage}_gpu") > 0, stage
+    assert t.draft_gpu + t.verify_gpu <= (t.draft + t.verify) * 1.05 + 1e-3, (t.draft_gpu, t.verify_gpu, t.draft, t.verify)
+    assert t.commit_gpu <= t.commit * 1.05 + 1e-3, (t.commit_gpu, t.commit)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])

@@ -58,7 +58,8 @@ def test_new_metrics_are_exported(server):
                                   "ddtree_static_programs_late_total", "ddtree_responses_total",
                                   "ddtree_time_to_first_token_seconds_count", "ddtree_request_latency_seconds_sum",
                                   'ddtree_time_to_first_token_seconds_bucket{le="0.001"}',
-                                  "ddtree_request_queue_seconds_count", "ddtree_request_prefill_seconds_sum"]:
+                                  "ddtree_request_queue_seconds_count", "ddtree_request_prefill_seconds_sum",
+                                  "ddtree_request_take_seconds_count"]:
         assert name in samples, sorted(samples)
 
 
@@ -84,6 +85,9 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     assert delta(after, before, "ddtree_request_queue_seconds_count") == requests
     assert delta(after, before, "ddtree_request_prefill_seconds_count") == requests
     assert 0 <= queue and 0 < prefill and queue + prefill <= ttft
+    # of each queue time: the wait for the engine thread to take the request
+    assert delta(after, before, "ddtree_request_take_seconds_count") == requests
+    assert 0 <= delta(after, before, "ddtree_request_take_seconds_sum") <= queue
     assert delta(after, before, "ddtree_rounds_total") == rounds
     assert delta(after, before, "ddtree_acceptance_length_count") == rounds
     assert delta(after, before, "ddtree_acceptance_length_sum") == rounds
