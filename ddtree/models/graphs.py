@@ -236,10 +236,11 @@ class StaticTarget:
         # from position 0: a prefill (a hybrid's slot state is reset first: _hybrid)
         if min(starts) < 0 or keys is None or reqs * rows > self.MAX_ROWS:
             return None
-        if reqs > 1 and not prefill and self.graphs.warmed:
+        if reqs > 1 and rows > 1 and not prefill and self.graphs.warmed:
             # after warm-up, trees of several requests whose row bucket has no program here (the smaller trees of
             # requests that end together: their last rounds' depth is cut) are padded to the smallest made bucket
-            # above it (Engine._warm_batched_verifies) instead of making one on requests' time
+            # above it (Engine._warm_batched_verifies) instead of making one on requests' time; one-token steps keep
+            # their own (warm-up makes them, and the `ar` lookahead's device ids are one a request)
             made = [r for r in self._made_rows(reqs, keys) if r > rows and max(starts) + r <= keys]
             if made and rows not in self._made_rows(reqs, keys):
                 rows = made[0]
