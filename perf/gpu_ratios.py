@@ -136,6 +136,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     dtype = getattr(torch, args.dtype)
     target, drafter = build(shape, dtype, args.device)
     floor_bytes = weight_bytes(target)
+    # a drafting round also streams the drafter's own weights and, for its logits, the target's lm_head again
+    draft_bytes = weight_bytes(drafter) + target.lm_head.weight.numel() * target.lm_head.weight.element_size()
     # the engine's static forward (CUDA graphs on CUDA) is what it serves batch 1 with; the dynamic forward is
     # measured beside it to show what the graphs buy
     forwards, errors, variants = args.forwards.split(","), {}, set(args.variants.split(","))
@@ -216,9 +218,11 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
             entry["host_share"] = max(0.0, entry["round_ms"] - entry["draft_ms"] - entry["verify_ms"]) / entry["round_ms"]
     if "ar" in rounds["static"]:
         ratios["ar_round_over_floor"] = rounds["static"]["ar"]["round_ms"] / floor_ms
+    round_floor_ms = (floor_bytes + draft_bytes) / bandwidth * 1e3   # a drafting round's bytes
     for name, entry in rounds["static"].items():
         if name != "ar":
             ratios[f"{name}_over_ar"] = entry["round_over_ar"]
+            ratios[f"{name}_over_its_floor"] = entry["round_ms"] / round_floor_ms
     ratios["host_share"] = max(entry["host_share"] for entry in rounds["static"].values())
     idle = [entry["gpu_idle_share"] for entry in rounds["static"].values() if "gpu_idle_share" in entry]
     if idle:   # measured from the device side: the share of a round the GPU waits for the host
@@ -228,6 +232,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"weight_bytes": floor_bytes, "floor_ms": floor_ms, "ar_step_ms": verify["static"]["ar_step_ms"],
+            "draft_bytes": draft_bytes, "round_floor_ms": round_floor_ms,
             "verify": verify, "rounds": rounds, "round_turns": round_turns, "batched": batched, "ratios": ratios,
             "errors": errors}
 
@@ -280,6 +285,15 @@ def table(result: dict) -> str:
                      f"{q.get('ddtree-16_over_ar', float('nan')):.2f} | "
                      f"{q.get('ddtree-64_over_ar', float('nan')):.2f} | {q['host_share']:.0%} | "
                      f"{q.get('gpu_idle_share', float('nan')):.0%} |")
+    for shape, r in result["shapes"].items():
+        if "round_floor_ms" not in r:
+            continue
+        q = r["ratios"]
+        lines += ["", f"{shape}: a drafting round streams the target's {r['weight_bytes'] / 1e9:.2f} GB and the drafter's "
+                  f"{r['draft_bytes'] / 1e9:.2f} GB (its own weights and the lm_head again for its logits): floor "
+                  f"{r['round_floor_ms']:.2f} ms, {r['round_floor_ms'] / r['floor_ms']:.3f}x the `ar` floor; each "
+                  "drafting round / that floor: " + ", ".join(
+                      f"{k[: -len('_over_its_floor')]} {v:.2f}" for k, v in q.items() if k.endswith("_over_its_floor"))]
     lines += ["", "Goals (issue 6): " + ", ".join(f"{k} <= {v:g}" for k, v in GOALS.items()) + "; met: "
               + "; ".join(f"{shape} {sorted(k for k, v in r['ratios'].items() if k in GOALS and v <= GOALS[k])}"
                           for shape, r in result["shapes"].items()), ""]

@@ -36,6 +36,8 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
         assert math.isnan(shape["ratios"]["ar_over_floor"])          # no GPU, no bandwidth floor
         assert math.isnan(shape["ratios"]["ar_round_over_floor"])    # the whole `ar` round against it, too
         assert shape["ratios"]["ddtree-64_over_ar"] == shape["rounds"]["static"]["ddtree-64"]["round_over_ar"]
+        # a drafting round's floor adds the drafter's weights and the lm_head read again (no GPU: NaN ratios)
+        assert shape["draft_bytes"] > shape["weight_bytes"] * 0.05 and math.isnan(shape["ratios"]["ddtree-16_over_its_floor"])
         for forward, verify in shape["verify"].items():
             assert verify["forward"] == forward and list(verify["budgets"]) == ["16", "64"]
             assert verify["ar_step_ms"] > 0 and all(e["verify_ms"] > 0 for e in verify["budgets"].values())
@@ -45,6 +47,7 @@ def test_ratio_table_on_tiny_shapes(tmp_path):
     assert cost.rows == (1, 17, 65) and cost.draft_ms > 0
     assert cost.verify(17) == saved["shapes"]["tiny-hybrid"]["verify"]["static"]["budgets"]["16"]["verify_ms"]
     md = (tmp_path / "r.md").read_text()
+    assert "a drafting round streams the target's" in md
     assert "| tiny-dense |" in md and "Goals (issue 6)" in md and "static commits: ar 0%" in md and "token bookkeeping): dynamic ar" in md
     assert (tmp_path / "r.png").stat().st_size > 1000 and result["plot"].endswith("r.png")
     checkpoint = json.loads((tmp_path / "r_tiny-hybrid_verify.json").read_text())   # kept as the verifies landed
