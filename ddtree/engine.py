@@ -973,6 +973,31 @@ class Engine:
         self.graphs.warmed = True
         logger.info("warm-up: %d static programs ready in %.1f s", len(self.graphs.programs), time.perf_counter() - t0)
 
+    def _batch_sizes(self) -> list[int]:
+        """The request counts warm-up makes batched programs for: 2, 4, ... up to max_num_seqs (each padded to a power
+        of two, the scratch slot filling the rest; the largest is max_num_seqs itself)."""
+        sizes, reqs = [], 2
+        while reqs // 2 < self.config.max_num_seqs:
+            sizes.append(min(reqs, self.config.max_num_seqs))
+            reqs *= 2
+        return sizes
+
+    @staticmethod
+    def _warm_tree(start: int, rows: int, block: int) -> tuple[list[int], list[int]]:
+        """(parents, positions) of a warm-up tree of `rows` rows from `start`: a chain of min(rows, block) rows (the
+        drafter's depth), the other rows leaves under its first node."""
+        depth = min(rows, block)
+        parents = list(range(-1, depth - 1)) + [0] * (rows - depth)
+        positions = [start + i for i in range(depth)] + [start + 1] * (rows - depth)
+        return parents, positions
+
+    @staticmethod
+    def _drop_pending(caches: list) -> None:
+        """Forget a warm-up forward's stash (a hybrid's: never committed)."""
+        for cache in caches:
+            if getattr(cache, "pending", None) is not None:
+                cache.pending = None
+
     @torch.inference_mode()
     def _warm_batched_steps(self, start: int) -> None:
         """The target's one-token step at this key bucket of a lone request in every other slot than 0 (a lone
@@ -981,12 +1006,9 @@ class Engine:
         requests' prefills replace what it writes)."""
         for cache in self.caches[1 : self.config.max_num_seqs]:
             self.static_target.batch([cache], [start], [[1]], [[start]], [[-1]])
-        reqs = 2
-        while reqs // 2 < self.config.max_num_seqs:
-            n = min(reqs, self.config.max_num_seqs)
+        for n in self._batch_sizes():
             if self.static_target.batch(self.caches[:n], [start] * n, [[1]] * n, [[start]] * n, [[-1]] * n) is None:
                 break
-            reqs *= 2
 
     @torch.inference_mode()
     def _warm_batched_drafts(self, start: int) -> None:
@@ -1001,13 +1023,11 @@ class Engine:
         ids = [1] + [self.drafter.config.mask_token_id] * (block - 1)
         features = torch.zeros(rows, len(self.tap_layers) * self.target.config.hidden_size,
                                dtype=dtype_of(self.config.dtype), device=self.device)
-        reqs = 2
-        while reqs // 2 < self.config.max_num_seqs:
-            caches = self.draft_caches[: min(reqs, self.config.max_num_seqs)]
+        for n in self._batch_sizes():
+            caches = self.draft_caches[:n]
             for cache in caches:
                 cache.length = max(start - rows, 0)
-            self.static_drafter.batch(caches, [features] * len(caches), [ids] * len(caches))
-            reqs *= 2
+            self.static_drafter.batch(caches, [features] * n, [ids] * n)
         for cache in self.draft_caches:
             cache.length = 0
         self._sync()
@@ -1024,26 +1044,18 @@ class Engine:
         rows = sorted({row_bucket(block) if arm.mode == "dflash" else row_bucket(arm.budget + 1)
                        for arm in parse_arms(self.config.auto_arms)
                        if arm.mode == "dflash" or (arm.mode == "ddtree" and arm.budget <= self.config.max_tree_budget)})
-        sizes, reqs = [], 2
-        while reqs // 2 < self.config.max_num_seqs:
-            sizes.append(min(reqs, self.config.max_num_seqs))
-            reqs *= 2
-        shapes = sorted(((n, r, start) for n in sizes for r in rows for start in starts
+        shapes = sorted(((n, r, start) for n in self._batch_sizes() for r in rows for start in starts
                          if batch_bucket(n) * r <= StaticTarget.MAX_ROWS), key=lambda s: (batch_bucket(s[0]) * s[1], s[2]))
         held, made = 0, 0
         for n, r, start in shapes:
             if held >= self.config.static_batch_memory * 2**20:
                 break
-            depth = min(r, block)   # a chain of `depth` rows, the other rows leaves under its first node
-            parents = list(range(-1, depth - 1)) + [0] * (r - depth)
-            positions = [start + i for i in range(depth)] + [start + 1] * (r - depth)
+            parents, positions = self._warm_tree(start, r, block)
             caches, before = self.caches[:n], self._allocated_bytes()
             if self.static_target.batch(caches, [start] * n, [[1] * r] * n, [positions] * n, [parents] * n) is not None:
                 made += 1
             held += self._allocated_bytes() - before
-            for cache in caches:
-                if getattr(cache, "pending", None) is not None:
-                    cache.pending = None   # a hybrid's stash of this forward, never committed
+            self._drop_pending(caches)
         logger.info("warm-up: %d verifies of several requests' trees (of %d shapes), holding %.0f MiB", made, len(shapes),
                     held / 2**20)
 
@@ -1060,10 +1072,7 @@ class Engine:
             self._warm_prefill(1, rows)
         groups = []
         for rows in sorted({prefill_bucket(n) for n in lengths}):
-            reqs = 2
-            while reqs // 2 < self.config.max_num_seqs and reqs * rows <= StaticTarget.MAX_ROWS:
-                groups.append((min(reqs, self.config.max_num_seqs), rows))
-                reqs *= 2
+            groups += [(n, rows) for n in self._batch_sizes() if batch_bucket(n) * rows <= StaticTarget.MAX_ROWS]
         self._group_sizes, held = {}, 0
         for reqs, rows in sorted(groups, key=lambda shape: (shape[0] * shape[1], shape[1])):
             if held >= self.config.static_prefill_memory * 2**20:
@@ -1081,9 +1090,7 @@ class Engine:
         if self.static_target.batch(caches, [0] * reqs, [[1] * rows] * reqs, [chain] * reqs,
                                     [[i - 1 for i in chain]] * reqs, prefill=True) is None:
             return False
-        for cache in caches:
-            if getattr(cache, "pending", None) is not None:
-                cache.pending = None   # a hybrid's stash of this forward, never committed
+        self._drop_pending(caches)
         return True
 
     def _allocated_bytes(self) -> int:
@@ -1117,9 +1124,8 @@ class Engine:
         whose contents the next request's prefill replaces (what they commit is overwritten)."""
         block = self.drafter.block_size if self.drafter is not None else 1
         for rows in sorted({row_bucket(n) for n in range(1, max_rows + 1)}):
-            depth = min(rows, block)   # a chain of `depth` rows, the other rows leaves under its first node
-            parents = list(range(-1, depth - 1)) + [0] * (rows - depth)
-            positions = [start + i for i in range(depth)] + [start + 1] * (rows - depth)
+            depth = min(rows, block)
+            parents, positions = self._warm_tree(start, rows, block)
             cache = self.caches[0]
 
             def verify():

@@ -241,9 +241,10 @@ class StaticTarget:
             # requests that end together: their last rounds' depth is cut) are padded to the smallest made bucket
             # above it (Engine._warm_batched_verifies) instead of making one on requests' time; one-token steps keep
             # their own (warm-up makes them, and the `ar` lookahead's device ids are one a request)
-            made = [r for r in self._made_rows(reqs, keys) if r > rows and max(starts) + r <= keys]
-            if made and rows not in self._made_rows(reqs, keys):
-                rows = made[0]
+            made = self._made_rows(reqs, keys)
+            above = [r for r in made if r > rows and max(starts) + r <= keys]
+            if above and rows not in made:
+                rows = above[0]
         return reqs, rows, keys
 
     def _made_rows(self, reqs: int, keys: int) -> list[int]:
