@@ -57,6 +57,10 @@ WARM_UP_MAX_KEYS = 4096
 MAX_SERVE_GAP_S = 0.5
 POLICY_MIN_CAP = 8   # the policy arm's smallest tree-building cap (Engine.policy_cap)
 COMMIT_PARTS = ("accept", "caches", "features", "tokens")   # StageTimes.commit_parts
+# A request whose target features wait this many rounds for a draft (`auto` on `ar`, the policy's back-off) has them
+# written into its drafter context (Engine._fold_contexts): kept, they would grow with the request, ~51 KB a token at
+# 27B dims (13 GB for 8 requests of 32K tokens), and the next draft would ingest them all at once
+FOLD_CHUNKS = 256
 
 
 @dataclass(slots=True)
@@ -85,6 +89,7 @@ class StageTimes:
     device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
     lookahead_steps: int = 0     # `ar` steps queued before the last one's token was read (Engine._lookahead_round)
     static_prefills: int = 0     # prompts prefilled through a static forward (config.static_prefill)
+    folded_rows: int = 0         # pending target features written into drafter contexts ahead of a draft (_fold_contexts)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
     #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
@@ -233,6 +238,7 @@ class Engine:
         # a lone request's steps and a batch's (on the H200 in process, SmolLM2 shapes, a batch's queued too: `ar`
         # 1.20-1.54x the tokens/s at 2-32 requests: perf/results/round_profile_h200_lookahead_{true,auto}.md)
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
+        self.fold_chunks = FOLD_CHUNKS   # rounds a request's features wait for a draft before _fold_contexts writes them
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
         self.static_prefill = static_prefill if self.static_target is not None else 0
         # prefill_bucket rows -> the most prompts one static prefill takes there: set by warm-up (the programs it made
@@ -466,6 +472,7 @@ class Engine:
                 batches = [compile_tree(tree, seq.root, seq.start) for seq, tree in zip(seqs, trees)]
             times.tree_nodes += sum(tree.num_nodes for tree in trees)
             outputs = self._verify_and_commit(seqs, trees, batches, verified)
+        self._fold_contexts(seqs)
         now = time.perf_counter()
         if self.arm is not None:   # measured tokens/s of this round's choice for the auto requests
             produced = sum(len(out.new_token_ids) for seq, out in zip(seqs, outputs) if seq.request.params.mode == "auto")
@@ -568,6 +575,23 @@ class Engine:
             seq.calibration = 0.5 * seq.calibration + 0.5 * min(observed, 1.0)
             self.auto_calibration = 0.5 * self.auto_calibration + 0.5 * seq.calibration   # prior for new requests
         return acceptance
+
+    def _fold_contexts(self, seqs: list[Sequence]) -> None:
+        """Once a running request's target features have waited self.fold_chunks rounds for a draft, those of every
+        request waiting over a quarter of that are written into their drafter contexts, all but each one's newest row
+        (its next draft appends at least one, a shape warm-up made), in one dynamic context write: about once every
+        fold_chunks rounds, their memory bounded and a later draft's catch-up short. The drafter's context is the same
+        either way (the same features at the same positions)."""
+        if self.drafter is None or not any(len(s.pending_taps) >= self.fold_chunks for s in seqs):
+            return
+        fold = [s for s in seqs if len(s.pending_taps) > max(1, self.fold_chunks // 4) and s.request.finish_reason is None]
+        if not fold:
+            return
+        taps = [_joined(s.pending_taps) for s in fold]
+        self.drafter.add_contexts([self.draft_caches[s.slot] for s in fold], [t[:-1] for t in taps])
+        for seq, t in zip(fold, taps):
+            seq.pending_taps = [(t[-1:].clone(), 0, 1)]   # its own row: the joined rows are freed
+        self.stage_times.folded_rows += sum(t.shape[0] - 1 for t in taps)
 
     # -- `ar` lookahead (config.ar_lookahead) ----------------------------------------------
     def _lookahead_ok(self, seqs: list[Sequence]) -> bool:

@@ -205,3 +205,39 @@ def test_auto_queues_a_lone_requests_and_a_batchs_steps_where_graphed(tiny_model
     run_all(plain, control)
     assert {1, 2} <= set(queued), queued   # the pair's steps, then the survivor's alone after the other's last token
     assert [r.output_ids for r in requests] == [r.output_ids for r in control]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_features_waiting_for_a_draft_are_folded_into_the_drafters_context(family, tiny_models, hybrid):
+    """Two `auto` requests on the `ar` arm keep their target features for a later draft; past fold_chunks rounds
+    without one they are written into the drafter's context (Engine._fold_contexts), so what waits stays bounded.
+    Folding every 6 rounds (with the lookahead queueing the steps) drafts the same hidden states, accepts the same
+    tokens and decodes the same output as keeping every feature to the next draft (arms scripted: long `ar` runs
+    between `dflash` and `ddtree` rounds)."""
+    from ddtree.budget import Arm
+
+    (_, plain), (_, folding) = engines(family, tiny_models, hybrid), engines(family, tiny_models, hybrid)
+    plain.fold_chunks, folding.fold_chunks = 10**9, 6
+    script = [Arm("ar")] * 20 + [Arm("dflash")] * 2 + [Arm("ar")] * 9 + [Arm("ddtree", 16)]
+    results = []
+    for engine in (plain, folding):
+        calls = iter(range(10**6))
+        engine.arm_selector.choose = lambda num_seqs, max_budget=None, calls=calls: script[next(calls) % len(script)]
+        drafts, real = [], engine._draft_hidden
+        engine._draft_hidden = lambda seqs, real=real, drafts=drafts: drafts.append(real(seqs).clone()) or drafts[-1]
+        requests = [Request(f"r{i}", prompt(30 + i, 10 + 7 * i),
+                            SamplingParams(mode="auto", tree_budget=16, max_tokens=90, ignore_eos=True)) for i in range(2)]
+        for request in requests:
+            engine.add(request)
+        waiting = 0
+        while engine.has_work:
+            engine.step()
+            waiting = max([waiting] + [len(seq.pending_taps) for seq in engine.running])
+        results.append(([r.output_ids for r in requests], [r.acceptance_lengths for r in requests], drafts, waiting))
+    (outputs, accepted, drafts, waiting), (f_outputs, f_accepted, f_drafts, f_waiting) = results
+    assert f_outputs == outputs and f_accepted == accepted
+    assert len(f_drafts) == len(drafts) >= 4
+    for ours, theirs in zip(f_drafts, drafts):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert folding.stage_times.folded_rows > 0 and plain.stage_times.folded_rows == 0
+    assert f_waiting <= 6 < waiting, (f_waiting, waiting)
