@@ -83,15 +83,16 @@ class EngineConfig:
     # prompts 22-54 ms against 139-171, its programs holding 3.4 GB: prefill_probe_h200_27b.md)
     static_prefill: int | None = None
     # MiB of device memory the static prefills of prompts admitted together may hold: warm-up makes their programs
-    # (2, 4, ... prompts of each row bucket), smallest first, until they hold this much; larger groups split into the
-    # largest made (a 27B hybrid's hold ~2.5 MiB a row: with the lone prompts' programs, groups of up to 8 prompts of
-    # up to 128 rows held 13,095 MiB with every program, 6,353 MiB within 256 rows a program; prefill_probe_h200_27b_group8*.md).
+    # (2, 4, ... prompts of each row bucket), smallest first, while the next fits by the bytes a row of those before
+    # it; larger groups split into the largest made (a 27B hybrid's hold ~2.5 MiB a row: with the lone prompts'
+    # programs, groups of up to 8 prompts of up to 128 rows held 13,095 MiB with every program, 6,353 MiB within 256
+    # rows a program; prefill_probe_h200_27b_group8*.md; the lone prompts' programs are outside this budget).
     # 0: prompts admitted together take a lone static prefill each
     static_prefill_memory: int = 2048
     # MiB of device memory the verifies of several requests' trees may hold as programs made at warm-up (2, 4, ...
     # max_num_seqs requests, the row bucket of each drafting arm of `auto_arms`: a dflash block, a ddtree-b tree's
-    # b + 1 rows; smallest first, every key bucket): what `auto`'s probes and concurrent drafting requests verify
-    # through. A shape not made is made on first use, on requests' time (60-70 ms a capture at SmolLM2 dims on the
+    # b + 1 rows; smallest first, every key bucket, while the next fits): what `auto`'s probes and concurrent
+    # drafting requests verify through. A shape not made is made on first use, on requests' time (60-70 ms a capture at SmolLM2 dims on the
     # H200, against 1.5 ms an `ar` round at 16 streams: concurrency_h200_split.md). 0: none made at warm-up
     static_batch_memory: int = 2048
     seed: int = 0                      # seed for requests that give none

@@ -182,6 +182,24 @@ class StageEvents:
         self.deferred.clear()
 
 
+class _MemoryBudget:
+    """Warm-up's programs of one kind, made smallest first while they fit in `mib` MiB: the next one is made only where
+    the bytes a row of those made so far say it fits (the first wherever the budget is not 0), so the last one made
+    does not overshoot the budget (at 27B dims a group prefill holds ~2.5 MiB a row: one of 8 prompts of 64 rows
+    1.3 GB)."""
+
+    def __init__(self, mib: int) -> None:
+        self.limit, self.held, self.rows = mib * 2**20, 0, 0
+
+    def fits(self, rows: int) -> bool:
+        if self.rows == 0:
+            return self.limit > 0
+        return self.held + self.held * rows / self.rows <= self.limit
+
+    def add(self, held: int, rows: int) -> None:
+        self.held, self.rows = self.held + held, self.rows + rows
+
+
 def _joined(chunks: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor | None:
     """A request's pending features as one tensor: chunks are (rows of several requests, this one's first, end)."""
     parts = [rows[lo:hi] for rows, lo, hi in chunks]
@@ -1070,18 +1088,18 @@ class Engine:
                        if arm.mode == "dflash" or (arm.mode == "ddtree" and arm.budget <= self.config.max_tree_budget)})
         shapes = sorted(((n, r, start) for n in self._batch_sizes() for r in rows for start in starts
                          if batch_bucket(n) * r <= StaticTarget.MAX_ROWS), key=lambda s: (batch_bucket(s[0]) * s[1], s[2]))
-        held, made = 0, 0
+        budget, made = _MemoryBudget(self.config.static_batch_memory), 0
         for n, r, start in shapes:
-            if held >= self.config.static_batch_memory * 2**20:
+            if not budget.fits(batch_bucket(n) * r):
                 break
             parents, positions = self._warm_tree(start, r, block)
             caches, before = self.caches[:n], self._allocated_bytes()
             if self.static_target.batch(caches, [start] * n, [[1] * r] * n, [positions] * n, [parents] * n) is not None:
                 made += 1
-            held += self._allocated_bytes() - before
+            budget.add(self._allocated_bytes() - before, batch_bucket(n) * r)
             self._drop_pending(caches)
         logger.info("warm-up: %d verifies of several requests' trees (of %d shapes), holding %.0f MiB", made, len(shapes),
-                    held / 2**20)
+                    budget.held / 2**20)
 
     @torch.inference_mode()
     def _warm_prefills(self) -> None:
@@ -1097,16 +1115,16 @@ class Engine:
         groups = []
         for rows in sorted({prefill_bucket(n) for n in lengths}):
             groups += [(n, rows) for n in self._batch_sizes() if batch_bucket(n) * rows <= StaticTarget.MAX_ROWS]
-        self._group_sizes, held = {}, 0
+        self._group_sizes, budget = {}, _MemoryBudget(self.config.static_prefill_memory)
         for reqs, rows in sorted(groups, key=lambda shape: (shape[0] * shape[1], shape[1])):
-            if held >= self.config.static_prefill_memory * 2**20:
+            if not budget.fits(batch_bucket(reqs) * rows):
                 break
             before = self._allocated_bytes()
             if self._warm_prefill(reqs, rows):
                 self._group_sizes[rows] = max(reqs, self._group_sizes.get(rows, 1))
-                held += self._allocated_bytes() - before
+                budget.add(self._allocated_bytes() - before, batch_bucket(reqs) * rows)
         logger.info("warm-up: static prefills of prompts admitted together up to %s (prompts by rows), holding %.0f MiB",
-                    self._group_sizes, held / 2**20)
+                    self._group_sizes, budget.held / 2**20)
 
     def _warm_prefill(self, reqs: int, rows: int) -> bool:
         """One static prefill program of reqs prompts of `rows` tokens made (False: no static shape fits)."""

@@ -95,8 +95,10 @@ METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engi
 # asks: the outbox asks after each response it sends, and the engine thread queues a check for a request nobody
 # asked about for this long (no text this round, or a non-streamed request).
 CANCEL_CHECK_S = 0.02
-# The longest the outbox holds a call back for the engine thread's next wait on the device (Outbox's gate): a round
-# that never waits (a CPU engine's reads return at once) or an idle spell does not hold responses longer than this.
+# The longest the outbox holds a call back for the engine thread's next wait on the device (Outbox's gate), counted
+# from when the call was queued: a round that never waits (a CPU engine's reads return at once, host-bound rounds
+# whose device work is done before they read it) or an idle spell does not hold responses longer than this, and calls
+# queued behind others that waited go at once (a wait per call capped the outbox at 1 / GATE_WAIT_S calls a second).
 GATE_WAIT_S = 0.002
 
 # Errors after which the engine's device state cannot be trusted: the instance stops serving.
@@ -133,9 +135,9 @@ class Outbox:
     times both ways through Triton (perf/humaneval.py's stage table) tells whether that contention is what makes
     the stages slower inside the Python backend's stub than in process.
 
-    gate (a threading.Event; Engine.wait_gate): each call waits for it (at most GATE_WAIT_S), so the outbox's Python
-    work (building a response, its tensors, the metrics) runs while the engine thread waits on the device, not while
-    it prepares and launches a round. Every torch call releases the GIL, so a second thread that wants it gets it at
+    gate (a threading.Event; Engine.wait_gate): each call waits for it (until GATE_WAIT_S after it was queued), so the
+    outbox's Python work (building a response, its tensors, the metrics) runs while the engine thread waits on the
+    device, not while it prepares and launches a round. Every torch call releases the GIL, so a second thread that wants it gets it at
     each of the engine thread's launches and holds it for its own Python; on the H200 through Triton the stub's draft
     stage took 0.65-0.70 ms of host time a round against 0.28-0.41 in process (humaneval_h200_treeprog)."""
 
@@ -152,7 +154,7 @@ class Outbox:
         if self.inline:
             self._call(call, args)
         else:
-            self._queue.put((call, args))
+            self._queue.put((time.monotonic(), call, args))
 
     @staticmethod
     def _call(call, args) -> None:
@@ -164,9 +166,12 @@ class Outbox:
     def _run(self) -> None:
         name_native_thread("ddtree-outbox")
         while (item := self._queue.get()) is not None:
+            queued_s, call, args = item
             if self.gate is not None and not self._closing:
-                self.gate.wait(GATE_WAIT_S)
-            self._call(*item)
+                wait_s = queued_s + GATE_WAIT_S - time.monotonic()
+                if wait_s > 0:
+                    self.gate.wait(wait_s)
+            self._call(call, args)
 
     def close(self, timeout_s: float) -> None:
         """Send what is queued (without waiting for the gate), then stop."""

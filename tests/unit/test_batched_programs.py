@@ -93,3 +93,24 @@ def test_warm_up_prepares_the_drafting_rounds_of_several_requests(family, tiny_m
             assert not engine.graphs.late_keys, engine.graphs.late_keys
         else:
             assert late == {"target" if family == "hybrid" else "batch"}, engine.graphs.late_keys
+
+
+@pytest.mark.parametrize("budget", [0, 3, 7, 2048])
+def test_warm_up_makes_batched_verifies_within_their_memory(budget, tiny_models):
+    """static_batch_memory bounds what the verifies of several requests' trees hold as programs (here 1/8 MiB a row,
+    counted by a stand-in for CUDA's allocator): warm-up makes them smallest first while the next one fits by the bytes
+    a row of those before it, so the last one made does not overshoot; every shape within 2048 MiB, none at 0."""
+    config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                          max_model_len=160, max_num_seqs=4, static_forward="on", static_batch_memory=budget)
+    engine = Engine(config)
+    verifies = lambda: [key for key in engine.graphs.programs if key[0] == "batch" and key[1] > 1 and key[2] > 1]  # noqa: E731
+    engine._allocated_bytes = lambda: 2**20 * sum(key[1] * key[2] for key in verifies()) // 8
+    engine._warm_batched_verifies([20])
+    rows = sorted(key[1] * key[2] for key in verifies())
+    assert engine._allocated_bytes() <= budget * 2**20, (budget, rows)
+    if budget == 0:
+        assert not rows
+    elif budget == 2048:
+        assert len(rows) == 12, rows   # 2 and 4 requests x the row buckets of dflash and ddtree-4 ... ddtree-64
+    else:
+        assert rows and rows[-1] < 8 * budget, rows

@@ -92,3 +92,19 @@ def test_the_engine_opens_the_gate_around_each_read(tiny_models, mode):
     # a read a round (the verify's choices), and on the host path one more for each draft (its top ids or top-k):
     # each inside an opening
     assert gate.opened == gate.closed == rounds + drafts and not gate.is_set()
+
+
+def test_a_closed_gate_holds_each_call_from_when_it_was_queued(monkeypatch):
+    """A call's wait for the gate counts from when it was queued: calls queued together behind one that waited go at
+    once (a wait per call capped the outbox at 1 / GATE_WAIT_S calls a second: at 32 streams on the H200, host-bound
+    rounds that rarely wait on the device held responses back until the clients' streams thinned out)."""
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 0.1)
+    done = []
+    outbox = Outbox(gate=threading.Event())   # never opened
+    start = time.monotonic()
+    for i in range(20):
+        outbox.put(done.append, i)
+    assert wait_for(lambda: len(done) == 20)
+    elapsed = time.monotonic() - start
+    assert done == list(range(20)) and 0.09 < elapsed < 0.6, elapsed   # 2 s if each had waited its own 0.1 s
+    outbox.close(5.0)

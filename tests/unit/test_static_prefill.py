@@ -108,12 +108,14 @@ def test_arrivals_together_share_a_static_prefill(family, tiny_models, tmp_path)
     assert sorted(key[1:3] for key in groups) == [(1, row_bucket(19)), (2, 16)], groups
 
 
-@pytest.mark.parametrize("budget, sizes", [(2048, {16: 4, 32: 4, 64: 4}), (7, {16: 4, 32: 2}), (0, {})])
+@pytest.mark.parametrize("budget, sizes", [(2048, {16: 4, 32: 4, 64: 4}), (10, {16: 4, 32: 2}), (9, {16: 4}), (0, {})])
 def test_warm_up_makes_group_prefills_within_their_memory(budget, sizes, tiny_models):
     """static_prefill_memory bounds what the group prefills' programs hold: warm-up makes them smallest first (here
-    each holds 1 MiB a row, counted by a stand-in for CUDA's allocator) until the budget is reached; a group larger than
-    its row bucket's largest program is split into those (four prompts of 32 rows: two programs of two within 5 MiB,
-    a lone prefill each at 0), the tokens the eager prefill's either way, and no program made after warm-up."""
+    each holds 1/16 MiB a row, counted by a stand-in for CUDA's allocator: 2, 4, 4, 8, ... MiB) while the next one fits
+    by the bytes a row of those before it (10 MiB: 2 + 4 + 4; at 9 the third would overshoot, it is not made); a group
+    larger than its row bucket's largest program is split into those (four prompts of 32 rows: two programs of two
+    within 10 MiB, a lone prefill each within 9 or 0), the tokens the eager prefill's either way, and no program made
+    after warm-up."""
     config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
                           max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=40,
                           static_prefill_memory=budget)
@@ -122,6 +124,7 @@ def test_warm_up_makes_group_prefills_within_their_memory(budget, sizes, tiny_mo
                                                   if key[-1] == "prefill" and key[1] > 1)
     engine.warm_up()
     assert engine._group_sizes == sizes
+    assert engine._allocated_bytes() <= budget * 2**20
     lengths = (20, 30, 17, 25)
     assert {prefill_bucket(n) for n in lengths} == {32}
     expected = run_together(Engine(dataclasses.replace(config, static_prefill=0)), 30, lengths)
