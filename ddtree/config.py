@@ -92,8 +92,9 @@ class EngineConfig:
     # MiB of device memory the verifies of several requests' trees may hold as programs made at warm-up (2, 4, ...
     # max_num_seqs requests, the row bucket of each drafting arm of `auto_arms`: a dflash block, a ddtree-b tree's
     # b + 1 rows; smallest first, every key bucket, while the next fits): what `auto`'s probes and concurrent
-    # drafting requests verify through. A shape not made is made on first use, on requests' time (60-70 ms a capture at SmolLM2 dims on the
-    # H200, against 1.5 ms an `ar` round at 16 streams: concurrency_h200_split.md). 0: none made at warm-up
+    # drafting requests verify through. A shape not made is made on first use, on requests' time (60-70 ms a capture
+    # at SmolLM2 dims on the H200, against 1.5 ms an `ar` round at 16 streams: concurrency_h200_split.md). 0: none
+    # made at warm-up
     static_batch_memory: int = 2048
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)

@@ -137,9 +137,10 @@ class Outbox:
 
     gate (a threading.Event; Engine.wait_gate): each call waits for it (until GATE_WAIT_S after it was queued), so the
     outbox's Python work (building a response, its tensors, the metrics) runs while the engine thread waits on the
-    device, not while it prepares and launches a round. Every torch call releases the GIL, so a second thread that wants it gets it at
-    each of the engine thread's launches and holds it for its own Python; on the H200 through Triton the stub's draft
-    stage took 0.65-0.70 ms of host time a round against 0.28-0.41 in process (humaneval_h200_treeprog)."""
+    device, not while it prepares and launches a round. Every torch call releases the GIL, so a second thread that
+    wants it gets it at each of the engine thread's launches and holds it for its own Python; on the H200 through
+    Triton the stub's draft stage took 0.65-0.70 ms of host time a round against 0.28-0.41 in process
+    (humaneval_h200_treeprog)."""
 
     def __init__(self, inline: bool = False, gate: threading.Event | None = None) -> None:
         self.inline = inline

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,8 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -82,7 +84,7 @@ def main() -> None:
                         help="another EngineConfig field (repeatable), e.g. static_batch_memory=0")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="warmup_probe_h200")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     t0 = time.perf_counter()
     target, drafter = build(args.shape, getattr(torch, args.dtype), args.device)
     weights = allocated(args.device)
@@ -107,6 +109,7 @@ def main() -> None:
                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else 0.0)
     write()
     print(table(result))
+    return result
 
 
 if __name__ == "__main__":

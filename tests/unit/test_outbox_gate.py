@@ -42,6 +42,16 @@ def wait_for(predicate, timeout_s: float = 10.0) -> bool:
     return predicate()
 
 
+def queued_behind_a_shut_gate(n: int) -> tuple[Outbox, list[int], float]:
+    """An outbox whose gate never opens with n calls queued (call i appends i to the list), and when they were queued."""
+    done: list[int] = []
+    outbox = Outbox(gate=threading.Event())
+    start = time.monotonic()
+    for i in range(n):
+        outbox.put(done.append, i)
+    return outbox, done, start
+
+
 def test_a_call_waits_for_the_gate(monkeypatch):
     monkeypatch.setattr(serving, "GATE_WAIT_S", 30.0)
     gate, done = threading.Event(), []
@@ -56,10 +66,7 @@ def test_a_call_waits_for_the_gate(monkeypatch):
 
 def test_a_closed_gate_holds_a_call_only_so_long(monkeypatch):
     monkeypatch.setattr(serving, "GATE_WAIT_S", 0.05)
-    done = []
-    outbox = Outbox(gate=threading.Event())   # never opened
-    for i in range(3):
-        outbox.put(done.append, i)
+    outbox, done, _ = queued_behind_a_shut_gate(3)
     assert wait_for(lambda: done == [0, 1, 2])
     outbox.close(5.0)
 
@@ -67,11 +74,7 @@ def test_a_closed_gate_holds_a_call_only_so_long(monkeypatch):
 def test_closing_drains_without_waiting_for_the_gate(monkeypatch):
     """Only a call already waiting when the outbox closes can wait (GATE_WAIT_S at most); the rest go at once."""
     monkeypatch.setattr(serving, "GATE_WAIT_S", 2.0)
-    done = []
-    outbox = Outbox(gate=threading.Event())   # never opened
-    start = time.monotonic()
-    for i in range(3):
-        outbox.put(done.append, i)
+    outbox, done, start = queued_behind_a_shut_gate(3)
     outbox.close(30.0)
     assert done == [0, 1, 2] and time.monotonic() - start < 4.5   # 6 s if each had waited
 
@@ -99,11 +102,7 @@ def test_a_closed_gate_holds_each_call_from_when_it_was_queued(monkeypatch):
     once (a wait per call capped the outbox at 1 / GATE_WAIT_S calls a second: at 32 streams on the H200, host-bound
     rounds that rarely wait on the device held responses back until the clients' streams thinned out)."""
     monkeypatch.setattr(serving, "GATE_WAIT_S", 0.1)
-    done = []
-    outbox = Outbox(gate=threading.Event())   # never opened
-    start = time.monotonic()
-    for i in range(20):
-        outbox.put(done.append, i)
+    outbox, done, start = queued_behind_a_shut_gate(20)
     assert wait_for(lambda: len(done) == 20)
     elapsed = time.monotonic() - start
     assert done == list(range(20)) and 0.09 < elapsed < 0.6, elapsed   # 2 s if each had waited its own 0.1 s
