@@ -1078,8 +1078,8 @@ class Engine:
     def _warm_batched_verifies(self, starts: list[int]) -> None:
         """The target's verify of 2, 4, ... max_num_seqs requests' trees (padded to a power of two) at the row bucket
         of each drafting arm of config.auto_arms and at each of these key buckets, smallest first (requests x rows,
-        then keys), until they hold config.static_batch_memory MiB (each holds its rows' logits and, for a hybrid,
-        its stash). In slots 0.. whose contents their next requests' prefills replace."""
+        then keys), while the next fits within config.static_batch_memory MiB (_MemoryBudget; each holds its rows'
+        logits and, for a hybrid, its stash). In slots 0.. whose contents their next requests' prefills replace."""
         if self.drafter is None or self.config.max_num_seqs < 2:
             return
         block = self.drafter.block_size
@@ -1105,10 +1105,10 @@ class Engine:
     def _warm_prefills(self) -> None:
         """The static prefills' programs (_prefill_static) up to self.static_prefill tokens: a lone prompt's of every
         row bucket, then those of 2, 4, ... max_num_seqs prompts together (padded to a power of two) of every
-        prefill_bucket, smallest first, until the group programs hold config.static_prefill_memory MiB (each holds its
-        outputs: ~2.5 MiB a row at 27B, prefill_probe_h200_27b_group8*.md); later groups of a row bucket are split into
-        the largest made there (_static_groups). In slots 0.. whose contents their next requests' prefills replace (a
-        hybrid's recurrent state is reset by each)."""
+        prefill_bucket, smallest first, while the next group program fits within config.static_prefill_memory MiB
+        (_MemoryBudget; each holds its outputs: ~2.5 MiB a row at 27B, prefill_probe_h200_27b_group8*.md); later
+        groups of a row bucket are split into the largest made there (_static_groups). In slots 0.. whose contents
+        their next requests' prefills replace (a hybrid's recurrent state is reset by each)."""
         lengths = range(1, self.static_prefill + 1)
         for rows in sorted({row_bucket(n) for n in lengths}):
             self._warm_prefill(1, rows)
