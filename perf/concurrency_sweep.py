@@ -246,6 +246,21 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
     return out
 
 
+IDLE_SHARE = 0.9   # a run whose engine held fewer of the streams on average had streams idle outside the engine
+
+
+def idle_runs(methods: dict[str, dict[str, dict]], levels: list[int]) -> list[str]:
+    """The runs whose engine held under IDLE_SHARE of the streams on average (the engine's mean batch): streams that
+    waited outside it, for their responses or before their next request reached it (on the H200 a 2 ms outbox wait
+    per call made such runs, at half the throughput: README, "The gate's wait counted from queueing")."""
+    return [f"{name} c={c} run {i + 1}: {run['tokens_per_s']:.0f} tok/s, mean batch {run['stages']['mean_batch']:.1f}, "
+            f"time to first token p50 {run['ttft_ms_p50']:.0f} ms (the engine's mean "
+            + (f"{run['engine_ttft_ms']:.1f})" if run.get("engine_ttft_ms") is not None else "-)")
+            for name, by_level in methods.items() for c in levels
+            for i, run in enumerate(by_level.get(str(c), {}).get("runs", []))
+            if run.get("stages", {}).get("mean_batch", c) < IDLE_SHARE * c]
+
+
 def write(result: dict, levels: list[int], args) -> None:
     rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     if result.get("engine"):
@@ -343,6 +358,10 @@ def write(result: dict, levels: list[int], args) -> None:
                  if run.get("auto_arm_time_shares") and max(run["auto_arm_time_shares"].values()) < 0.99]
         if notes:
             rows += ["", "`auto`'s runs that spent over 1% of their time outside one arm:", ""] + [f"- {n}" for n in notes]
+        idle = idle_runs(result["methods"], levels)
+        if idle:
+            rows += ["", f"Runs whose engine held under {IDLE_SHARE:.0%} of the streams on average (the others waited "
+                     "outside it):", ""] + [f"- {n}" for n in idle]
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from perf.concurrency_sweep import median_run, paired_ratios
+from perf.concurrency_sweep import idle_runs, median_run, paired_ratios
 
 
 def runs(*values):
@@ -51,3 +51,15 @@ def test_a_sweep_split_over_commands_merges_the_earlier_points():
         merge_earlier({**result, "max_tokens": 32}, earlier, [16])
     with pytest.raises(SystemExit, match="measured"):
         merge_earlier({**settings, "methods": {"ar": {}}}, earlier, [16])
+
+
+def test_runs_whose_engine_held_few_of_the_streams_are_listed():
+    def run(tokens, batch, engine_ttft=None):
+        return {"tokens_per_s": tokens, "ttft_ms_p50": 183.0, "stages": {"mean_batch": batch},
+                **({"engine_ttft_ms": engine_ttft} if engine_ttft is not None else {})}
+    methods = {"ar": {"32": median_run([run(12000, 32.0), run(12400, 29.0)])},
+               "auto": {"32": median_run([run(11900, 31.9, 50.2), run(6978, 14.0, 13.1)]),
+                        "16": median_run([run(8000, 16.0)])}}
+    assert idle_runs(methods, [16, 32]) == [
+        "auto c=32 run 2: 6978 tok/s, mean batch 14.0, time to first token p50 183 ms (the engine's mean 13.1)"]
+    assert idle_runs({"ar": {"8": median_run([run(100, 8.0)])}}, [8, 16]) == []
