@@ -192,6 +192,7 @@ def test_image_serves_the_model_repository_with_a_readiness_healthcheck():
     assert image and (int(image[1]), int(image[2])) >= (25, 1), "CUDA >= 12.8 (sm_120) needs NGC >= 25.01"
     assert "12.0" in text and "9.0" in text and "sm_120" in text and "sm_90" in text
     assert re.search(r"(?m)^HEALTHCHECK .*healthcheck\.py", text)
+    assert int(re.search(r"--start-period=(\d+)s", text)[1]) >= 600   # a 27B load and its ~3.5-minute warm-up
     assert "/v2/health/ready" in (ROOT / "docker" / "healthcheck.py").read_text()
     entry = (ROOT / "docker" / "entrypoint.sh").read_text()
     assert "check_deployment.py" in entry and "exec tritonserver" in entry
@@ -213,6 +214,12 @@ def test_compose_file():
     (models,) = [v for v in service["volumes"] if v["target"] == "/opt/ddtree/models"]
     assert models["read_only"] is True
     assert "healthcheck.py" in " ".join(service["healthcheck"]["test"])
+    # the compile caches the image names live on a volume: a new container reuses what the last one compiled
+    caches = dict(re.findall(r"(TORCHINDUCTOR_CACHE_DIR|TRITON_CACHE_DIR)=(\S+)", DOCKERFILE.read_text()))
+    (cache,) = [v for v in service["volumes"] if v["target"] == "/cache"]
+    assert cache["type"] == "volume" and cache["source"] in load_compose("compose.yaml")["volumes"]
+    assert set(caches) == {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+    assert all(path.startswith("/cache/") for path in caches.values()), caches
     (gpu,) = service["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["capabilities"] == ["gpu"] and gpu["count"] == "${GPU_COUNT:-1}"
     assert (ROOT / "docker" / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == DOCKERFILE
@@ -231,6 +238,10 @@ def test_systemd_unit():
     assert "network-online.target" in keys["After"] and "network-online.target" in keys["Wants"]
     assert "scripts/check_deployment.py" in keys["ExecStartPre"]
     assert "scripts/triton_env.py serve" in keys["ExecStart"]
+    # the compile caches under the unit's own cache directory (/var/cache/<CacheDirectory>), kept across restarts
+    environment = dict(pair.split("=", 1) for line in re.findall(r"(?m)^Environment=(.*)$", unit) for pair in line.split())
+    caches = {key: environment.get(key, "") for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    assert all(path.startswith(f"/var/cache/{keys['CacheDirectory']}/") for path in caches.values()), caches
 
 
 def test_systemd_install_renders_the_checkout_and_user(tmp_path):
