@@ -1090,13 +1090,14 @@ class Engine:
                          if batch_bucket(n) * r <= StaticTarget.MAX_ROWS), key=lambda s: (batch_bucket(s[0]) * s[1], s[2]))
         budget, made = _MemoryBudget(self.config.static_batch_memory), 0
         for n, r, start in shapes:
-            if not budget.fits(batch_bucket(n) * r):
+            padded = batch_bucket(n) * r
+            if not budget.fits(padded):
                 break
             parents, positions = self._warm_tree(start, r, block)
             caches, before = self.caches[:n], self._allocated_bytes()
             if self.static_target.batch(caches, [start] * n, [[1] * r] * n, [positions] * n, [parents] * n) is not None:
                 made += 1
-            budget.add(self._allocated_bytes() - before, batch_bucket(n) * r)
+            budget.add(self._allocated_bytes() - before, padded)
             self._drop_pending(caches)
         logger.info("warm-up: %d verifies of several requests' trees (of %d shapes), holding %.0f MiB", made, len(shapes),
                     budget.held / 2**20)
@@ -1117,12 +1118,13 @@ class Engine:
             groups += [(n, rows) for n in self._batch_sizes() if batch_bucket(n) * rows <= StaticTarget.MAX_ROWS]
         self._group_sizes, budget = {}, _MemoryBudget(self.config.static_prefill_memory)
         for reqs, rows in sorted(groups, key=lambda shape: (shape[0] * shape[1], shape[1])):
-            if not budget.fits(batch_bucket(reqs) * rows):
+            padded = batch_bucket(reqs) * rows
+            if not budget.fits(padded):
                 break
             before = self._allocated_bytes()
             if self._warm_prefill(reqs, rows):
                 self._group_sizes[rows] = max(reqs, self._group_sizes.get(rows, 1))
-                budget.add(self._allocated_bytes() - before, batch_bucket(reqs) * rows)
+                budget.add(self._allocated_bytes() - before, padded)
         logger.info("warm-up: static prefills of prompts admitted together up to %s (prompts by rows), holding %.0f MiB",
                     self._group_sizes, budget.held / 2**20)
 
