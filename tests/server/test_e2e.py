@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,6 +103,13 @@ def test_served_output_equals_in_process_engine(server, tokenizer):
         sampling = {"max_tokens": 32, "temperature": 0, "mode": mode, "tree_budget": 16}
         local = engine.generate_ids(prompt_ids, SamplingParams(max_tokens=32, mode=mode, tree_budget=16)).output_ids
         assert generate_ids_direct(server, prompt_ids, sampling) == local, mode
+
+
+def test_generation_model_froze_its_heap_after_warm_up(server):
+    """The served model's stub froze what loading and warm-up left (ddtree.serving.freeze_heap): logged once per
+    instance, before it served, with the number of objects a full collection no longer walks."""
+    found = re.findall(r"gc: (\d+) objects from loading and warm-up frozen", open(server.log_path).read())
+    assert found and all(int(n) > 10_000 for n in found), found
 
 
 def test_http_generate_stream_and_generate(server):

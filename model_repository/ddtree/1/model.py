@@ -14,7 +14,7 @@ from ddtree import api  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.errors import InvalidRequest  # noqa: E402
-from ddtree.serving import GenerationService  # noqa: E402
+from ddtree.serving import GenerationService, freeze_heap  # noqa: E402
 from ddtree.stop_registry import StopRegistry, default_directory  # noqa: E402
 from ddtree.triton_common import (  # noqa: E402
     TritonLogHandler,
@@ -71,6 +71,7 @@ class TritonPythonModel:
         package_logger.info("%s engine config: %s", args["model_instance_name"], self.config)
         engine = Engine(self.config)
         engine.warm_up()   # CUDA: compiles and captures the static programs before the model reports ready
+        freeze_heap()      # what loading and warm-up left: never walked by a full collection again
         self.metrics = TritonMetrics(pb_utils, IPC_LOCK, {"model": args["model_name"], "instance": args["model_instance_name"]},
                                      keys={field: [arm.name for arm in engine.arm_selector.arms]
                                            for field in ("auto_arm_rounds", "auto_arm_seconds")})
