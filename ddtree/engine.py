@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -256,6 +257,7 @@ class Engine:
         # a lone request's steps and a batch's (on the H200 in process, SmolLM2 shapes, a batch's queued too: `ar`
         # 1.20-1.54x the tokens/s at 2-32 requests: perf/results/round_profile_h200_lookahead_{true,auto}.md)
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
+        self.keep_step_taps = os.environ.get("DDTREE_KEEP_STEP_TAPS", "0") not in ("", "0")   # see _queue_step
         self.fold_chunks = FOLD_CHUNKS   # rounds a request's features wait for a draft before _fold_contexts writes them
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
         self.static_prefill = static_prefill if self.static_target is not None else 0
@@ -664,8 +666,10 @@ class Engine:
             return None
         self._commit_caches(seqs, [[0]] * n, starts)
         argmax = result[0][:n].argmax(dim=-1)
-        # `auto` requests keep their steps' features for the drafter (copied out: the next step reuses the buffers)
-        drafting = result[1] is not None and any(seq.request.params.mode != "ar" for seq in seqs)
+        # `auto` requests keep their steps' features for the drafter (copied out: the next step reuses the buffers);
+        # DDTREE_KEEP_STEP_TAPS=1 (a diagnostic) copies them for `ar` batches too, unused: what that copy costs `ar`
+        drafting = result[1] is not None and (self.keep_step_taps
+                                              or any(seq.request.params.mode != "ar" for seq in seqs))
         taps = result[1][:n].clone() if drafting else None
         if self.device.type != "cuda":
             return QueuedStep(seqs, starts, argmax, argmax, None, taps)
