@@ -45,22 +45,38 @@ def snapshot(engine: Engine) -> dict:
             "arms": dict(t.auto_arm_rounds)}
 
 
-def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile=None) -> dict:
-    """All prompts added at once, stepped until every request finishes: tokens/s and the stage deltas."""
-    requests = [Request(request_id=f"b{i}", prompt_ids=list(ids), params=params) for i, ids in enumerate(prompts)]
-    for request in requests:
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile=None, total: int = 0) -> dict:
+    """All prompts added at once, stepped until every request finishes: tokens/s and the stage deltas. total (more
+    than the prompts): as many requests kept running, each one that finished replaced before the next step by the
+    next prompt (cycling) until `total` were added, as a closed loop's streams arrive (perf_analyzer's, without the
+    client's turnaround): admissions and prefills among the decoding rounds, which requests added at once pay once."""
+    requests: list[Request] = []
+
+    def add() -> Request:
+        request = Request(request_id=f"b{len(requests)}", prompt_ids=list(prompts[len(requests) % len(prompts)]),
+                          params=params)
+        requests.append(request)
         engine.add(request)
+        return request
+
+    live = [add() for _ in prompts]
+    total = max(total, len(prompts))
     before, start = snapshot(engine), time.perf_counter()
     while engine.has_work:
         engine.step()
         if profile is not None:
             profile.step()
+        if len(requests) < total:
+            live = [r for r in live if r.finish_reason is None]
+            while len(live) < len(prompts) and len(requests) < total:
+                live.append(add())
     seconds = time.perf_counter() - start
     after = snapshot(engine)
     rounds = after["batch_rounds"] - before["batch_rounds"]
     tokens = sum(r.num_output_tokens for r in requests)
     arms = {k: v - before["arms"].get(k, 0) for k, v in after["arms"].items() if v - before["arms"].get(k, 0)}
-    return {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds, "batch_rounds": rounds,
+    return {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "num_requests": len(requests), "seconds": seconds,
+            "batch_rounds": rounds,
             "mean_acceptance": sum(sum(r.acceptance_lengths) for r in requests)
             / max(sum(len(r.acceptance_lengths) for r in requests), 1),
             "ms_per_round": {k: 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in STAGES},

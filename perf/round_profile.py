@@ -4,7 +4,9 @@ Issue 4's sweeps found `auto` 0.86-0.93x `ar` through Triton on the H200 while i
 takes the server out and pairs the two: one engine, `--concurrency` requests added at once per batch, the methods
 in turns (`--turns`, each turn one batch of each, the order rotated), the median turn's ms per batch round and
 tokens/s, the ratio turn by turn; then one batch of each under cProfile, and the functions whose time per round
-differs most between the candidate (the last method) and the base (the first).
+differs most between the candidate (the last method) and the base (the first). `--requests-per-stream K` keeps a
+point's requests running instead, each that finished replaced at once until K a stream ran: the admissions and
+prefills among the rounds that a serving sweep has and a batch added at once pays once.
 
     python perf/round_profile.py --device cuda --dtype bfloat16 --target models/smollm2-shaped \\
         --drafter models/smollm2-shaped-dflash --concurrency 1,2,8,32 --name round_profile_h200
@@ -38,14 +40,14 @@ def params_for(name: str, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, mode=mode, tree_budget=int(budget or 64), seed=0)
 
 
-def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: cProfile.Profile | None = None
-              ) -> dict:
-    """batch_rounds.run_batch (the prompts added at once, stepped until all finish), under `profile` where given: ms
-    per batch round, tokens/s, auto's arms."""
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: cProfile.Profile | None = None,
+              total: int = 0) -> dict:
+    """batch_rounds.run_batch (the prompts added at once, stepped until all finish; with total, as many kept running
+    until `total` ran), under `profile` where given: ms per batch round, tokens/s, auto's arms."""
     if profile is not None:
         profile.enable()
     try:
-        result = batch_rounds.run_batch(engine, prompts, params)
+        result = batch_rounds.run_batch(engine, prompts, params, total=total)
     finally:
         if profile is not None:
             profile.disable()
@@ -64,18 +66,19 @@ def per_function(profile: cProfile.Profile, rounds: int) -> dict[str, float]:
 
 
 def measure_level(engine: Engine, prompts: list[list[int]], methods: list[str], args) -> dict:
+    total = len(prompts) * args.requests_per_stream
     for name in methods:   # unmeasured: auto's exploration at this batch size, any program not made at warm-up
-        run_batch(engine, prompts, params_for(name, args.max_tokens))
+        run_batch(engine, prompts, params_for(name, args.max_tokens), total=total)
     turns: list[dict[str, dict]] = []
     for turn in range(args.turns):
         order = methods[turn % len(methods):] + methods[: turn % len(methods)]
-        turns.append({name: run_batch(engine, prompts, params_for(name, args.max_tokens)) for name in order})
+        turns.append({name: run_batch(engine, prompts, params_for(name, args.max_tokens), total=total) for name in order})
     base, candidate = methods[0], methods[-1]
     ratios = [t[candidate]["tokens_per_s"] / t[base]["tokens_per_s"] for t in turns]
     profiles = {}
     for name in methods:
         profile = cProfile.Profile()
-        result = run_batch(engine, prompts, params_for(name, args.max_tokens), profile)
+        result = run_batch(engine, prompts, params_for(name, args.max_tokens), profile, total)
         profiles[name] = per_function(profile, result["batch_rounds"])
     diff = sorted(((profiles[candidate].get(k, 0.0) - profiles[base].get(k, 0.0), k) for k in
                    set(profiles[candidate]) | set(profiles[base])), reverse=True)[: args.top]
@@ -91,7 +94,10 @@ def measure_level(engine: Engine, prompts: list[list[int]], methods: list[str], 
 def table(result: dict) -> str:
     methods, levels = result["methods"], result["levels"]
     base, candidate = methods[0], methods[-1]
-    lines = [f"Requests x {result['max_tokens']} tokens added at once, {result['turns']} turns per point (one batch of "
+    per_stream = result.get("requests_per_stream", 1)
+    arrivals = ("added at once" if per_stream == 1 else f"kept running, each finished one replaced at once, {per_stream} "
+                "a stream (a closed loop's arrivals)")
+    lines = [f"Requests x {result['max_tokens']} tokens {arrivals}, {result['turns']} turns per point (one batch of "
              "each method per turn); the median turn:", "",
              "| | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name in methods:
@@ -123,6 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--top", type=int, default=12, help="functions listed per point")
+    parser.add_argument("--requests-per-stream", type=int, default=1,
+                        help="1: a point's requests added at once; more: as many kept running, each that finished "
+                             "replaced at once, until this many per stream ran (admissions among the rounds, as in "
+                             "a serving sweep)")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine setting, parsed as config.pbtxt's (repeatable)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Engine(config)
     engine.warm_up()
     result = {"header": header(), "max_tokens": args.max_tokens, "turns": args.turns, "methods": methods,
+              "requests_per_stream": args.requests_per_stream,
               "levels": levels, "points": {}}
     for level in tqdm(levels, desc="concurrency"):
         prompts = [base[i % len(base)] for i in range(level)]

@@ -24,3 +24,37 @@ def test_batch_rounds(tiny_models, tmp_path):
         assert (tmp_path / "prof" / f"b_{name}.txt").read_text().startswith(f"b_{name}:")
     assert sum(methods["auto"]["arms"].values()) == methods["auto"]["batch_rounds"] and methods["ar"]["arms"] == {}
     assert "| auto |" in (tmp_path / "b.md").read_text()
+
+
+class _Recorder:
+    """The real engine, the number of requests it holds (running and waiting) noted after every step."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.held = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        outputs = self.engine.step()
+        self.held.append(len(self.engine.running) + len(self.engine.waiting))
+        return outputs
+
+
+def test_run_batch_keeps_streams_running_until_total(tiny_models):
+    """total: 2 streams kept running until 5 requests ran, each replaced as soon as it finished (the engine never
+    holds more than the streams); without it, the prompts alone."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                                 max_num_seqs=2))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    recorder = _Recorder(engine)
+    params = batch_rounds.params_for("ar", 6)
+    result = batch_rounds.run_batch(recorder, prompts, params, total=5)
+    assert result["num_requests"] == 5 and result["num_tokens"] == 5 * 6
+    assert max(recorder.held) == 2 and recorder.held[-1] == 0
+    assert recorder.held.count(2) > len(recorder.held) // 2   # mostly both streams busy: replacements arrive at once
+    alone = batch_rounds.run_batch(engine, prompts, params)
+    assert alone["num_requests"] == 2 and alone["num_tokens"] == 2 * 6

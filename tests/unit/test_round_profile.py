@@ -1,0 +1,19 @@
+"""perf/round_profile.py on tiny models (CPU): both methods measured in turns, with requests added at once and with
+streams kept running (--requests-per-stream), and their profiles compared."""
+
+from __future__ import annotations
+
+import json
+
+from perf import round_profile
+
+
+def test_round_profile_with_arrivals(tiny_models, tmp_path):
+    result = round_profile.main(["--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
+                                 "--concurrency", "2", "--max-tokens", "5", "--turns", "2", "--top", "3",
+                                 "--requests-per-stream", "3", "--out", str(tmp_path), "--name", "r"])
+    point = result["points"]["2"]
+    assert len(point["ratios"]) == 2 and point["ratio_worst"] <= point["ratio_median"]
+    assert all(point["methods"][m]["tokens_per_s"] > 0 for m in ("ar", "auto")) and len(point["profile_diff_us"]) == 3
+    assert json.loads((tmp_path / "r.json").read_text())["requests_per_stream"] == 3
+    assert "3 a stream" in (tmp_path / "r.md").read_text()
