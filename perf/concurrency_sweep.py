@@ -261,6 +261,17 @@ def idle_runs(methods: dict[str, dict[str, dict]], levels: list[int]) -> list[st
             if run.get("stages", {}).get("mean_batch", c) < IDLE_SHARE * c]
 
 
+def wall_ms_per_round(run: dict, max_tokens: int) -> float | None:
+    """A run's time per batch round: its tokens (max_tokens a request) / its tokens/s / the engine's batch rounds in it
+    (perf_analyzer's window and the counters' are nearly the same). What the stages of a round (draft, verify, host,
+    serve) leave of it is the steps' prefills (the admissions among the rounds) and the engine's waits for work: on the
+    H200 at 32 streams ~1.4 of ~2.9 ms (README, issue 4's row). None without the counters."""
+    rounds = run.get("stages", {}).get("batch_rounds")
+    if not rounds or not run.get("tokens_per_s") or not run.get("num_requests"):
+        return None
+    return 1e3 * run["num_requests"] * max_tokens / run["tokens_per_s"] / rounds
+
+
 def write(result: dict, levels: list[int], args) -> None:
     rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     if result.get("engine"):
@@ -275,7 +286,8 @@ def write(result: dict, levels: list[int], args) -> None:
         rows.append(f"| {name} ITL p50 ms | " + " | ".join(f"{by_level[str(c)]['itl_ms_p50']:.1f}" for c in levels) + " |")
     rows += ["", "Per batch round (engine counters through Triton's metrics): mean requests / draft ms / verify ms / host ms / "
              "serve ms (engine thread outside steps); postprocessing (one execution per streamed response): queue ms / "
-             "compute ms per execution, executions per request.", "",
+             "compute ms per execution, executions per request; the run's wall ms a round (its tokens / tokens/s / "
+             "rounds: beyond the stages, the prefills admitting requests among the rounds and the engine's waits).", "",
              "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     for name, by_level in result["methods"].items():
         cells = []
@@ -285,6 +297,7 @@ def write(result: dict, levels: list[int], args) -> None:
             cells.append(f"{st['mean_batch']:.1f} / {st['draft_ms']:.1f} / {st['verify_ms']:.1f} / {st['host_ms']:.1f} / "
                          f"{st.get('serve_ms', float('nan')):.1f}; {pp['queue_ms']:.2f} / {pp['compute_ms']:.2f}"
                          + (f", {pp['per_request']:.1f}" if "per_request" in pp else "")
+                         + (f"; wall {wall:.2f}" if (wall := wall_ms_per_round(e, result["max_tokens"])) is not None else "")
                          if st and pp else "-")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     if any("preprocessing" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from perf.concurrency_sweep import idle_runs, median_run, paired_ratios
+from perf.concurrency_sweep import idle_runs, median_run, paired_ratios, wall_ms_per_round
 
 
 def runs(*values):
@@ -63,3 +63,11 @@ def test_runs_whose_engine_held_few_of_the_streams_are_listed():
     assert idle_runs(methods, [16, 32]) == [
         "auto c=32 run 2: 6978 tok/s, mean batch 14.0, time to first token p50 183 ms (the engine's mean 13.1)"]
     assert idle_runs({"ar": {"8": median_run([run(100, 8.0)])}}, [8, 16]) == []
+
+
+def test_wall_ms_per_round_is_the_runs_time_over_its_rounds():
+    # 976 requests of 64 tokens at 10458.5 tok/s in 2022 batch rounds (an H200 `ar` run at c=32): 2.95 ms a round
+    run = {"tokens_per_s": 10458.5, "num_requests": 976, "stages": {"batch_rounds": 2022.0, "mean_batch": 31.4}}
+    assert wall_ms_per_round(run, 64) == pytest.approx(2.954, abs=1e-3)
+    assert wall_ms_per_round({**run, "stages": {"mean_batch": 31.4}}, 64) is None   # no counters: nothing to divide by
+    assert wall_ms_per_round({"tokens_per_s": 0.0, "num_requests": 4, "stages": {"batch_rounds": 3}}, 64) is None
