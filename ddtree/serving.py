@@ -117,8 +117,9 @@ def is_fatal(error: BaseException) -> bool:
 def freeze_heap() -> int:
     """Once the engine is loaded and warmed up: collect, then move every object alive into the collector's permanent
     generation (gc.freeze, as vLLM does after capturing its graphs). What loading and warm-up leave is ~300k objects
-    (torch, transformers, the models' modules), and a full collection walks all of them: 107 ms on the 2-core CPU
-    machine with the tiny engine loaded (perf/gc_probe.py), a stall of every stream whenever Python decides on one.
+    (torch, transformers, the models' modules), and a full collection walks all of them: ~100 ms on the 2-core CPU
+    machine with the embedded default loaded (perf/gc_probe.py, perf/results/gc_probe_cpu.md), a stall of every
+    stream whenever Python decides on one (rarely: a batch of 16 requests made one young collection).
     Frozen, they are never walked again; objects freed by their reference counts are freed as before. Returns how
     many objects were frozen."""
     gc.collect()
