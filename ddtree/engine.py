@@ -396,10 +396,10 @@ class Engine:
             last_rows.append(sum(s.length for s in segments) - 1)
         logits, taps = self.target.forward_packed(torch.cat(ids), torch.cat(positions), segments, self.tap_layers,
                                                   logit_rows=torch.tensor(last_rows, device=self.device))
-        row = 0
+        row, firsts = 0, self._greedy_firsts(seqs, logits)
         for i, seq in enumerate(seqs):
             n = segments[i].length
-            outputs.append(self._start_decoding(seq, n, logits[i : i + 1], taps, row))
+            outputs.append(self._start_decoding(seq, n, logits[i : i + 1], taps, row, firsts[i]))
             row += n
         self._sync()
         self._prefilled(admitted, t0)
@@ -429,15 +429,33 @@ class Engine:
         groups = [group[i : i + size[rows]] for rows, group in by_rows.items() for i in range(0, len(group), size[rows])]
         return groups, others
 
+    def _greedy_firsts(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+        """The first tokens of the prefilled greedy requests that suppress nothing (min_tokens 0), from their last rows'
+        logits  # [len(seqs), vocab], in one argmax and one device read for the group (not one of each per request);
+        None for the others, which _start_decoding chooses one by one."""
+        plain = [i for i, seq in enumerate(seqs)
+                 if seq.request.params.is_greedy and not self._suppressed(seq.request.params)]
+        firsts: list[int | None] = [None] * len(seqs)
+        if plain:
+            picked = logits[plain] if len(plain) < len(seqs) else logits[: len(seqs)]
+            for i, token in zip(plain, picked.argmax(dim=-1).tolist()):
+                firsts[i] = token
+        return firsts
+
     def _start_decoding(self, seq: Sequence, n: int, logits: torch.Tensor, taps: torch.Tensor | None,
-                        row: int) -> RequestOutput:
-        """A prefilled prompt of n tokens committed, its first token chosen from the last row's logits  # [1, vocab];
-        its features (taps rows row..row+n) pending for the drafter."""
+                        row: int, first: int | None = None) -> RequestOutput:
+        """A prefilled prompt of n tokens committed, its first token chosen from the last row's logits  # [1, vocab]
+        (or `first`, chosen with its group's: _greedy_firsts); its features (taps rows row..row+n) pending for the
+        drafter."""
         self.caches[seq.slot].compact(0, list(range(n)))   # commits the whole prompt (recurrent state too)
         params = seq.request.params
-        row_logits = suppress_tokens(logits, self._suppressed(params),
-                                     torch.tensor([params.min_tokens > 0], device=self.device))
-        seq.root = self._choose(row_logits[0], params, seq.generator)
+        if first is not None:
+            seq.root = first
+        else:
+            suppressed = self._suppressed(params)
+            row_logits = suppress_tokens(logits, suppressed, torch.tensor([True], device=self.device)) if suppressed \
+                else logits
+            seq.root = self._choose(row_logits[0], params, seq.generator)
         seq.start = n
         seq.pending_taps = [(taps, row, row + n)] if taps is not None and params.mode != "ar" else []
         if self.draft_caches:
@@ -460,9 +478,9 @@ class Engine:
         # before the drafter reads them (an `auto` request's `ar` rounds at the same rows): a copy of their own
         drafting = taps is not None and any(seq.request.params.mode != "ar" for seq in seqs)
         taps = taps.clone() if drafting else None
-        outputs, row = [], 0
+        outputs, row, firsts = [], 0, self._greedy_firsts(seqs, logits)
         for i, seq in enumerate(seqs):
-            outputs.append(self._start_decoding(seq, len(prompts[i]), logits[i : i + 1], taps, row))
+            outputs.append(self._start_decoding(seq, len(prompts[i]), logits[i : i + 1], taps, row, firsts[i]))
             row += len(prompts[i])
         self._sync()
         self.stage_times.static_prefills += len(seqs)

@@ -48,10 +48,10 @@ def test_the_prefill_logits_and_cache_equal_the_eager_ones(tiny_models):
     ids = prompt(3, 23)
     seen = {}
     for name, engine in (("plain", plain), ("static", static)):
-        chosen = []
-        real = engine._choose
-        engine._choose = lambda logits, params, gen, real=real, chosen=chosen: chosen.append(logits.clone()) or real(
-            logits, params, gen)
+        chosen = []   # the logits the prompt's first token is chosen from (greedy: with its group's, _greedy_firsts)
+        real = engine._greedy_firsts
+        engine._greedy_firsts = lambda seqs, logits, real=real, chosen=chosen: chosen.append(logits[0].clone()) or real(
+            seqs, logits)
         engine.add(Request("r", ids, SamplingParams(mode="ar", max_tokens=1)))
         engine.step()
         cache = engine.caches[0]
@@ -247,3 +247,18 @@ def test_warm_up_prepares_the_prefills_programs(tiny_models):
             engine.step()
     assert engine.stage_times.static_prefills == 15
     assert not [key for key in engine.graphs.late_keys if "prefill" in key], engine.graphs.late_keys   # no prefill's
+
+
+def test_a_groups_greedy_first_tokens_come_from_one_argmax(tiny_models):
+    """_greedy_firsts: the first tokens of the group's greedy requests that suppress nothing, the argmax of each one's
+    row (as one device read); None for a request with min_tokens (its EOS suppressed first) or one that samples,
+    which _start_decoding chooses alone."""
+    plain, _ = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
+    ids = prompt(1, 9)
+    for i, params in enumerate([SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, min_tokens=2),
+                                SamplingParams(max_tokens=4, temperature=1.0, seed=1), SamplingParams(max_tokens=4)]):
+        plain.add(Request(f"r{i}", ids, params))
+    logits = torch.randn(4, plain.target.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits[3, 7] = 100.0
+    assert plain._greedy_firsts(list(plain.waiting), logits) == [int(logits[0].argmax()), None, None, 7]
+    assert plain._greedy_firsts(list(plain.waiting)[1:3], logits[1:3]) == [None, None]
