@@ -437,7 +437,7 @@ class Engine:
                  if seq.request.params.is_greedy and not self._suppressed(seq.request.params)]
         firsts: list[int | None] = [None] * len(seqs)
         if plain:
-            picked = logits[plain] if len(plain) < len(seqs) else logits[: len(seqs)]
+            picked = logits[plain] if len(plain) < len(seqs) else logits   # all of them: no gathered copy
             for i, token in zip(plain, picked.argmax(dim=-1).tolist()):
                 firsts[i] = token
         return firsts
@@ -452,10 +452,10 @@ class Engine:
         if first is not None:
             seq.root = first
         else:
-            suppressed = self._suppressed(params)
-            row_logits = suppress_tokens(logits, suppressed, torch.tensor([True], device=self.device)) if suppressed \
-                else logits
-            seq.root = self._choose(row_logits[0], params, seq.generator)
+            suppressed = self._suppressed(params)   # min_tokens: EOS kept out of the first token
+            if suppressed:
+                logits = suppress_tokens(logits, suppressed, torch.tensor([True], device=self.device))
+            seq.root = self._choose(logits[0], params, seq.generator)
         seq.start = n
         seq.pending_taps = [(taps, row, row + n)] if taps is not None and params.mode != "ar" else []
         if self.draft_caches:
