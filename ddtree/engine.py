@@ -148,6 +148,27 @@ class QueuedStep:
         return self.host.tolist()
 
 
+@dataclass(slots=True)
+class FirstTokens:
+    """A prefilled group's greedy first tokens (Engine._greedy_firsts): their argmax copied to the host behind an
+    event, read after the step's decoding round (Engine._resolve_firsts), so that the host prepares and launches that
+    round while the device runs the prefill instead of waiting for it."""
+    seqs: list[Sequence]
+    plain: list[int]                     # indices into seqs of the greedy requests that suppress nothing
+    host: torch.Tensor | None            # [len(plain)] their tokens (pinned on CUDA), None where there are none
+    event: torch.cuda.Event | None       # None off CUDA (the argmax is on the host already)
+
+    def tokens(self) -> list[int | None]:
+        """Each request's first token (None: one _start_decoding chose alone)."""
+        if self.event is not None:
+            self.event.synchronize()   # releases the GIL while it waits
+        firsts: list[int | None] = [None] * len(self.seqs)
+        if self.host is not None:
+            for i, token in zip(self.plain, self.host.tolist()):
+                firsts[i] = token
+        return firsts
+
+
 class StageEvents:
     """CUDA events at the stage bounds of a round (StageTimes.draft_gpu, verify_gpu, commit_gpu): the GPU timeline
     of a stage, where its device work, not its host time, is the cost. Off CUDA: nothing recorded, 0 seconds."""
@@ -278,6 +299,7 @@ class Engine:
         # Python work inside these windows, not while this thread prepares and launches a round (ddtree.serving.Outbox)
         self.wait_gate: threading.Event | None = None
         self._ahead: QueuedStep | None = None   # ar_lookahead: the running `ar` requests' next steps, queued
+        self._firsts: list[FirstTokens] = []    # this step's prefilled groups' first tokens, read after its round
 
     @property
     def cache(self):
@@ -338,8 +360,9 @@ class Engine:
     # -- one step -----------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests (prefill), then one decoding round for the others."""
-        outputs = []
+        """Admit waiting requests (prefill), then one decoding round for the others; the admitted requests' first tokens
+        are read after that round (_resolve_firsts)."""
+        outputs, self._firsts = [], []   # (a step that failed left its groups: their requests were aborted)
         if self._ahead is not None and not (self._lookahead_ok(self.running) and self._ahead.matches(self.running)):
             outputs += self._settle_ahead()   # a request arrives (or the batch changes): the queued steps are a round
         decoding = [s for s in self.running if s.request.finish_reason is None]
@@ -350,6 +373,7 @@ class Engine:
             outputs += self._round(decoding, prefill_s)
         else:
             self._round_end = None
+        outputs += self._resolve_firsts()
         for seq in [s for s in self.running if s.request.finish_reason is not None]:
             self._release(seq)
         return outputs
@@ -396,12 +420,7 @@ class Engine:
             last_rows.append(sum(s.length for s in segments) - 1)
         logits, taps = self.target.forward_packed(torch.cat(ids), torch.cat(positions), segments, self.tap_layers,
                                                   logit_rows=torch.tensor(last_rows, device=self.device))
-        row, firsts = 0, self._greedy_firsts(seqs, logits)
-        for i, seq in enumerate(seqs):
-            n = segments[i].length
-            outputs.append(self._start_decoding(seq, n, logits[i : i + 1], taps, row, firsts[i]))
-            row += n
-        self._sync()
+        outputs += self._start_group(seqs, [segment.length for segment in segments], logits, taps)
         self._prefilled(admitted, t0)
         return outputs
 
@@ -429,38 +448,76 @@ class Engine:
         groups = [group[i : i + size[rows]] for rows, group in by_rows.items() for i in range(0, len(group), size[rows])]
         return groups, others
 
-    def _greedy_firsts(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | None]:
+    def _greedy_firsts(self, seqs: list[Sequence], logits: torch.Tensor) -> FirstTokens:
         """The first tokens of the prefilled greedy requests that suppress nothing (min_tokens 0), from their last rows'
-        logits  # [len(seqs), vocab], in one argmax and one device read for the group (not one of each per request);
-        None for the others, which _start_decoding chooses one by one."""
+        logits  # [len(seqs), vocab], in one argmax and one copy to the host for the group, not read here (no wait
+        for the prefill: FirstTokens); the others' _start_decoding chooses one by one."""
         plain = [i for i, seq in enumerate(seqs)
                  if seq.request.params.is_greedy and not self._suppressed(seq.request.params)]
-        firsts: list[int | None] = [None] * len(seqs)
-        if plain:
-            picked = logits[plain] if len(plain) < len(seqs) else logits   # all of them: no gathered copy
-            for i, token in zip(plain, picked.argmax(dim=-1).tolist()):
-                firsts[i] = token
-        return firsts
+        if not plain:
+            return FirstTokens(seqs, [], None, None)
+        picked = logits[plain] if len(plain) < len(seqs) else logits   # all of them: no gathered copy
+        argmax = picked.argmax(dim=-1)
+        if self.device.type != "cuda":
+            return FirstTokens(seqs, plain, argmax, None)
+        host = torch.empty(len(plain), dtype=torch.long, pin_memory=True)
+        host.copy_(argmax, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return FirstTokens(seqs, plain, host, event)
+
+    def _start_group(self, seqs: list[Sequence], lengths: list[int], logits: torch.Tensor,
+                     taps: torch.Tensor | None) -> list[RequestOutput]:
+        """A prefilled group (prompts of these lengths, their last rows' logits  # [len(seqs), vocab], their features
+        packed in order): each prompt committed; the greedy requests' first tokens queued for _resolve_firsts, the
+        others' chosen and reported here."""
+        firsts = self._greedy_firsts(seqs, logits)
+        deferred = set(firsts.plain)
+        outputs, row = [], 0
+        for i, (seq, n) in enumerate(zip(seqs, lengths)):
+            output = self._start_decoding(seq, n, logits[i : i + 1], taps, row, deferred=i in deferred)
+            if output is not None:
+                outputs.append(output)
+            row += n
+        if deferred:
+            self._firsts.append(firsts)
+        return outputs
 
     def _start_decoding(self, seq: Sequence, n: int, logits: torch.Tensor, taps: torch.Tensor | None,
-                        row: int, first: int | None = None) -> RequestOutput:
+                        row: int, deferred: bool = False) -> RequestOutput | None:
         """A prefilled prompt of n tokens committed, its first token chosen from the last row's logits  # [1, vocab]
-        (or `first`, chosen with its group's: _greedy_firsts); its features (taps rows row..row+n) pending for the
-        drafter."""
+        (deferred: chosen with its group's, _greedy_firsts, and reported by _resolve_firsts: None here); its features
+        (taps rows row..row+n) pending for the drafter."""
         self.caches[seq.slot].compact(0, list(range(n)))   # commits the whole prompt (recurrent state too)
         params = seq.request.params
-        if first is not None:
-            seq.root = first
-        else:
-            suppressed = self._suppressed(params)   # min_tokens: EOS kept out of the first token
-            if suppressed:
-                logits = suppress_tokens(logits, suppressed, torch.tensor([True], device=self.device))
-            seq.root = self._choose(logits[0], params, seq.generator)
         seq.start = n
         seq.pending_taps = [(taps, row, row + n)] if taps is not None and params.mode != "ar" else []
         if self.draft_caches:
             self.draft_caches[seq.slot].length = 0
+        if deferred:
+            return None
+        suppressed = self._suppressed(params)   # min_tokens: EOS kept out of the first token
+        if suppressed:
+            logits = suppress_tokens(logits, suppressed, torch.tensor([True], device=self.device))
+        seq.root = self._choose(logits[0], params, seq.generator)
         return self._commit(seq, [seq.root], accepted_length=None)
+
+    def _resolve_firsts(self) -> list[RequestOutput]:
+        """The first tokens of the greedy requests this step prefilled, read (one wait a group, after the step's round:
+        in stream order the device ran the prefill before that round, so the wait is mostly over) and reported; their
+        prefill_end_s is when their first token is known."""
+        pending, self._firsts = self._firsts, []
+        outputs = []
+        for firsts in pending:
+            with self._waiting():
+                tokens = firsts.tokens()
+            now = time.perf_counter()
+            for seq, token in zip(firsts.seqs, tokens):
+                if token is not None:
+                    seq.root = token
+                    seq.request.prefill_end_s = now
+                    outputs.append(self._commit(seq, [token], accepted_length=None))
+        return outputs
 
     def _prefill_static(self, seqs: list[Sequence]) -> list[RequestOutput] | None:
         """Prompts admitted together (each of at most self.static_prefill tokens) through one static forward, as chains
@@ -468,9 +525,10 @@ class Engine:
         instead of ~60 torch calls a layer, for one prompt or 32); None where no static program fits (the eager prefill
         runs)."""
         prompts = [seq.request.prompt_ids for seq in seqs]
+        # staged: a step may run two groups of one program (a bucket's prompts over its group size) without waiting
         result = self.static_target.batch([self.caches[seq.slot] for seq in seqs], [0] * len(seqs), prompts,
                                           [list(range(len(p))) for p in prompts],
-                                          [list(range(-1, len(p) - 1)) for p in prompts], prefill=True)
+                                          [list(range(-1, len(p) - 1)) for p in prompts], staged=True, prefill=True)
         if result is None:
             return None
         logits, taps = result   # logits: each prompt's last row's alone
@@ -478,11 +536,7 @@ class Engine:
         # before the drafter reads them (an `auto` request's `ar` rounds at the same rows): a copy of their own
         drafting = taps is not None and any(seq.request.params.mode != "ar" for seq in seqs)
         taps = taps.clone() if drafting else None
-        outputs, row, firsts = [], 0, self._greedy_firsts(seqs, logits)
-        for i, seq in enumerate(seqs):
-            outputs.append(self._start_decoding(seq, len(prompts[i]), logits[i : i + 1], taps, row, firsts[i]))
-            row += len(prompts[i])
-        self._sync()
+        outputs = self._start_group(seqs, [len(p) for p in prompts], logits, taps)
         self.stage_times.static_prefills += len(seqs)
         return outputs
 
@@ -634,9 +688,10 @@ class Engine:
     # -- `ar` lookahead (config.ar_lookahead) ----------------------------------------------
     def _lookahead_ok(self, seqs: list[Sequence]) -> bool:
         """Whether this round is greedy `ar` steps (`ar` requests', or `auto` requests' on the `ar` arm) that may queue
-        the next before reading their tokens (not while a waiting request could be admitted: its prefill would settle
-        them)."""
-        if not self.ar_lookahead or self.static_target is None or not seqs or (self.waiting and self.free_slots):
+        the next before reading their tokens. A step that admits requests keeps the queued steps of the others: the
+        prefill runs after them on the device without a wait (its first tokens are read after the round: FirstTokens),
+        and their round consumes them."""
+        if not self.ar_lookahead or self.static_target is None or not seqs:
             return False
         on_ar = self.arm is not None and self.arm.mode == "ar"
         return all((p.mode == "ar" or (p.mode == "auto" and on_ar)) and p.is_greedy and not self._suppressed(p)

@@ -2,7 +2,7 @@
 read. On the CPU the static forwards run eagerly (static_forward="on"), so the same queueing runs here as on the GPU:
 every output equals the plain engine's (dense and hybrid targets), whether the request runs out of tokens, hits a
 stop id, is aborted with a step queued (its slot then serves another request), or another request arrives while a
-step is queued (the queued step becomes a round of its own, then the two decode together)."""
+step is queued (its prefill runs behind it, then the two decode together)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def test_an_aborted_request_leaves_no_queued_step_behind(family, tiny_models, hy
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_a_request_arriving_while_a_step_is_queued(family, tiny_models, hybrid):
-    """The queued step is settled as a round of its own; then both decode together (their steps queued together),
+    """The arrival's prefill runs behind the queued step, which the first request's round consumes; the step queued
+    behind that one is settled as a round of its own next; then both decode together (their steps queued together),
     then the survivor alone again: every token equals the plain engine's, for the same arrivals."""
     plain, ahead = engines(family, tiny_models, hybrid)
     outputs = {}
@@ -96,11 +97,17 @@ def test_a_request_arriving_while_a_step_is_queued(family, tiny_models, hybrid):
             engine.step()
         if engine is ahead:
             assert engine._ahead is not None
+        settled = []
+        if engine is ahead:
+            real = engine._settle_ahead
+            engine._settle_ahead = lambda real=real: settled.append(len(engine.running)) or real()
         engine.add(second)
-        engine.step()   # settles the queued step, prefills the second; the first's round still runs alone
+        engine.step()   # prefills the second behind the first's queued step, which the first's round consumes
+        if engine is ahead:   # no wait for it: the second's first token read after that round
+            assert settled == [] and len(second.output_ids) == 1 and len(first.output_ids) == 6
         engine.step()
-        if engine is ahead:   # the first's queued step settled again; the two decode together, queueing together
-            assert len(engine.running) == 2 and engine._ahead.matches(engine.running)
+        if engine is ahead:   # the first's next queued step settled; the two decode together, queueing together
+            assert settled == [2] and len(engine.running) == 2 and engine._ahead.matches(engine.running)
         run_all(engine, [])
         outputs[engine is ahead] = (first.output_ids, second.output_ids)
     assert outputs[True] == outputs[False]

@@ -92,9 +92,9 @@ def test_the_engine_opens_the_gate_around_each_read(tiny_models, mode):
     rounds, drafts = times.batch_rounds - rounds, times.draft_passes - drafts
     assert request.output_ids == expected
     assert (drafts == 0) is (mode == "ar") and drafts < rounds   # the last round (one token left) drafts nothing
-    # a read a round (the verify's choices), and on the host path one more for each draft (its top ids or top-k):
-    # each inside an opening
-    assert gate.opened == gate.closed == rounds + drafts and not gate.is_set()
+    # a read a round (the verify's choices), on the host path one more for each draft (its top ids or top-k), and the
+    # prefill's first token (read after the step's round: Engine._resolve_firsts): each inside an opening
+    assert gate.opened == gate.closed == rounds + drafts + 1 and not gate.is_set()
 
 
 def test_a_closed_gate_holds_each_call_from_when_it_was_queued(monkeypatch):

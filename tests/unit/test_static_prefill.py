@@ -251,8 +251,8 @@ def test_warm_up_prepares_the_prefills_programs(tiny_models):
 
 def test_a_groups_greedy_first_tokens_come_from_one_argmax(tiny_models):
     """_greedy_firsts: the first tokens of the group's greedy requests that suppress nothing, the argmax of each one's
-    row (as one device read); None for a request with min_tokens (its EOS suppressed first) or one that samples,
-    which _start_decoding chooses alone."""
+    row (as one device read, made after the step's round: FirstTokens.tokens); None for a request with min_tokens
+    (its EOS suppressed first) or one that samples, which _start_decoding chooses alone."""
     plain, _ = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
     ids = prompt(1, 9)
     for i, params in enumerate([SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, min_tokens=2),
@@ -260,5 +260,5 @@ def test_a_groups_greedy_first_tokens_come_from_one_argmax(tiny_models):
         plain.add(Request(f"r{i}", ids, params))
     logits = torch.randn(4, plain.target.config.vocab_size, generator=torch.Generator().manual_seed(0))
     logits[3, 7] = 100.0
-    assert plain._greedy_firsts(list(plain.waiting), logits) == [int(logits[0].argmax()), None, None, 7]
-    assert plain._greedy_firsts(list(plain.waiting)[1:3], logits[1:3]) == [None, None]
+    assert plain._greedy_firsts(list(plain.waiting), logits).tokens() == [int(logits[0].argmax()), None, None, 7]
+    assert plain._greedy_firsts(list(plain.waiting)[1:3], logits[1:3]).tokens() == [None, None]
