@@ -115,6 +115,34 @@ def test_a_request_arriving_while_a_step_is_queued(family, tiny_models, hybrid):
     assert ahead.stage_times.lookahead_steps > 5   # queued before the arrival, and again after the second left
 
 
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_arrivals_that_stop_at_once_sample_or_make_one_token(family, tiny_models, hybrid):
+    """Arrivals while the running request's step is queued, one a step: one whose first token is a stop id, one that
+    samples (its first token chosen at once, not after the round), one with a single token to make, and one that goes
+    on: every request decodes what the plain engine decodes for the same arrivals."""
+    plain, ahead = engines(family, tiny_models, hybrid, max_num_seqs=4)
+    first_token = plain.generate_ids(prompt(6, 9), SamplingParams(mode="ar", max_tokens=1)).output_ids[0]
+    outputs = {}
+    for engine in (plain, ahead):
+        first = Request("first", prompt(5), SamplingParams(mode="ar", max_tokens=30, ignore_eos=True))
+        engine.add(first)
+        for _ in range(4):
+            engine.step()
+        arrivals = [Request("stops", prompt(6, 9), SamplingParams(mode="ar", max_tokens=8, stop_token_ids=[first_token])),
+                    Request("samples", prompt(7, 9), SamplingParams(mode="ar", max_tokens=6, temperature=1.0, seed=2)),
+                    Request("one", prompt(8, 9), SamplingParams(mode="ar", max_tokens=1, ignore_eos=True)),
+                    Request("goes_on", prompt(9, 9), SamplingParams(mode="ar", max_tokens=7, ignore_eos=True))]
+        for i, request in enumerate(arrivals):
+            engine.add(request)
+            engine.step()
+            if engine is ahead and i == 0:   # reported in the step that admitted it, after the first's round
+                assert request.finish_reason == "stop" and len(first.output_ids) == 5
+        run_all(engine, [])
+        outputs[engine is ahead] = [r.output_ids for r in [first, *arrivals]]
+    assert outputs[True] == outputs[False]
+    assert outputs[True][1] == [first_token] and len(outputs[True][3]) == 1 and len(outputs[True][4]) == 7
+
+
 def test_sampling_and_other_modes_do_not_queue(tiny_models, hybrid):
     plain, ahead = engines("qwen3", tiny_models, hybrid)
     for params in (SamplingParams(mode="ar", max_tokens=10, ignore_eos=True, temperature=1.0, seed=3),
