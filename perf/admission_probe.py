@@ -5,8 +5,10 @@ A serving sweep's closed-loop streams finish at different rounds, so requests ar
 rounds (through Triton at c=32 on the H200, ~0.5 admissions a round). This keeps `--slots` requests running on one
 engine, each finished one replaced at once by the next (`--requests` in all), their max_tokens spread over
 `--spread` tokens so that they finish apart, and times every step: the settling of queued `ar` steps (a batch that
-changes drains them), the prefill (Engine._prefill: all the requests admitted together) and the rest (the decoding
-round of the others, the releases). The prefill runs under cProfile: its functions by cumulative time per prefill.
+changes drains them), the prefill (Engine._prefill: all the requests admitted together; since 578e7aa it launches
+the prefill and returns, the greedy first tokens read after the others' round, so the prefill's device time is in
+the rest) and the rest (the decoding round of the others, the first tokens' read, the releases). The prefill runs
+under cProfile: its functions by cumulative time per prefill.
 
     python perf/admission_probe.py --device cuda --dtype bfloat16 --target models/smollm2-shaped \\
         --drafter models/smollm2-shaped-dflash --methods ar,auto --name admission_probe_h200
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--spread", type=int, default=16, help="max_tokens spread over this many tokens")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--kernels", type=int, default=0,
-                        help="CUDA: profile the kernels of this many steps that admit one request")
+                        help="CUDA: profile the kernels of this many steps that admit one request (left out of "
+                             "the step timings, not of tokens/s)")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="admission_probe_cpu")
