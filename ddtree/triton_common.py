@@ -147,7 +147,8 @@ class TritonMetrics:
                    "Of a request's time to first token: from its arrival at the generation model to the start of the "
                    "prefill that admits it (the engine's queue, a full batch, the step in progress)"),
                   ("ddtree_request_prefill_seconds", "prefill_seconds",
-                   "Of a request's time to first token: the prefill that admits it (with the others that step admits)"),
+                   "Of a request's time to first token: the prefill that admits it (with the others that step admits) "
+                   "to its first token known (a greedy request's read after the others' round of that step)"),
                   ("ddtree_request_take_seconds", "take_seconds",
                    "Of a request's queue time: from its arrival at the generation model to the engine thread taking it "
                    "(the step in progress when it came); the rest waits for a free slot or the next step's prefill"))
