@@ -143,9 +143,7 @@ class QueuedStep:
                                                    for a, start, b in zip(self.seqs, self.starts, seqs))
 
     def read(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()   # releases the GIL while it waits
-        return self.host.tolist()
+        return _read_host(self.host, self.event)
 
 
 @dataclass(slots=True)
@@ -160,13 +158,18 @@ class FirstTokens:
 
     def tokens(self) -> list[int | None]:
         """Each request's first token (None: one _start_decoding chose alone)."""
-        if self.event is not None:
-            self.event.synchronize()   # releases the GIL while it waits
         firsts: list[int | None] = [None] * len(self.seqs)
         if self.host is not None:
-            for i, token in zip(self.plain, self.host.tolist()):
+            for i, token in zip(self.plain, _read_host(self.host, self.event)):
                 firsts[i] = token
         return firsts
+
+
+def _read_host(host: torch.Tensor, event: torch.cuda.Event | None) -> list[int]:
+    """Values copied to the host behind an event (Engine._to_host), once the device has passed it."""
+    if event is not None:
+        event.synchronize()   # releases the GIL while it waits
+    return host.tolist()
 
 
 class StageEvents:
@@ -457,14 +460,7 @@ class Engine:
         if not plain:
             return FirstTokens(seqs, [], None, None)
         picked = logits[plain] if len(plain) < len(seqs) else logits   # all of them: no gathered copy
-        argmax = picked.argmax(dim=-1)
-        if self.device.type != "cuda":
-            return FirstTokens(seqs, plain, argmax, None)
-        host = torch.empty(len(plain), dtype=torch.long, pin_memory=True)
-        host.copy_(argmax, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return FirstTokens(seqs, plain, host, event)
+        return FirstTokens(seqs, plain, *self._to_host(picked.argmax(dim=-1)))
 
     def _start_group(self, seqs: list[Sequence], lengths: list[int], logits: torch.Tensor,
                      taps: torch.Tensor | None) -> list[RequestOutput]:
@@ -744,13 +740,7 @@ class Engine:
         drafting = result[1] is not None and (self.keep_step_taps
                                               or any(seq.request.params.mode != "ar" for seq in seqs))
         taps = result[1][:n].clone() if drafting else None
-        if self.device.type != "cuda":
-            return QueuedStep(seqs, starts, argmax, argmax, None, taps)
-        host = torch.empty(n, dtype=torch.long, pin_memory=True)
-        host.copy_(argmax, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return QueuedStep(seqs, starts, argmax, host, event, taps)
+        return QueuedStep(seqs, starts, argmax, *self._to_host(argmax), taps)
 
     def _advance_steps(self, step: QueuedStep, tokens: list[int], which) -> list[RequestOutput]:
         """The queued step's tokens committed to these of its requests (and, for `auto`, their features to the
@@ -1029,6 +1019,17 @@ class Engine:
             num_input_tokens=len(request.prompt_ids), num_output_tokens=request.num_output_tokens,
             num_rounds=len(request.acceptance_lengths), mean_acceptance_length=request.mean_acceptance_length,
         )
+
+    def _to_host(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """values copied to pinned host memory behind an event, not waited for (read with _read_host); off CUDA the
+        values themselves, no event."""
+        if self.device.type != "cuda":
+            return values, None
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
