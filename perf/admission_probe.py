@@ -10,6 +10,12 @@ the prefill and returns, the greedy first tokens read after the others' round, s
 the rest) and the rest (the decoding round of the others, the first tokens' read, the releases). The prefill runs
 under cProfile: its functions by cumulative time per prefill.
 
+Each method first runs `--warm-requests` unmeasured (one wave of `--slots` by default; more lets `auto` explore the
+batch sizes that spread arrivals pass through). The report also gives `auto`'s choices by batch size, the steps whose
+round ran `ar` apart from its probes of other arms, the slowest steps (arm, batch, admissions) and the static programs
+made inside the measured run; `--profile-slow MS` runs every step under cProfile (slower) and keeps the functions of
+those over MS.
+
     python perf/admission_probe.py --device cuda --dtype bfloat16 --target models/smollm2-shaped \\
         --drafter models/smollm2-shaped-dflash --methods ar,auto --name admission_probe_h200
 """
@@ -61,9 +67,23 @@ class Timed:
 def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dict:
     """One method's run: --slots requests kept running until --requests ran; every step timed and split."""
     profile = cProfile.Profile()
-    settle, prefill = Timed(engine._settle_ahead), Timed(engine._prefill, profile)
+    # one profiler at a time on a thread: with --profile-slow the steps' own profiles replace the prefill's
+    settle, prefill = Timed(engine._settle_ahead), Timed(engine._prefill, None if args.profile_slow else profile)
     engine._settle_ahead, engine._prefill = settle, prefill
+    selector = getattr(engine, "arm_selector", None)
+    chosen: dict[str, dict[str, int]] = {}   # auto's choices: batch-size bucket -> arm -> rounds
+    if selector is not None:
+        choose = selector.choose
+
+        def counted(num_seqs: int, *rest):
+            arm = choose(num_seqs, *rest)
+            by_arm = chosen.setdefault(selector.label(selector.bucket(num_seqs)), {})
+            by_arm[arm.name] = by_arm.get(arm.name, 0) + 1
+            return arm
+
+        selector.choose = counted
     count = traced_steps = 0
+    slow_profiles: list[dict] = []
 
     def add() -> None:
         nonlocal count
@@ -80,11 +100,13 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
         for _ in range(min(args.slots, args.requests)):
             add()
         rounds0 = engine.stage_times.batch_rounds
+        late0 = len(engine.graphs.late_keys)
         start = time.perf_counter()
         while engine.has_work:
             admitted = min(len(engine.waiting), len(engine.free_slots))
             n_settle, n_prefill = len(settle.calls), len(prefill.calls)
             traced = args.kernels and admitted == 1 and traced_steps < args.kernels
+            rounds = engine.stage_times.batch_rounds
             t0 = time.perf_counter()
             if traced:   # a lone admission's whole step, its kernels (the step left out of the timings)
                 torch.cuda.synchronize()
@@ -97,13 +119,27 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
                         count_ms[0] += e.count
                         count_ms[1] += e.self_device_time_total / 1e3
                 traced_steps += 1
+            elif args.profile_slow:   # every step under its own profile, kept for the slow ones (a diagnostic)
+                step_profile = cProfile.Profile()
+                step_profile.enable()
+                outputs = engine.step()
+                step_profile.disable()
             else:
                 outputs = engine.step()
             wall = time.perf_counter() - t0
+            if args.profile_slow and not traced and 1e3 * wall > args.profile_slow:
+                stats = pstats.Stats(step_profile).stats
+                slow_profiles.append({"ms": 1e3 * wall, "functions": sorted(
+                    ((f"{Path(f).name}:{line}:{name}", 1e3 * cum) for (f, line, name), (_, _, _, cum, _) in stats.items()),
+                    key=lambda item: -item[1])[: args.top]})
             settled = sum(settle.calls[n_settle:])
             prefilled = sum(prefill.calls[n_prefill:]) if admitted else 0.0
             if not traced:
-                steps.append({"admitted": admitted, "ms": 1e3 * wall, "settle_ms": 1e3 * settled,
+                arm = None   # no round in the step (all its requests admitted in it)
+                if engine.stage_times.batch_rounds > rounds:
+                    arm = engine.arm.name if getattr(engine, "arm", None) is not None else "ar"
+                steps.append({"admitted": admitted, "ms": 1e3 * wall, "settle_ms": 1e3 * settled, "arm": arm,
+                              "batch": len(engine.running), "late": len(engine.graphs.late_keys) - late0,
                               "prefill_ms": 1e3 * prefilled, "rest_ms": 1e3 * (wall - settled - prefilled)})
             for output in outputs:
                 tokens += len(output.new_token_ids)
@@ -112,14 +148,21 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
         seconds = time.perf_counter() - start
     finally:
         del engine._settle_ahead, engine._prefill
+        if selector is not None:
+            del selector.choose
     admitting = [s for s in steps if s["admitted"]]
     decoding = [s for s in steps if not s["admitted"]]
     prefills = len(admitting)
+    on_ar = [s for s in decoding if s["arm"] == "ar"]
+    admitting_ar = [s for s in admitting if s["arm"] == "ar"]
 
     def mean(rows: list[dict], key: str) -> float:
         return statistics.fmean(r[key] for r in rows) if rows else 0.0
 
-    stats = pstats.Stats(profile).stats
+    try:
+        stats = pstats.Stats(profile).stats
+    except TypeError:   # nothing profiled (--profile-slow)
+        stats = {}
     functions = sorted(((f"{Path(f).name}:{name}" if f != "~" else name, cum) for (f, line, name), (_, _, _, cum, _)
                         in stats.items()), key=lambda item: -item[1])
     by_size: dict[int, list[float]] = {}
@@ -129,11 +172,19 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
     lone = []
     if traced_steps:
         lone = [(k, n / traced_steps, ms / traced_steps) for k, (n, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
-    return {"tokens_per_s": tokens / seconds, "arms": arms, "lone_admission_kernels": lone, "seconds": seconds, "steps": len(steps),
+    return {"tokens_per_s": tokens / seconds, "arms": arms, "arms_by_batch": chosen, "lone_admission_kernels": lone,
+            "seconds": seconds, "steps": len(steps),
             "batch_rounds": engine.stage_times.batch_rounds - rounds0,
             "admitting": {"steps": len(admitting), "requests": sum(s["admitted"] for s in admitting),
                           **{k: mean(admitting, k) for k in ("ms", "settle_ms", "prefill_ms", "rest_ms")}},
             "decoding": {"steps": len(decoding), **{k: mean(decoding, k) for k in ("ms", "settle_ms", "rest_ms")}},
+            # the steps whose round ran `ar` (auto's probes of other arms left out): what `auto` on `ar` costs
+            "decoding_on_ar": {"steps": len(on_ar), "ms": mean(on_ar, "ms")},
+            "admitting_on_ar": {"steps": len(admitting_ar), "ms": mean(admitting_ar, "ms")},
+            "no_round_steps": sum(s["arm"] is None for s in steps),   # steps that only admitted (nobody decoding)
+            # the slowest steps, and the static programs made inside the measured run (compiled, captured on CUDA)
+            "slowest_steps": sorted(steps, key=lambda s: -s["ms"])[:8],
+            "late_programs": [repr(k) for k in engine.graphs.late_keys[late0:]], "slow_profiles": slow_profiles,
             "prefill_ms_by_group": {str(k): statistics.fmean(v) for k, v in sorted(by_size.items())},
             "prefill_functions_us": [(name, 1e6 * cum / max(prefills, 1)) for name, cum in functions[: args.top]]}
 
@@ -149,6 +200,11 @@ def table(result: dict) -> str:
         rows.append(f"| {method} | {r['tokens_per_s']:.0f} | {a['steps']} ({a['requests']}) | {a['ms']:.2f} = "
                     f"{a['settle_ms']:.2f} + {a['prefill_ms']:.2f} + {a['rest_ms']:.2f} | {d['steps']} | {d['ms']:.2f} = "
                     f"{d['settle_ms']:.2f} + {d['rest_ms']:.2f} | {share:.0%} |")
+    rows += ["", "The same on the steps whose round ran `ar` (`auto`'s probes of other arms left out): mean ms.", "",
+             "| method | admitting steps | admitting ms | decoding steps | decoding ms |", "|---|---|---|---|---|"]
+    for method, r in result["methods"].items():
+        a, d = r["admitting_on_ar"], r["decoding_on_ar"]
+        rows.append(f"| {method} | {a['steps']} | {a['ms']:.2f} | {d['steps']} | {d['ms']:.2f} |")
     for method, r in result["methods"].items():
         sizes = ", ".join(f"{k}: {v:.2f}" for k, v in r["prefill_ms_by_group"].items())
         rows += ["", f"{method}: prefill ms by requests admitted together: {sizes}", "",
@@ -157,6 +213,20 @@ def table(result: dict) -> str:
         rows += [f"| `{name}` | {us:.0f} |" for name, us in r["prefill_functions_us"]]
         if r["arms"]:
             rows += ["", f"{method}: arms of its rounds: " + ", ".join(f"{k} {v}" for k, v in r["arms"].items())]
+            probes = {size: arms for size, arms in r.get("arms_by_batch", {}).items() if set(arms) != {"ar"}}
+            if probes:
+                rows += ["", f"{method}: its choices off `ar` by batch size: " + "; ".join(
+                    f"{size}: " + ", ".join(f"{k} {v}" for k, v in sorted(arms.items())) for size, arms in probes.items())]
+        rows += ["", f"{method}: its slowest steps: " + "; ".join(
+            f"{st['ms']:.1f} ms = settle {st['settle_ms']:.1f} + prefill {st['prefill_ms']:.1f} + rest {st['rest_ms']:.1f} "
+            f"({st['arm']}, {st['batch']} running, {st['admitted']} admitted, programs made by then: "
+            f"{st['late']})" for st in r["slowest_steps"]), "",
+            f"{method}: static programs made inside the measured run: {len(r['late_programs'])}"
+            + (" (" + ", ".join(r["late_programs"][:12]) + ")" if r["late_programs"] else "")]
+        for slow in r.get("slow_profiles", [])[:4]:
+            rows += ["", f"{method}: a step of {slow['ms']:.1f} ms (--profile-slow, every step profiled): its functions by "
+                     "cumulative ms", "", "| function | ms |", "|---|---|"]
+            rows += [f"| `{name}` | {ms:.1f} |" for name, ms in slow["functions"]]
         if r["lone_admission_kernels"]:
             total = sum(ms for _, _, ms in r["lone_admission_kernels"])
             rows += ["", f"{method}: kernels of a step admitting one request (settle, prefill and the round; "
@@ -173,10 +243,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=256, help="requests per method")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--spread", type=int, default=16, help="max_tokens spread over this many tokens")
+    parser.add_argument("--warm-requests", type=int, default=0,
+                        help="each method's unmeasured run before its measured one, in requests (default --slots: "
+                             "one wave); more lets `auto` explore the batch sizes of spread arrivals before it is measured")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--kernels", type=int, default=0,
                         help="CUDA: profile the kernels of this many steps that admit one request (left out of "
                              "the step timings, not of tokens/s)")
+    parser.add_argument("--profile-slow", type=float, default=0.0, metavar="MS",
+                        help="a diagnostic: every step under cProfile (slower), the functions of steps over MS kept")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="admission_probe_cpu")
@@ -188,10 +263,12 @@ def main(argv: list[str] | None = None) -> dict:
                                      **dict(kv.split("=", 1) for kv in args.engine)})
     engine = Engine(config)
     engine.warm_up()
-    result = {"header": header(), "top": args.top, "slots": args.slots, "requests": args.requests, "max_tokens": args.max_tokens,
+    result = {"header": header(), "top": args.top, "slots": args.slots, "requests": args.requests,
+              "warm_requests": args.warm_requests or args.slots, "max_tokens": args.max_tokens,
               "spread": args.spread, "methods": {}}
     for method in tqdm(args.methods.split(","), desc="methods"):
-        run_method(engine, prompts, method, argparse.Namespace(**{**vars(args), "requests": args.slots}))  # unmeasured
+        warm = args.warm_requests or args.slots
+        run_method(engine, prompts, method, argparse.Namespace(**{**vars(args), "requests": warm, "kernels": 0}))  # unmeasured
         result["methods"][method] = run_method(engine, prompts, method, args)
     write_results(Path(args.out), args.name, result, table(result))
     return result

@@ -11,7 +11,7 @@ from perf import admission_probe
 def test_admission_probe_splits_the_steps_that_admit(tiny_models, tmp_path):
     result = admission_probe.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
                                    str(tiny_models / "qwen3-dflash"), "--methods", "ar,auto", "--slots", "3",
-                                   "--requests", "7", "--max-tokens", "6", "--spread", "3", "--top", "4",
+                                   "--requests", "7", "--warm-requests", "5", "--max-tokens", "6", "--spread", "3", "--top", "4",
                                    "--out", str(tmp_path), "--name", "a"])
     for method in ("ar", "auto"):
         r = result["methods"][method]
@@ -23,5 +23,28 @@ def test_admission_probe_splits_the_steps_that_admit(tiny_models, tmp_path):
         assert r["prefill_functions_us"][0][0].endswith("_prefill") and len(r["prefill_functions_us"]) == 4
         assert r["tokens_per_s"] > 0
     assert sum(result["methods"]["auto"]["arms"].values()) > 0 and not result["methods"]["ar"]["arms"]
+    # auto's choices by batch size: every round of the measured run chose once (a catch-up round's repeat included)
+    by_batch = result["methods"]["auto"]["arms_by_batch"]
+    assert set(by_batch) <= {"1", "2", "3-4"} and sum(sum(a.values()) for a in by_batch.values()) >= \
+        sum(result["methods"]["auto"]["arms"].values())
+    assert not result["methods"]["ar"]["arms_by_batch"] and result["warm_requests"] == 5
+    # ar's steps all run `ar`; auto's on `ar` are those of its rounds it chose `ar` for
+    ar = result["methods"]["ar"]
+    assert ar["decoding_on_ar"]["steps"] == ar["decoding"]["steps"] and ar["no_round_steps"] >= 1   # the first step
+    assert ar["admitting_on_ar"]["steps"] + ar["no_round_steps"] == ar["admitting"]["steps"]
+    on_ar = result["methods"]["auto"]["decoding_on_ar"]["steps"] + result["methods"]["auto"]["admitting_on_ar"]["steps"]
+    assert on_ar == sum(a.get("ar", 0) for a in by_batch.values())
     assert json.loads((tmp_path / "a.json").read_text())["spread"] == 3
     assert "prefill ms by requests admitted together" in (tmp_path / "a.md").read_text()
+
+
+def test_admission_probe_profiles_the_slow_steps(tiny_models, tmp_path):
+    """--profile-slow: every step under its own cProfile, the functions of those over the threshold kept (here all)."""
+    result = admission_probe.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
+                                   str(tiny_models / "qwen3-dflash"), "--methods", "auto", "--slots", "2",
+                                   "--requests", "3", "--max-tokens", "4", "--spread", "1", "--top", "30",
+                                   "--profile-slow", "0.000001", "--out", str(tmp_path), "--name", "p"])
+    r = result["methods"]["auto"]
+    assert len(r["slow_profiles"]) == r["steps"] and r["late_programs"] == []
+    assert all(any(name.endswith(":step") for name, _ in slow["functions"]) for slow in r["slow_profiles"])
+    assert len(r["slowest_steps"]) == min(8, r["steps"]) and "a step of" in (tmp_path / "p.md").read_text()

@@ -299,6 +299,19 @@ def test_what_lost_to_lighter_drafting_at_a_smaller_batch_is_not_explored_at_a_l
     assert chosen["ddtree-16"] >= 40 - 4 * 2 - 6
 
 
+def test_a_policy_that_lost_to_ar_at_a_smaller_batch_is_not_explored_at_a_larger_one():
+    """The policy drafts too (its trees vary round by round): below PRUNE_ACROSS x `ar` at 9-16 requests it is not
+    explored at 17-32, where its rounds cost the most (on the H200, ~10 ms against `ar`'s 1.8); within that margin it
+    still is (it may pay where the fixed trees do not)."""
+    arms = "ar,dflash,ddtree-4,policy"
+    for policy_at_16, explored_at_32 in ((80.0, False), (97.0, True)):
+        selector = ArmSelector(parse_arms(arms), min_samples=2, reprobe_every=1000)
+        play(selector, {"ar": 100.0, "dflash": 30.0, "ddtree-4": 50.0, "policy": policy_at_16}, num_seqs=16, rounds=40)
+        chosen = play(selector, {"ar": 150.0, "dflash": 30.0, "ddtree-4": 50.0, "policy": 140.0}, num_seqs=32,
+                      rounds=40)
+        assert ("policy" in chosen) == explored_at_32 and "dflash" not in chosen and "ddtree-4" not in chosen, chosen
+
+
 def test_auto_charges_each_round_the_serving_work_since_the_last_one(tiny_models):
     """What a round costs auto is the time since the previous round ended (less a new request's prefill): the work a
     serving loop does between steps (streaming, cancellation checks) is paid once per round, so an arm that commits
