@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import random
@@ -41,6 +42,7 @@ from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.serving import freeze_heap  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
@@ -84,6 +86,16 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
         selector.choose = counted
     count = traced_steps = 0
     slow_profiles: list[dict] = []
+    collections: list[tuple[int, float]] = []   # this step's garbage collections: (generation, seconds)
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - gc_start[0]))
+
+    gc.callbacks.append(on_gc)
 
     def add() -> None:
         nonlocal count
@@ -107,6 +119,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
             n_settle, n_prefill = len(settle.calls), len(prefill.calls)
             traced = args.kernels and admitted == 1 and traced_steps < args.kernels
             rounds = engine.stage_times.batch_rounds
+            collections.clear()
             t0 = time.perf_counter()
             if traced:   # a lone admission's whole step, its kernels (the step left out of the timings)
                 torch.cuda.synchronize()
@@ -140,6 +153,8 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
                     arm = engine.arm.name if getattr(engine, "arm", None) is not None else "ar"
                 steps.append({"admitted": admitted, "ms": 1e3 * wall, "settle_ms": 1e3 * settled, "arm": arm,
                               "batch": len(engine.running), "late": len(engine.graphs.late_keys) - late0,
+                              "gc_ms": 1e3 * sum(t for _, t in collections),
+                              "full_gcs": sum(g == 2 for g, _ in collections),
                               "prefill_ms": 1e3 * prefilled, "rest_ms": 1e3 * (wall - settled - prefilled)})
             for output in outputs:
                 tokens += len(output.new_token_ids)
@@ -147,6 +162,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
                     add()
         seconds = time.perf_counter() - start
     finally:
+        gc.callbacks.remove(on_gc)
         del engine._settle_ahead, engine._prefill
         if selector is not None:
             del selector.choose
@@ -182,6 +198,9 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
             "decoding_on_ar": {"steps": len(on_ar), "ms": mean(on_ar, "ms")},
             "admitting_on_ar": {"steps": len(admitting_ar), "ms": mean(admitting_ar, "ms")},
             "no_round_steps": sum(s["arm"] is None for s in steps),   # steps that only admitted (nobody decoding)
+            # the garbage collector's time in the steps, and its full collections (the heap is frozen first, as the
+            # served model does, unless --no-freeze-heap)
+            "gc_ms": sum(s["gc_ms"] for s in steps), "full_gcs": sum(s["full_gcs"] for s in steps),
             # the slowest steps, and the static programs made inside the measured run (compiled, captured on CUDA)
             "slowest_steps": sorted(steps, key=lambda s: -s["ms"])[:8],
             "late_programs": [repr(k) for k in engine.graphs.late_keys[late0:]], "slow_profiles": slow_profiles,
@@ -220,7 +239,9 @@ def table(result: dict) -> str:
         rows += ["", f"{method}: its slowest steps: " + "; ".join(
             f"{st['ms']:.1f} ms = settle {st['settle_ms']:.1f} + prefill {st['prefill_ms']:.1f} + rest {st['rest_ms']:.1f} "
             f"({st['arm']}, {st['batch']} running, {st['admitted']} admitted, programs made by then: "
-            f"{st['late']})" for st in r["slowest_steps"]), "",
+            f"{st['late']}, garbage collection {st['gc_ms']:.1f} ms, {st['full_gcs']} full)" for st in r["slowest_steps"]),
+            "", f"{method}: garbage collection in the measured steps: {r['gc_ms']:.1f} ms, {r['full_gcs']} full "
+            f"collections (heap frozen after warm-up: {result['freeze_heap']})", "",
             f"{method}: static programs made inside the measured run: {len(r['late_programs'])}"
             + (" (" + ", ".join(r["late_programs"][:12]) + ")" if r["late_programs"] else "")]
         for slow in r.get("slow_profiles", [])[:4]:
@@ -250,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernels", type=int, default=0,
                         help="CUDA: profile the kernels of this many steps that admit one request (left out of "
                              "the step timings, not of tokens/s)")
+    parser.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
+                        help="gc.freeze after warm-up, as the served model does (--no-freeze-heap: a full collection "
+                             "walks what loading and warm-up left)")
     parser.add_argument("--profile-slow", type=float, default=0.0, metavar="MS",
                         help="a diagnostic: every step under cProfile (slower), the functions of steps over MS kept")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
@@ -263,8 +287,11 @@ def main(argv: list[str] | None = None) -> dict:
                                      **dict(kv.split("=", 1) for kv in args.engine)})
     engine = Engine(config)
     engine.warm_up()
+    if args.freeze_heap:   # as the served model does after its warm-up (ddtree.serving.freeze_heap)
+        freeze_heap()
     result = {"header": header(), "top": args.top, "slots": args.slots, "requests": args.requests,
               "warm_requests": args.warm_requests or args.slots, "max_tokens": args.max_tokens,
+              "freeze_heap": args.freeze_heap,
               "spread": args.spread, "methods": {}}
     for method in tqdm(args.methods.split(","), desc="methods"):
         warm = args.warm_requests or args.slots

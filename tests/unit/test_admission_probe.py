@@ -11,7 +11,7 @@ from perf import admission_probe
 def test_admission_probe_splits_the_steps_that_admit(tiny_models, tmp_path):
     result = admission_probe.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
                                    str(tiny_models / "qwen3-dflash"), "--methods", "ar,auto", "--slots", "3",
-                                   "--requests", "7", "--warm-requests", "5", "--max-tokens", "6", "--spread", "3", "--top", "4",
+                                   "--requests", "7", "--warm-requests", "5", "--no-freeze-heap", "--max-tokens", "6", "--spread", "3", "--top", "4",
                                    "--out", str(tmp_path), "--name", "a"])
     for method in ("ar", "auto"):
         r = result["methods"][method]
@@ -43,7 +43,7 @@ def test_admission_probe_profiles_the_slow_steps(tiny_models, tmp_path):
     result = admission_probe.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
                                    str(tiny_models / "qwen3-dflash"), "--methods", "auto", "--slots", "2",
                                    "--requests", "3", "--max-tokens", "4", "--spread", "1", "--top", "30",
-                                   "--profile-slow", "0.000001", "--out", str(tmp_path), "--name", "p"])
+                                   "--profile-slow", "0.000001", "--no-freeze-heap", "--out", str(tmp_path), "--name", "p"])
     r = result["methods"]["auto"]
     assert len(r["slow_profiles"]) == r["steps"] and r["late_programs"] == []
     assert all(any(name.endswith(":step") for name, _ in slow["functions"]) for slow in r["slow_profiles"])
