@@ -11,8 +11,8 @@ from perf import admission_probe
 def test_admission_probe_splits_the_steps_that_admit(tiny_models, tmp_path):
     result = admission_probe.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
                                    str(tiny_models / "qwen3-dflash"), "--methods", "ar,auto", "--slots", "3",
-                                   "--requests", "7", "--warm-requests", "5", "--no-freeze-heap", "--max-tokens", "6", "--spread", "3", "--top", "4",
-                                   "--out", str(tmp_path), "--name", "a"])
+                                   "--requests", "7", "--warm-requests", "5", "--no-freeze-heap", "--max-tokens", "6",
+                                   "--spread", "3", "--top", "4", "--out", str(tmp_path), "--name", "a"])
     for method in ("ar", "auto"):
         r = result["methods"][method]
         admitting, decoding = r["admitting"], r["decoding"]
