@@ -79,6 +79,10 @@ class ServiceStats:
     num_late_programs: int = 0       # static programs made while serving (shapes warm-up did not prepare: each one
     #                                  compiled, and on CUDA captured, on a request's time)
     engine_healthy: int = 1          # 0 after a fatal engine error: the instance answers UNAVAILABLE from then on
+    num_slow_steps: int = 0          # engine steps over StallWatch.FACTOR x the recent steps' mean (stalls)
+    slow_step_seconds: float = 0.0   # their time
+    gc_seconds: float = 0.0          # this process's garbage collections (any thread's), since the service started
+    num_full_gcs: int = 0            # of which full collections (they walk every object not frozen: freeze_heap)
     # seconds from a request's arrival at the model to its first generated token, and to its last (finished
     # requests), observed since the last publication: each published once (only while stats are published)
     ttft_seconds: list[float] = field(default_factory=list)
@@ -89,6 +93,54 @@ class ServiceStats:
     prefill_seconds: list[float] = field(default_factory=list)
     # of each queue time: from the arrival to the engine thread taking the request (the step in progress when it came)
     take_seconds: list[float] = field(default_factory=list)
+
+
+class StallWatch:
+    """Engine steps far slower than the recent ones: a stall of every stream (a full garbage collection, a compile or
+    capture of a program warm-up did not make, a first-time cost) among steps of a few milliseconds, which the mean
+    stage times hide. Each is counted, and logged (at most every LOG_EVERY_S) with what was running and what ran in
+    it. Also the process's garbage collections, whichever thread's allocation set them off (gc.callbacks)."""
+
+    FACTOR = 10.0       # a step over this many times the recent steps' mean (an exponential mean over ~20 steps) ...
+    MIN_S = 0.05        # ... and over this is a stall (a CPU engine's steps take 10-1000 ms: only the outliers)
+    LOG_EVERY_S = 10.0
+
+    def __init__(self) -> None:
+        self.mean: float | None = None
+        self.gc_seconds, self.full_gcs = 0.0, 0
+        self._gc_start = 0.0
+        self._logged = float("-inf")
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_start
+            self.full_gcs += info["generation"] == 2
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def before(self) -> tuple[float, int]:
+        return self.gc_seconds, self.full_gcs
+
+    def is_stall(self, seconds: float) -> bool:
+        """Whether a step of this many seconds stalls; otherwise it joins the recent steps' mean."""
+        if self.mean is not None and seconds > max(self.FACTOR * self.mean, self.MIN_S):
+            return True
+        self.mean = seconds if self.mean is None else 0.95 * self.mean + 0.05 * seconds
+        return False
+
+    def log(self, seconds: float, before: tuple[float, int], what: str) -> None:
+        now = time.monotonic()
+        if now - self._logged < self.LOG_EVERY_S:
+            return
+        self._logged = now
+        logger.warning("engine step stalled: %.0f ms against %.1f ms a step recently (%s; garbage collection in it "
+                       "%.0f ms, %d full)", 1e3 * seconds, 1e3 * (self.mean or 0.0), what,
+                       1e3 * (self.gc_seconds - before[0]), self.full_gcs - before[1])
 
 
 METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engine works
@@ -225,6 +277,7 @@ class GenerationService:
         self._active: dict[str, Job] = {}   # engine request id (= job key) -> job
         self._stopping = False
         self._profiler = StepProfiler()   # DDTREE_PROFILE (a diagnostic): off by default
+        self._stalls = StallWatch()
         # the outbox's calls wait for the engine thread's device waits: a CUDA engine's by default; DDTREE_OUTBOX_GATE=0
         # (a diagnostic) turns that off, =1 on whatever the device
         gate = os.environ.get("DDTREE_OUTBOX_GATE", "")
@@ -304,6 +357,7 @@ class GenerationService:
         self._jobs.put(None)
         self._worker.join(timeout_s)
         self._outbox.close(timeout_s)
+        self._stalls.close()
 
     def _report(self) -> None:
         engine, times = self.engine, self.engine.stage_times
@@ -318,6 +372,7 @@ class GenerationService:
         # the engine's own dicts: copied once, into the snapshot below, when the stats are published
         self.stats.acceptance_histogram, self.stats.auto_arm_rounds = times.acceptance_histogram, times.auto_arm_rounds
         self.stats.auto_arm_seconds, self.stats.num_late_programs = times.auto_arm_seconds, len(engine.graphs.late_keys)
+        self.stats.gc_seconds, self.stats.num_full_gcs = self._stalls.gc_seconds, self._stalls.full_gcs
         # publishing costs one IPC call per changed metric in Triton (several per round): at most every
         # METRICS_INTERVAL_S while the engine works, and always once it is idle (scrapes then see final values)
         now = time.monotonic()
@@ -346,14 +401,27 @@ class GenerationService:
                     start = time.perf_counter()
                     self._claim_relayed_stops()
                     self._profiler.before_step()
+                    gc_before, late_before = self._stalls.before(), len(self.engine.graphs.late_keys)
                     self._step()
                     self._profiler.after_step()
+                    if self._stalls.is_stall(self._step_seconds):
+                        self._stall(gc_before, late_before)
                     self._report()
                     self.stats.serve_seconds += time.perf_counter() - start - self._step_seconds
                 else:
                     self._report()
         except BaseException as e:  # the thread itself failed (not one step): nothing would serve the queue
             self._fail_fatal(e, "engine thread died")
+
+    def _stall(self, gc_before: tuple[float, int], late_before: int) -> None:
+        engine = self.engine
+        self.stats.num_slow_steps += 1
+        self.stats.slow_step_seconds += self._step_seconds
+        arm = getattr(engine, "arm", None)
+        self._stalls.log(self._step_seconds, gc_before,
+                         f"{len(engine.running)} running, {len(engine.waiting)} waiting, auto's arm "
+                         f"{arm.name if arm is not None else '-'}, static programs made in it "
+                         f"{len(engine.graphs.late_keys) - late_before}")
 
     def _fail_fatal(self, error: BaseException, what: str) -> None:
         """The instance stops serving: every running and queued request gets a final UNAVAILABLE error naming

@@ -136,7 +136,14 @@ class TritonMetrics:
                 ("ddtree_requests_overloaded_total", "num_rejected_overload", "Requests refused: queue full"),
                 ("ddtree_static_programs_late_total", "num_late_programs",
                  "Static programs made while serving (shapes the warm-up did not prepare, e.g. trees of several "
-                 "requests): each compiled, and on CUDA captured as a graph, on a request's time"))
+                 "requests): each compiled, and on CUDA captured as a graph, on a request's time"),
+                ("ddtree_slow_steps_total", "num_slow_steps",
+                 "Engine steps over 10x the recent steps' mean time and over 50 ms (stalls of every stream; each logged)"),
+                ("ddtree_slow_step_seconds_total", "slow_step_seconds", "Time of those steps"),
+                ("ddtree_gc_seconds_total", "gc_seconds",
+                 "The model process's garbage collections, whichever thread's allocations set them off"),
+                ("ddtree_gc_full_collections_total", "num_full_gcs",
+                 "Of those, full collections (they walk every object the warm-up's freeze_heap did not freeze)"))
     HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),
                   ("ddtree_time_to_first_token_seconds", "ttft_seconds",
                    "Seconds from a request's arrival at the generation model to its first generated token (queue and "

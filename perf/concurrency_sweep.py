@@ -40,6 +40,9 @@ METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), 
            ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto")]
 DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
 LATE = "ddtree_static_programs_late_total"
+# stalled steps and garbage collection (ddtree.serving.StallWatch): counters read before and after each run
+STALLS = {"slow_steps": "ddtree_slow_steps_total", "slow_step_s": "ddtree_slow_step_seconds_total",
+          "gc_s": "ddtree_gc_seconds_total", "full_gcs": "ddtree_gc_full_collections_total"}
 
 
 def summarize(requests: list[dict], max_tokens: int) -> dict:
@@ -156,6 +159,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     pre = model_stats(server.http_url, "preprocessing")
     arms = auto_arms(server.metrics_url)
     late = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0)
+    stalls = scrape_metrics(server.metrics_url, set(STALLS.values()))
     ttft = scrape_metrics(server.metrics_url, set(TTFT + QUEUE + PREFILL + TAKE))
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
@@ -174,6 +178,8 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
         entry["auto_arm_time_shares"] = {arm: t / time_total for arm, t in spent.items() if t > 0} if time_total else {}
     # static programs compiled (captured, on CUDA) inside the measured run: shapes no warm-up or earlier run made
     entry["late_programs"] = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0) - late
+    now_stalls = scrape_metrics(server.metrics_url, set(STALLS.values()))
+    entry["stalls"] = {key: now_stalls.get(name, 0.0) - stalls.get(name, 0.0) for key, name in STALLS.items()}
     after = model_stats(server.http_url, "postprocessing")
     entry["postprocessing"] = per_execution(post, after)
     entry["postprocessing"]["per_request"] = max(entry["postprocessing"]["executions"], 1) / max(entry["num_requests"], 1)
@@ -272,6 +278,15 @@ def wall_ms_per_round(run: dict, max_tokens: int) -> float | None:
     return 1e3 * run["num_requests"] * max_tokens / run["tokens_per_s"] / rounds
 
 
+def stalls_cell(entry: dict) -> str:
+    """A run's stalled steps / their ms; its garbage collection ms / full collections ("-": not measured)."""
+    stalls = entry.get("stalls")
+    if stalls is None:
+        return "-"
+    return (f"{stalls['slow_steps']:.0f} / {1e3 * stalls['slow_step_s']:.0f}; gc {1e3 * stalls['gc_s']:.0f} / "
+            f"{stalls['full_gcs']:.0f}")
+
+
 def write(result: dict, levels: list[int], args) -> None:
     rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     if result.get("engine"):
@@ -342,6 +357,12 @@ def write(result: dict, levels: list[int], args) -> None:
         for name, by_level in result["methods"].items():
             rows.append(f"| {name} | " + " | ".join(f"{by_level[str(c)]['late_programs']:.0f}"
                                                     if "late_programs" in by_level[str(c)] else "-" for c in levels) + " |")
+    if any("stalls" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
+        rows += ["", "Stalled engine steps in the measured run (over 10x the recent steps' mean and 50 ms; "
+                 "ddtree_slow_steps_total) / their ms; the model process's garbage collection ms / full collections:", "",
+                 "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+        for name, by_level in result["methods"].items():
+            rows.append(f"| {name} | " + " | ".join(stalls_cell(by_level[str(c)]) for c in levels) + " |")
     paired = result.get("paired", {})
     if paired:
         cells = {c: paired.get(str(c)) for c in levels}

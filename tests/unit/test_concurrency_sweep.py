@@ -2,7 +2,7 @@
 
 import pytest
 
-from perf.concurrency_sweep import idle_runs, median_run, paired_ratios, wall_ms_per_round
+from perf.concurrency_sweep import idle_runs, median_run, paired_ratios, stalls_cell, wall_ms_per_round
 
 
 def runs(*values):
@@ -71,3 +71,9 @@ def test_wall_ms_per_round_is_the_runs_time_over_its_rounds():
     assert wall_ms_per_round(run, 64) == pytest.approx(2.954, abs=1e-3)
     assert wall_ms_per_round({**run, "stages": {"mean_batch": 31.4}}, 64) is None   # no counters: nothing to divide by
     assert wall_ms_per_round({"tokens_per_s": 0.0, "num_requests": 4, "stages": {"batch_rounds": 3}}, 64) is None
+
+
+def test_a_runs_stalls_and_garbage_collection_read_as_counts_and_ms():
+    run = {"tokens_per_s": 1.0, "stalls": {"slow_steps": 2.0, "slow_step_s": 1.3, "gc_s": 0.95, "full_gcs": 1.0}}
+    assert stalls_cell(run) == "2 / 1300; gc 950 / 1"
+    assert stalls_cell({"tokens_per_s": 1.0}) == "-"   # a run of a server without the counters

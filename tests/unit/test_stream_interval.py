@@ -4,6 +4,8 @@ gives (stop strings and split UTF-8 characters included); through the service, t
 
 from __future__ import annotations
 
+import gc
+import logging
 import random
 import time
 
@@ -133,3 +135,35 @@ def test_service_holds_streams_to_the_response_rate(tiny_models, tokenizer):
     assert "".join(held.texts) == expected
     assert sum(o[api.NUM_OUTPUT_TOKENS] for o in held.outputs) == 40
     assert len(held.outputs) <= 3 + int(elapsed), (len(held.outputs), elapsed)
+
+
+def test_a_stalled_step_is_counted_and_logged_with_its_garbage_collection(tiny_models, tokenizer, caplog):
+    """A step far slower than the recent ones (here one that sleeps and runs a full collection) is a stall of every
+    stream: counted (ddtree_slow_steps_total), logged with what was running and the collections in it; the others,
+    and the service's output, are as usual."""
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=128, max_num_seqs=2))
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    step, calls = engine.step, [0]
+
+    def stalling_step():
+        calls[0] += 1
+        if calls[0] == 20:
+            time.sleep(0.3)
+            gc.collect()
+        return step()
+
+    engine.step = stalling_step
+    sampling = {"max_tokens": 40, "ignore_eos": True, "mode": "ar"}
+    try:
+        with caplog.at_level(logging.WARNING, logger="ddtree.serving"):
+            out = serve(service, tokenizer, sampling, stream=True)
+    finally:
+        service.shutdown()
+    expected = decode(tokenizer, engine.generate_ids(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                            mode="ar")).output_ids)
+    assert calls[0] > 20 and "".join(out.texts) == expected
+    assert service.stats.num_slow_steps == 1 and service.stats.slow_step_seconds >= 0.3
+    assert service.stats.num_full_gcs >= 1 and service.stats.gc_seconds > 0
+    stalls = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
+    assert len(stalls) == 1 and "1 running" in stalls[0] and "1 full" in stalls[0], stalls
