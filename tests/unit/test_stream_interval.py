@@ -18,7 +18,7 @@ from ddtree.engine import Engine
 from ddtree.errors import InvalidRequest
 from ddtree.request import RequestOutput
 from ddtree.sampling_params import SamplingParams, sampling_params_from_dict
-from ddtree.serving import GenerationService, _Stream
+from ddtree.serving import GenerationService, StallWatch, _Stream
 from ddtree.tokenizer import Tokenizer
 from tests.unit.test_detokenize import TEXTS
 from tests.unit.test_stop_strings import PROMPT, serve, stops_inside
@@ -137,10 +137,12 @@ def test_service_holds_streams_to_the_response_rate(tiny_models, tokenizer):
     assert len(held.outputs) <= 3 + int(elapsed), (len(held.outputs), elapsed)
 
 
-def test_a_stalled_step_is_counted_and_logged_with_its_garbage_collection(tiny_models, tokenizer, caplog):
+def test_a_stalled_step_is_counted_and_logged_with_its_garbage_collection(tiny_models, tokenizer, caplog,
+                                                                          monkeypatch):
     """A step far slower than the recent ones (here one that sleeps and runs a full collection) is a stall of every
     stream: counted (ddtree_slow_steps_total), logged with what was running and the collections in it; the others,
-    and the service's output, are as usual."""
+    and the service's output, are as usual. (Every stall logged here: a busy machine may stall another step.)"""
+    monkeypatch.setattr(StallWatch, "LOG_EVERY_S", 0.0)
     engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
                                  drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=128, max_num_seqs=2))
     service = GenerationService(engine, tokenizer, max_queue_size=4)
@@ -163,7 +165,8 @@ def test_a_stalled_step_is_counted_and_logged_with_its_garbage_collection(tiny_m
     expected = decode(tokenizer, engine.generate_ids(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True,
                                                                             mode="ar")).output_ids)
     assert calls[0] > 20 and "".join(out.texts) == expected
-    assert service.stats.num_slow_steps == 1 and service.stats.slow_step_seconds >= 0.3
+    assert service.stats.num_slow_steps >= 1 and service.stats.slow_step_seconds >= 0.3
     assert service.stats.num_full_gcs >= 1 and service.stats.gc_seconds > 0
     stalls = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
-    assert len(stalls) == 1 and "1 running" in stalls[0] and "1 full" in stalls[0], stalls
+    assert len(stalls) == service.stats.num_slow_steps
+    assert any("1 running" in m and "1 full" in m and "programs made in it 0" in m for m in stalls), stalls
