@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import json
 import pstats
 import random
@@ -42,7 +41,7 @@ from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
-from ddtree.serving import freeze_heap  # noqa: E402
+from ddtree.serving import StallWatch, freeze_heap  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
@@ -86,16 +85,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
         selector.choose = counted
     count = traced_steps = 0
     slow_profiles: list[dict] = []
-    collections: list[tuple[int, float]] = []   # this step's garbage collections: (generation, seconds)
-    gc_start = [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            gc_start[0] = time.perf_counter()
-        else:
-            collections.append((info["generation"], time.perf_counter() - gc_start[0]))
-
-    gc.callbacks.append(on_gc)
+    collections = StallWatch()   # the garbage collector's time and full collections (the served model's counters)
 
     def add() -> None:
         nonlocal count
@@ -119,7 +109,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
             n_settle, n_prefill = len(settle.calls), len(prefill.calls)
             traced = args.kernels and admitted == 1 and traced_steps < args.kernels
             rounds = engine.stage_times.batch_rounds
-            collections.clear()
+            gc_before = collections.before()
             t0 = time.perf_counter()
             if traced:   # a lone admission's whole step, its kernels (the step left out of the timings)
                 torch.cuda.synchronize()
@@ -153,8 +143,8 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
                     arm = engine.arm.name if getattr(engine, "arm", None) is not None else "ar"
                 steps.append({"admitted": admitted, "ms": 1e3 * wall, "settle_ms": 1e3 * settled, "arm": arm,
                               "batch": len(engine.running), "late": len(engine.graphs.late_keys) - late0,
-                              "gc_ms": 1e3 * sum(t for _, t in collections),
-                              "full_gcs": sum(g == 2 for g, _ in collections),
+                              "gc_ms": 1e3 * (collections.gc_seconds - gc_before[0]),
+                              "full_gcs": collections.full_gcs - gc_before[1],
                               "prefill_ms": 1e3 * prefilled, "rest_ms": 1e3 * (wall - settled - prefilled)})
             for output in outputs:
                 tokens += len(output.new_token_ids)
@@ -162,7 +152,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
                     add()
         seconds = time.perf_counter() - start
     finally:
-        gc.callbacks.remove(on_gc)
+        collections.close()
         del engine._settle_ahead, engine._prefill
         if selector is not None:
             del selector.choose
