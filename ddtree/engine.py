@@ -86,6 +86,7 @@ class StageTimes:
     rounds: int = 0              # decoding rounds, summed over requests
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
     draft_passes: int = 0        # packed drafter passes
+    dynamic_drafts: int = 0      # of which, with static forwards on, run by the dynamic pass (no static shape fitted)
     static_commits: int = 0      # rounds whose cache commit ran as a static program (graphs.StaticCommit)
     device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
     lookahead_steps: int = 0     # `ar` steps queued before the last one's token was read (Engine._lookahead_round)
@@ -864,6 +865,7 @@ class Engine:
         if self.static_drafter is not None:
             hidden = self.static_drafter.batch(caches, taps, blocks)
         if hidden is None:
+            self.stage_times.dynamic_drafts += self.static_drafter is not None
             drafter.add_contexts(caches, taps)
             hidden = drafter.forward_packed(caches, self.target.embed(torch.tensor(blocks, device=self.device)),
                                             [seq.start for seq in seqs])

@@ -41,9 +41,9 @@ from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
-from ddtree.serving import StallWatch, freeze_heap  # noqa: E402
+from ddtree.serving import StallWatch  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
-from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, add_model_args, frozen_heap, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
 
 
@@ -101,14 +101,14 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
     try:
         for _ in range(min(args.slots, args.requests)):
             add()
-        rounds0 = engine.stage_times.batch_rounds
+        rounds0, dynamic0 = engine.stage_times.batch_rounds, engine.stage_times.dynamic_drafts
         late0 = len(engine.graphs.late_keys)
         start = time.perf_counter()
         while engine.has_work:
             admitted = min(len(engine.waiting), len(engine.free_slots))
             n_settle, n_prefill = len(settle.calls), len(prefill.calls)
             traced = args.kernels and admitted == 1 and traced_steps < args.kernels
-            rounds = engine.stage_times.batch_rounds
+            rounds, dynamic = engine.stage_times.batch_rounds, engine.stage_times.dynamic_drafts
             gc_before = collections.before()
             t0 = time.perf_counter()
             if traced:   # a lone admission's whole step, its kernels (the step left out of the timings)
@@ -140,9 +140,11 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
             if not traced:
                 arm = None   # no round in the step (all its requests admitted in it)
                 if engine.stage_times.batch_rounds > rounds:
-                    arm = engine.arm.name if getattr(engine, "arm", None) is not None else "ar"
+                    # auto's arm of the round, or the method itself (a fixed method's rounds are its own)
+                    arm = engine.arm.name if mode == "auto" and getattr(engine, "arm", None) is not None else mode
                 steps.append({"admitted": admitted, "ms": 1e3 * wall, "settle_ms": 1e3 * settled, "arm": arm,
                               "batch": len(engine.running), "late": len(engine.graphs.late_keys) - late0,
+                              "dynamic_drafts": engine.stage_times.dynamic_drafts - dynamic,
                               "gc_ms": 1e3 * (collections.gc_seconds - gc_before[0]),
                               "full_gcs": collections.full_gcs - gc_before[1],
                               "prefill_ms": 1e3 * prefilled, "rest_ms": 1e3 * (wall - settled - prefilled)})
@@ -181,6 +183,8 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
     return {"tokens_per_s": tokens / seconds, "arms": arms, "arms_by_batch": chosen, "lone_admission_kernels": lone,
             "seconds": seconds, "steps": len(steps),
             "batch_rounds": engine.stage_times.batch_rounds - rounds0,
+            # drafting passes of several requests that no static program took (static forwards on): the dynamic pass
+            "dynamic_drafts": engine.stage_times.dynamic_drafts - dynamic0,
             "admitting": {"steps": len(admitting), "requests": sum(s["admitted"] for s in admitting),
                           **{k: mean(admitting, k) for k in ("ms", "settle_ms", "prefill_ms", "rest_ms")}},
             "decoding": {"steps": len(decoding), **{k: mean(decoding, k) for k in ("ms", "settle_ms", "rest_ms")}},
@@ -229,9 +233,11 @@ def table(result: dict) -> str:
         rows += ["", f"{method}: its slowest steps: " + "; ".join(
             f"{st['ms']:.1f} ms = settle {st['settle_ms']:.1f} + prefill {st['prefill_ms']:.1f} + rest {st['rest_ms']:.1f} "
             f"({st['arm']}, {st['batch']} running, {st['admitted']} admitted, programs made by then: "
-            f"{st['late']}, garbage collection {st['gc_ms']:.1f} ms, {st['full_gcs']} full)" for st in r["slowest_steps"]),
+            f"{st['late']}, dynamic drafter passes {st.get('dynamic_drafts', 0)}, garbage collection {st['gc_ms']:.1f} ms, "
+            f"{st['full_gcs']} full)" for st in r["slowest_steps"]),
             "", f"{method}: garbage collection in the measured steps: {r['gc_ms']:.1f} ms, {r['full_gcs']} full "
             f"collections (heap frozen after warm-up: {result['freeze_heap']})", "",
+            f"{method}: drafting passes by the dynamic pass (no static program fitted): {r.get('dynamic_drafts', 0)}", "",
             f"{method}: static programs made inside the measured run: {len(r['late_programs'])}"
             + (" (" + ", ".join(r["late_programs"][:12]) + ")" if r["late_programs"] else "")]
         for slow in r.get("slow_profiles", [])[:4]:
@@ -261,9 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernels", type=int, default=0,
                         help="CUDA: profile the kernels of this many steps that admit one request (left out of "
                              "the step timings, not of tokens/s)")
-    parser.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
-                        help="gc.freeze after warm-up, as the served model does (--no-freeze-heap: a full collection "
-                             "walks what loading and warm-up left)")
+    add_freeze_heap_arg(parser)
     parser.add_argument("--profile-slow", type=float, default=0.0, metavar="MS",
                         help="a diagnostic: every step under cProfile (slower), the functions of steps over MS kept")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
@@ -277,16 +281,15 @@ def main(argv: list[str] | None = None) -> dict:
                                      **dict(kv.split("=", 1) for kv in args.engine)})
     engine = Engine(config)
     engine.warm_up()
-    if args.freeze_heap:   # as the served model does after its warm-up (ddtree.serving.freeze_heap)
-        freeze_heap()
     result = {"header": header(), "top": args.top, "slots": args.slots, "requests": args.requests,
               "warm_requests": args.warm_requests or args.slots, "max_tokens": args.max_tokens,
               "freeze_heap": args.freeze_heap,
               "spread": args.spread, "methods": {}}
-    for method in tqdm(args.methods.split(","), desc="methods"):
-        warm = args.warm_requests or args.slots
-        run_method(engine, prompts, method, argparse.Namespace(**{**vars(args), "requests": warm, "kernels": 0}))  # unmeasured
-        result["methods"][method] = run_method(engine, prompts, method, args)
+    with frozen_heap(args.freeze_heap):
+        for method in tqdm(args.methods.split(","), desc="methods"):
+            warm = args.warm_requests or args.slots
+            run_method(engine, prompts, method, argparse.Namespace(**{**vars(args), "requests": warm, "kernels": 0}))
+            result["methods"][method] = run_method(engine, prompts, method, args)
     write_results(Path(args.out), args.name, result, table(result))
     return result
 

@@ -28,7 +28,7 @@ from ddtree.engine import Engine  # noqa: E402
 from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
-from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, add_model_args, frozen_heap, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
 
 STAGES = ("draft", "verify", "verify_gpu", "commit", "host", "decode")
@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-steps", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="batch_rounds_cpu")
+    add_freeze_heap_arg(parser)
     args = parser.parse_args(argv)
     texts = json.loads((ROOT / "perf/prompts.json").read_text())
     base = encode_prompts(Tokenizer(args.target), texts)
@@ -138,15 +139,17 @@ def main(argv: list[str] | None = None) -> dict:
                           max_model_len=max(map(len, prompts)) + args.max_tokens + 64)
     engine = Engine(config)
     engine.warm_up()
-    result = {"header": header(), "concurrency": args.concurrency, "max_tokens": args.max_tokens, "methods": {}}
-    for name in tqdm(methods, desc="methods"):
-        params = params_for(name, args.max_tokens)
-        runs = [run_batch(engine, prompts, params) for _ in range(max(args.repeats, 2))][1:]
-        best = max(runs, key=lambda r: r["tokens_per_s"])   # the least disturbed of the measured batches
-        result["methods"][name] = best | {"all_tokens_per_s": [r["tokens_per_s"] for r in runs]}
-        if args.profile:
-            profiled(engine, prompts, params, Path(args.profile), f"{args.name}_{name}", args.profile_skip,
-                     args.profile_steps)
+    result = {"header": header(), "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+              "freeze_heap": args.freeze_heap, "methods": {}}
+    with frozen_heap(args.freeze_heap):
+        for name in tqdm(methods, desc="methods"):
+            params = params_for(name, args.max_tokens)
+            runs = [run_batch(engine, prompts, params) for _ in range(max(args.repeats, 2))][1:]
+            best = max(runs, key=lambda r: r["tokens_per_s"])   # the least disturbed of the measured batches
+            result["methods"][name] = best | {"all_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+            if args.profile:
+                profiled(engine, prompts, params, Path(args.profile), f"{args.name}_{name}", args.profile_skip,
+                         args.profile_steps)
     write_results(Path(args.out), args.name, result, table(result))
     return result
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -92,6 +95,30 @@ def add_model_args(parser) -> None:
     parser.add_argument("--drafter", default=str(ROOT / "models/smollm2-135m-instruct-dflash"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+
+
+def add_freeze_heap_arg(parser) -> None:
+    """--freeze-heap / --no-freeze-heap (default on): what loading and warm-up left frozen, as the served model does."""
+    parser.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
+                        help="gc.freeze after warm-up, as the served model does (ddtree.serving.freeze_heap; "
+                             "--no-freeze-heap: a full collection walks what loading and warm-up left)")
+
+
+@contextlib.contextmanager
+def frozen_heap(on: bool):
+    """Within: the heap as the served model keeps it after its warm-up (ddtree.serving.freeze_heap), so an in-process
+    probe's steps pay the garbage collection a served one does, not ~100 ms full collections of what loading left;
+    unfrozen after (a caller's process, the tests', goes on collecting as before)."""
+    if not on:
+        yield
+        return
+    from ddtree.serving import freeze_heap
+
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def engine_stages(engine) -> dict:

@@ -46,7 +46,7 @@ from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method  # noqa: E402
-from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, add_model_args, engine_stages, frozen_heap, header, per_round_ms, write_results  # noqa: E402
 
 PROMPT_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
@@ -419,6 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine parameter (config.pbtxt's names and values, e.g. static_prefill=256) set on both "
                              "sides: the in-process engine and the Triton model; repeatable")
+    add_freeze_heap_arg(parser)   # for the in-process speed phase
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="humaneval_cpu")
     args = parser.parse_args(argv)
@@ -490,6 +491,7 @@ def main(argv: list[str] | None = None) -> dict:
               "num_prompts": len(prompts), "speed_prompts": min(args.speed_prompts, len(prompts)),
               "max_new_tokens": args.max_new_tokens, "budgets": args.budgets, "temperatures": args.temperatures,
               "acceptance_batch": args.acceptance_batch, "seed": args.seed, "engine_args": engine_args,
+              "freeze_heap": args.freeze_heap,
               "note": BATCH_INVARIANCE,
               "phase_seconds": {}, "load_average": {}}
 
@@ -510,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict:
     speed_methods = methods_for(args.speed_budgets)
     in_process_ids = {}
     if not args.skip_in_process_speed:
-        with phase(result, "in_process_speed"):
+        with phase(result, "in_process_speed"), frozen_heap(args.freeze_heap):
             result["in_process"], in_process_ids = speed_in_process(engine, speed_ids, speed_methods,
                                                                     args.speed_temperatures, args.max_new_tokens,
                                                                     args.seed)

@@ -31,7 +31,7 @@ from ddtree.engine import Engine  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf import batch_rounds  # noqa: E402
-from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, add_model_args, frozen_heap, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
 
 
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="an engine setting, parsed as config.pbtxt's (repeatable)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="round_profile_cpu")
+    add_freeze_heap_arg(parser)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
@@ -148,11 +149,12 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Engine(config)
     engine.warm_up()
     result = {"header": header(), "max_tokens": args.max_tokens, "turns": args.turns, "methods": methods,
-              "requests_per_stream": args.requests_per_stream,
+              "requests_per_stream": args.requests_per_stream, "freeze_heap": args.freeze_heap,
               "levels": levels, "points": {}}
-    for level in tqdm(levels, desc="concurrency"):
-        prompts = [base[i % len(base)] for i in range(level)]
-        result["points"][str(level)] = measure_level(engine, prompts, methods, args)
+    with frozen_heap(args.freeze_heap):
+        for level in tqdm(levels, desc="concurrency"):
+            prompts = [base[i % len(base)] for i in range(level)]
+            result["points"][str(level)] = measure_level(engine, prompts, methods, args)
     write_results(Path(args.out), args.name, result, table(result))
     return result
 

@@ -50,7 +50,7 @@ from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.serving import GenerationService  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from perf.bench import Method  # noqa: E402
-from perf.common import ROOT, add_model_args, engine_stages, header, per_round_ms, write_results  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, add_model_args, engine_stages, frozen_heap, header, per_round_ms, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
 from perf.probe_workload import busy_threads, cpu_of, proc_stat, thread_cpu  # noqa: E402
 
@@ -222,7 +222,8 @@ def interleaved(args: argparse.Namespace, config: EngineConfig, prompts: list[li
     engine = Engine(config)
     engine.warm_up()
     turns = []
-    with serving(config, shlex.split(args.triton_args[0])) as server, ChatStream(server.grpc_url) as chat:
+    with serving(config, shlex.split(args.triton_args[0])) as server, ChatStream(server.grpc_url) as chat, \
+            frozen_heap(args.freeze_heap):   # this process's engine as the server's (which froze its own)
         stream = args.triton_streams[0] == "stream"
         for method in methods:   # a whole unmeasured pair first: the first measured alone pass ran slow on the H200
             run_alone(engine, prompts, params_for(method, args.max_tokens))
@@ -276,20 +277,21 @@ def _measure(args: argparse.Namespace, config: EngineConfig, prompts: list[list[
     service = None
     result: dict = {side: {} for side in args.sides if side != "triton"}
     try:
-        for side in result:
-            if side == "service" and service is None:
-                service = GenerationService(engine, Tokenizer(args.target))
-            for method in methods:
-                params = params_for(method, args.max_tokens)
-                run = (lambda ps: run_alone(engine, ps, params)) if side == "alone" else \
-                    (lambda ps: run_service(service, ps, params, args.timeout_s))
-                run(prompts[:1])   # unmeasured: first use of this method's shapes on this side
-                before = engine_stages(engine)
-                start = time.perf_counter()
-                tokens = run(tqdm(prompts, desc=f"{side} {method.name}", leave=False))
-                seconds = time.perf_counter() - start
-                result[side][method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
-                                             "stages": per_round_ms(before, engine_stages(engine))}
+        with frozen_heap(args.freeze_heap):
+            for side in result:
+                if side == "service" and service is None:
+                    service = GenerationService(engine, Tokenizer(args.target))
+                for method in methods:
+                    params = params_for(method, args.max_tokens)
+                    run = (lambda ps: run_alone(engine, ps, params)) if side == "alone" else \
+                        (lambda ps: run_service(service, ps, params, args.timeout_s))
+                    run(prompts[:1])   # unmeasured: first use of this method's shapes on this side
+                    before = engine_stages(engine)
+                    start = time.perf_counter()
+                    tokens = run(tqdm(prompts, desc=f"{side} {method.name}", leave=False))
+                    seconds = time.perf_counter() - start
+                    result[side][method.name] = {"tokens_per_s": tokens / seconds, "num_tokens": tokens, "seconds": seconds,
+                                                 "stages": per_round_ms(before, engine_stages(engine))}
     finally:
         if service is not None:
             service.shutdown()
@@ -389,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="serve_overhead_cpu")
+    add_freeze_heap_arg(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
@@ -415,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
               "methods": [m.name for m in methods], "foreign_context": args.foreign_context,
-              "triton_args": args.triton_args, "runs": {}}
+              "triton_args": args.triton_args, "freeze_heap": args.freeze_heap, "runs": {}}
     if args.repeats > 0:
         result["interleaved"] = interleaved(args, config, prompts, prompt_texts, methods)
         write_results(Path(args.out), args.name, result, table(result))

@@ -38,7 +38,7 @@ from ddtree.engine import Engine  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.serving import GenerationService  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
-from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, add_model_args, frozen_heap, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
 
 PARTS = ("take", "admit", "prefill", "send")
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="ttft_probe_cpu")
+    add_freeze_heap_arg(parser)
     args = parser.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = encode_prompts(Tokenizer(args.target), json.loads((ROOT / "perf/prompts.json").read_text()))
@@ -223,15 +224,17 @@ def main(argv: list[str] | None = None) -> dict:
     engine.warm_up()
     service = GenerationService(engine, Tokenizer(args.target))
     clock = Clock(service)
-    result = {"header": header(), "name": args.name, "settings": settings, "think_ms": args.think_ms, "runs": {}}
+    result = {"header": header(), "name": args.name, "settings": settings, "think_ms": args.think_ms,
+              "freeze_heap": args.freeze_heap, "runs": {}}
     try:
-        for method in tqdm(args.methods.split(","), desc="methods"):
-            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, mode=method, seed=0)
-            for level in levels:
-                run_level(service, clock, prompts, params, level, 1, args.timeout_s)   # unmeasured: programs, caches
-                result["runs"][f"{method}@{level}"] = run_level(service, clock, prompts, params, level,
-                                                                args.requests_per_stream, args.timeout_s,
-                                                                args.think_ms / 1e3)
+        with frozen_heap(args.freeze_heap):
+            for method in tqdm(args.methods.split(","), desc="methods"):
+                params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, mode=method, seed=0)
+                for level in levels:
+                    run_level(service, clock, prompts, params, level, 1, args.timeout_s)   # unmeasured: programs, caches
+                    result["runs"][f"{method}@{level}"] = run_level(service, clock, prompts, params, level,
+                                                                    args.requests_per_stream, args.timeout_s,
+                                                                    args.think_ms / 1e3)
     finally:
         service.shutdown()
     write_results(Path(args.out), args.name, result, table(result))

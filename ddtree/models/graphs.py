@@ -542,17 +542,19 @@ class StaticDrafter:
         rows = rows or row_bucket(max(sizes))
         reqs = batch_bucket(len(caches)) if self.scratch is not None else len(caches)
         keys = key_bucket(max(c.length + m for c, m in zip(caches, sizes)), max_len)
-        if keys is None or max(c.length for c in caches) + rows > max_len or reqs * rows > self.MAX_ROWS:
-            return None
+        fits = keys is not None and max(c.length for c in caches) + rows <= max_len and reqs * rows <= self.MAX_ROWS
         key = ("draft", reqs, rows, keys)
-        if self.graphs.warmed and key not in self.graphs.programs and rows != self.round_rows and len(caches) > 1:
-            # a batch at a context-row bucket warm-up did not make (a catch-up: an `auto` arm drafting after `ar`
-            # rounds, a group's first draft after its prompts; a round's accepted tokens at a rare count) takes the
-            # program of a round's most rows that warm-up made for its batch size (Engine._warm_batched_drafts): the
-            # context before each request's last round_rows rows is written by the dynamic pass first. Otherwise
-            # each catch-up length and accepted count would make a program of its own on requests' time (60-70 ms a
+        unprepared = self.graphs.warmed and key not in self.graphs.programs
+        if (unprepared or not fits) and rows != self.round_rows and len(caches) > 1:
+            # a batch at a context-row bucket warm-up did not make, or too many rows for one program (a catch-up: an
+            # `auto` arm drafting after `ar` rounds, whose requests admitted meanwhile bring their prompts' features;
+            # a group's first draft after its prompts; a round's accepted tokens at a rare count) takes the program of
+            # a round's most rows that warm-up made for its batch size (Engine._warm_batched_drafts): the context
+            # before each request's last round_rows rows is written by the dynamic pass first. Otherwise each
+            # catch-up length and accepted count would make a program of its own on requests' time (60-70 ms a
             # capture at SmolLM2 dims on the H200, where an `ar` round at 16 streams is 1.5 ms:
-            # concurrency_h200_split.md)
+            # concurrency_h200_split.md), and a catch-up over MAX_ROWS (17-32 requests, one of them with over 64
+            # rows) would run the whole drafter pass dynamically, its attention at shapes no warm-up ran
             n = self.round_rows
             after = [c.length + max(0, m - n) for c, m in zip(caches, sizes)]
             if max(after) + n > max_len or reqs * n > self.MAX_ROWS:
@@ -562,6 +564,8 @@ class StaticDrafter:
                 self.drafter.add_contexts([cache for cache, _ in early], [t for _, t in early])
                 self.catch_up_rows += sum(t.shape[0] for _, t in early)
             return self.batch(caches, [t[-n:] for t in taps], blocks, rows=n)
+        if not fits:
+            return None
         program = self.graphs.program(key, lambda: self._make(caches[0].pool, reqs, rows, keys, taps[0]))
         b, host = self.block, program.host.numpy()
         ids, length, m, slot, src = np.split(host, np.cumsum([reqs * b, reqs, reqs, reqs]))

@@ -59,6 +59,43 @@ def test_a_catch_up_drafts_through_the_rounds_program(tmp_path):
     assert static.catch_up_rows == (30 - 17) + (40 - 17)
 
 
+
+def test_a_catch_up_over_a_programs_rows_drafts_through_the_rounds_program(tmp_path):
+    """A batch whose catch-up rows, padded for every request, are more than one program takes (StaticDrafter.MAX_ROWS:
+    17-32 requests with one catch-up over 64 rows, `auto` drafting after `ar` rounds with its arrivals' prompt
+    features pending) takes the round's program too, before warm-up as after, instead of running the whole drafter
+    pass dynamically: the hidden states and context lengths of the dynamic pass. A lone request keeps the dynamic pass."""
+    from ddtree.models.dflash import DFlashDrafter
+    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
+
+    taps = [1, 16, 31, 46, 61]
+    write_published_checkpoint(tmp_path / "d", taps, seed=5, num_target_layers=64, sliding_window=6,
+                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
+    embed = torch.nn.Embedding(50, HIDDEN)
+    graphs = GraphPool(torch.device("cpu"), capture=False)
+    static = StaticDrafter(drafter, embed, graphs)
+    static.MAX_ROWS = 64   # 2 requests x 64 rows do not fit, 2 x 17 (a round's rows) do
+    gen = torch.Generator().manual_seed(3)
+    ours, theirs = drafter.new_caches(2, 300), drafter.new_caches(2, 300)
+    with torch.no_grad():
+        for warmed, sizes in ((False, (40, 3)), (True, (2, 50))):
+            graphs.warmed = warmed
+            features = [torch.randn(m, HIDDEN * len(taps), generator=gen) for m in sizes]
+            blocks = [torch.randint(0, 50, (BLOCK,), generator=gen).tolist() for _ in sizes]
+            got = static.batch(ours, features, blocks)
+            starts = [c.length + m for c, m in zip(theirs, sizes)]
+            drafter.add_contexts(theirs, features)
+            expected = drafter.forward_packed(theirs, embed(torch.tensor(blocks)), starts)
+            assert got is not None, sizes
+            assert [c.length for c in ours] == [c.length for c in theirs] == starts
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert {key[2] for key in graphs.programs} == {static.round_rows}
+        assert static.catch_up_rows == (40 - 17) + (50 - 17)
+        lone = drafter.new_caches(1, 300)
+        assert static.batch(lone, [torch.randn(70, HIDDEN * len(taps), generator=gen)], blocks[:1]) is None
+        assert lone[0].length == 0   # nothing written: the caller's dynamic pass writes it all
+
 def run_together(engine: Engine, lengths, modes) -> list[list[int]]:
     requests = [Request(f"r{i}", torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
                         SamplingParams(mode=mode, tree_budget=4, max_tokens=12, ignore_eos=True))
@@ -94,6 +131,23 @@ def test_warm_up_prepares_the_drafting_rounds_of_several_requests(family, tiny_m
         else:
             assert late == {"target" if family == "hybrid" else "batch"}, engine.graphs.late_keys
 
+
+def test_first_drafts_of_several_long_prompts_take_the_rounds_program(tiny_models, monkeypatch):
+    """Requests whose first drafts bring more prompt features than one drafter program takes for their batch (here
+    MAX_ROWS 80: 4 padded requests x 64 rows; on the H200 2048: 9-32 requests after prompts of over 64 tokens)
+    draft through the round's program after a dynamic write of the earlier context, not through the dynamic pass:
+    no dynamic drafter pass, and the target's greedy tokens."""
+    monkeypatch.setattr(StaticDrafter, "MAX_ROWS", 80)
+    paths = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"))
+    config = EngineConfig(**paths, max_model_len=160, max_num_seqs=4, static_forward="on")
+    plain = Engine(dataclasses.replace(config, static_forward="off"))
+    engine = Engine(config)
+    engine.warm_up()
+    lengths = (30, 40, 25)
+    expected = [run_together(plain, (n,), ("ar",))[0] for n in lengths]
+    assert run_together(engine, lengths, ("dflash",) * 3) == expected
+    assert engine.stage_times.dynamic_drafts == 0 and engine.static_drafter.catch_up_rows > 0
+    assert engine.stage_times.draft_passes > 1
 
 @pytest.mark.parametrize("budget", [0, 3, 7, 2048])
 def test_warm_up_makes_batched_verifies_within_their_memory(budget, tiny_models):

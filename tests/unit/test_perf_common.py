@@ -3,7 +3,10 @@ names the commit of those files through their tree id."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
+
+import pytest
 
 from perf import common
 
@@ -53,3 +56,15 @@ def test_results_record_the_engine_settings_they_ran_under(tmp_path, monkeypatch
     assert meta["environment"].get("DDTREE_GEMV_SWAP") == "1" and "DDTREE_COMMIT" not in meta["environment"]
     common.write_results(tmp_path, "r", {"header": meta}, "table")
     assert '"DDTREE_GEMV_SWAP": "1"' in (tmp_path / "r.md").read_text()
+
+
+def test_an_in_process_probe_freezes_the_heap_as_the_served_model_does_and_unfreezes_it_after():
+    gc.unfreeze()
+    with common.frozen_heap(False):
+        assert gc.get_freeze_count() == 0
+    with common.frozen_heap(True):
+        assert gc.get_freeze_count() > 1000   # what this process holds (torch, the test modules)
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), common.frozen_heap(True):
+        raise RuntimeError("a probe that fails leaves the caller's collector as it found it")
+    assert gc.get_freeze_count() == 0

@@ -12,6 +12,7 @@ def test_round_profile_with_arrivals(tiny_models, tmp_path):
     result = round_profile.main(["--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
                                  "--concurrency", "2", "--max-tokens", "5", "--turns", "2", "--top", "3",
                                  "--requests-per-stream", "3", "--out", str(tmp_path), "--name", "r"])
+    assert result["freeze_heap"] is True   # as the served model's heap (perf.common.frozen_heap)
     point = result["points"]["2"]
     assert len(point["ratios"]) == 2 and point["ratio_worst"] <= point["ratio_median"]
     assert all(point["methods"][m]["tokens_per_s"] > 0 for m in ("ar", "auto")) and len(point["profile_diff_us"]) == 3
