@@ -87,6 +87,7 @@ class StageTimes:
     tree_nodes: int = 0          # draft nodes verified (roots excluded)
     draft_passes: int = 0        # packed drafter passes
     dynamic_drafts: int = 0      # of which, with static forwards on, run by the dynamic pass (no static shape fitted)
+    dynamic_verifies: int = 0    # verifies that, with static forwards on, ran the dynamic forward (no static shape fitted)
     static_commits: int = 0      # rounds whose cache commit ran as a static program (graphs.StaticCommit)
     device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
     lookahead_steps: int = 0     # `ar` steps queued before the last one's token was read (Engine._lookahead_round)
@@ -642,6 +643,7 @@ class Engine:
                                               [t.parents for t in trees])
             if result is not None:
                 return result
+            self.stage_times.dynamic_verifies += 1
         segments = [Segment.of(self.caches[seq.slot], seq.start, b.visibility.to(self.device), parents=tree.parents)
                     for seq, tree, b in zip(seqs, trees, batches)]
         ids = torch.cat([b.input_ids for b in batches]).to(self.device)

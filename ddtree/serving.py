@@ -402,10 +402,11 @@ class GenerationService:
                     self._claim_relayed_stops()
                     self._profiler.before_step()
                     gc_before, late_before = self._stalls.before(), len(self.engine.graphs.late_keys)
+                    dynamic_before = self._dynamic_forwards()
                     self._step()
                     self._profiler.after_step()
                     if self._stalls.is_stall(self._step_seconds):
-                        self._stall(gc_before, late_before)
+                        self._stall(gc_before, late_before, dynamic_before)
                     self._report()
                     self.stats.serve_seconds += time.perf_counter() - start - self._step_seconds
                 else:
@@ -413,7 +414,11 @@ class GenerationService:
         except BaseException as e:  # the thread itself failed (not one step): nothing would serve the queue
             self._fail_fatal(e, "engine thread died")
 
-    def _stall(self, gc_before: tuple[float, int], late_before: int) -> None:
+    def _dynamic_forwards(self) -> int:
+        times = self.engine.stage_times
+        return times.dynamic_drafts + times.dynamic_verifies
+
+    def _stall(self, gc_before: tuple[float, int], late_before: int, dynamic_before: int) -> None:
         engine = self.engine
         self.stats.num_slow_steps += 1
         self.stats.slow_step_seconds += self._step_seconds
@@ -421,7 +426,8 @@ class GenerationService:
         self._stalls.log(self._step_seconds, gc_before,
                          f"{len(engine.running)} running, {len(engine.waiting)} waiting, auto's arm "
                          f"{arm.name if arm is not None else '-'}, static programs made in it "
-                         f"{len(engine.graphs.late_keys) - late_before}")
+                         f"{len(engine.graphs.late_keys) - late_before}, dynamic forwards in it (no static program fitted) "
+                         f"{self._dynamic_forwards() - dynamic_before}")
 
     def _fail_fatal(self, error: BaseException, what: str) -> None:
         """The instance stops serving: every running and queued request gets a final UNAVAILABLE error naming

@@ -65,6 +65,11 @@ class Timed:
             self.calls.append(time.perf_counter() - start)
 
 
+def dynamic_passes(engine: Engine) -> int:
+    """Drafter passes and verifies the engine ran dynamically so far while it has static forwards."""
+    return engine.stage_times.dynamic_drafts + engine.stage_times.dynamic_verifies
+
+
 def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dict:
     """One method's run: --slots requests kept running until --requests ran; every step timed and split."""
     profile = cProfile.Profile()
@@ -101,14 +106,14 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
     try:
         for _ in range(min(args.slots, args.requests)):
             add()
-        rounds0, dynamic0 = engine.stage_times.batch_rounds, engine.stage_times.dynamic_drafts
+        rounds0, dynamic0 = engine.stage_times.batch_rounds, dynamic_passes(engine)
         late0 = len(engine.graphs.late_keys)
         start = time.perf_counter()
         while engine.has_work:
             admitted = min(len(engine.waiting), len(engine.free_slots))
             n_settle, n_prefill = len(settle.calls), len(prefill.calls)
             traced = args.kernels and admitted == 1 and traced_steps < args.kernels
-            rounds, dynamic = engine.stage_times.batch_rounds, engine.stage_times.dynamic_drafts
+            rounds, dynamic = engine.stage_times.batch_rounds, dynamic_passes(engine)
             gc_before = collections.before()
             t0 = time.perf_counter()
             if traced:   # a lone admission's whole step, its kernels (the step left out of the timings)
@@ -144,7 +149,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
                     arm = engine.arm.name if mode == "auto" and getattr(engine, "arm", None) is not None else mode
                 steps.append({"admitted": admitted, "ms": 1e3 * wall, "settle_ms": 1e3 * settled, "arm": arm,
                               "batch": len(engine.running), "late": len(engine.graphs.late_keys) - late0,
-                              "dynamic_drafts": engine.stage_times.dynamic_drafts - dynamic,
+                              "dynamic": dynamic_passes(engine) - dynamic,
                               "gc_ms": 1e3 * (collections.gc_seconds - gc_before[0]),
                               "full_gcs": collections.full_gcs - gc_before[1],
                               "prefill_ms": 1e3 * prefilled, "rest_ms": 1e3 * (wall - settled - prefilled)})
@@ -183,8 +188,8 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
     return {"tokens_per_s": tokens / seconds, "arms": arms, "arms_by_batch": chosen, "lone_admission_kernels": lone,
             "seconds": seconds, "steps": len(steps),
             "batch_rounds": engine.stage_times.batch_rounds - rounds0,
-            # drafting passes of several requests that no static program took (static forwards on): the dynamic pass
-            "dynamic_drafts": engine.stage_times.dynamic_drafts - dynamic0,
+            # drafter passes and verifies that no static program took (static forwards on): the dynamic forwards
+            "dynamic": dynamic_passes(engine) - dynamic0,
             "admitting": {"steps": len(admitting), "requests": sum(s["admitted"] for s in admitting),
                           **{k: mean(admitting, k) for k in ("ms", "settle_ms", "prefill_ms", "rest_ms")}},
             "decoding": {"steps": len(decoding), **{k: mean(decoding, k) for k in ("ms", "settle_ms", "rest_ms")}},
@@ -233,11 +238,12 @@ def table(result: dict) -> str:
         rows += ["", f"{method}: its slowest steps: " + "; ".join(
             f"{st['ms']:.1f} ms = settle {st['settle_ms']:.1f} + prefill {st['prefill_ms']:.1f} + rest {st['rest_ms']:.1f} "
             f"({st['arm']}, {st['batch']} running, {st['admitted']} admitted, programs made by then: "
-            f"{st['late']}, dynamic drafter passes {st.get('dynamic_drafts', 0)}, garbage collection {st['gc_ms']:.1f} ms, "
+            f"{st['late']}, dynamic forwards {st.get('dynamic', 0)}, garbage collection {st['gc_ms']:.1f} ms, "
             f"{st['full_gcs']} full)" for st in r["slowest_steps"]),
             "", f"{method}: garbage collection in the measured steps: {r['gc_ms']:.1f} ms, {r['full_gcs']} full "
             f"collections (heap frozen after warm-up: {result['freeze_heap']})", "",
-            f"{method}: drafting passes by the dynamic pass (no static program fitted): {r.get('dynamic_drafts', 0)}", "",
+            f"{method}: drafter passes and verifies run by the dynamic forward (no static program fitted): "
+            f"{r.get('dynamic', 0)}", "",
             f"{method}: static programs made inside the measured run: {len(r['late_programs'])}"
             + (" (" + ", ".join(r["late_programs"][:12]) + ")" if r["late_programs"] else "")]
         for slow in r.get("slow_profiles", [])[:4]:

@@ -169,4 +169,5 @@ def test_a_stalled_step_is_counted_and_logged_with_its_garbage_collection(tiny_m
     assert service.stats.num_full_gcs >= 1 and service.stats.gc_seconds > 0
     stalls = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
     assert len(stalls) == service.stats.num_slow_steps
-    assert any("1 running" in m and "1 full" in m and "programs made in it 0" in m for m in stalls), stalls
+    assert any("1 running" in m and "1 full" in m and "programs made in it 0" in m and "dynamic forwards in it" in m
+               for m in stalls), stalls
