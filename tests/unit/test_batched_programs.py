@@ -20,28 +20,34 @@ from ddtree.sampling_params import SamplingParams
 from tests.unit.oracle import make_tiny_hybrid, serve_together
 
 
+def static_drafter(tmp_path, seed: int):
+    """A drafter of the published Qwen3.6-27B-DFlash layout (5 layers, taps 1..61, sliding windows), its static pass on
+    the CPU (static forwards run eagerly), and the pool of its programs."""
+    from ddtree.models.dflash import DFlashDrafter
+    from tests.unit.test_dflash_drafter import HIDDEN, write_published_checkpoint
+
+    write_published_checkpoint(tmp_path / "d", [1, 16, 31, 46, 61], seed=seed, num_target_layers=64, sliding_window=6,
+                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
+    embed = torch.nn.Embedding(50, HIDDEN)
+    graphs = GraphPool(torch.device("cpu"), capture=False)
+    return drafter, embed, graphs, StaticDrafter(drafter, embed, graphs)
+
+
 def test_a_catch_up_drafts_through_the_rounds_program(tmp_path):
     """After warm-up, two requests appending 30 and 3 context rows (no program of 32 rows made) take the program of
     a round's rows (block + 1, made): the first 13 of the 30 rows written by the dynamic pass, the hidden states and
     context lengths those of the dynamic pass, no program made; before warm-up (and where it is made) a batch takes
     its own rows' program."""
-    from ddtree.models.dflash import DFlashDrafter
-    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
-
-    taps = [1, 16, 31, 46, 61]
-    write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
-                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
-    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
-    embed = torch.nn.Embedding(50, HIDDEN)
-    graphs = GraphPool(torch.device("cpu"), capture=False)
-    static = StaticDrafter(drafter, embed, graphs)
-    assert static.round_rows == row_bucket(BLOCK + 1) == 17
+    drafter, embed, graphs, static = static_drafter(tmp_path, seed=4)
+    features_width, block = drafter.fc.in_features, drafter.block_size
+    assert static.round_rows == row_bucket(block + 1) == 17
     gen = torch.Generator().manual_seed(7)
     ours, theirs = drafter.new_caches(2, 300), drafter.new_caches(2, 300)
     with torch.no_grad():
         for step, sizes in enumerate([(5, 9), (17, 2), (30, 3), (1, 40)]):
-            features = [torch.randn(m, HIDDEN * len(taps), generator=gen) for m in sizes]
-            blocks = [torch.randint(0, 50, (BLOCK,), generator=gen).tolist() for _ in sizes]
+            features = [torch.randn(m, features_width, generator=gen) for m in sizes]
+            blocks = [torch.randint(0, 50, (block,), generator=gen).tolist() for _ in sizes]
             made = set(graphs.programs)
             got = static.batch(ours, features, blocks)
             starts = [c.length + m for c, m in zip(theirs, sizes)]
@@ -65,24 +71,16 @@ def test_a_catch_up_over_a_programs_rows_drafts_through_the_rounds_program(tmp_p
     17-32 requests with one catch-up over 64 rows, `auto` drafting after `ar` rounds with its arrivals' prompt
     features pending) takes the round's program too, before warm-up as after, instead of running the whole drafter
     pass dynamically: the hidden states and context lengths of the dynamic pass. A lone request keeps the dynamic pass."""
-    from ddtree.models.dflash import DFlashDrafter
-    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
-
-    taps = [1, 16, 31, 46, 61]
-    write_published_checkpoint(tmp_path / "d", taps, seed=5, num_target_layers=64, sliding_window=6,
-                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
-    drafter = DFlashDrafter.from_pretrained(tmp_path / "d")
-    embed = torch.nn.Embedding(50, HIDDEN)
-    graphs = GraphPool(torch.device("cpu"), capture=False)
-    static = StaticDrafter(drafter, embed, graphs)
+    drafter, embed, graphs, static = static_drafter(tmp_path, seed=5)
+    features_width, block = drafter.fc.in_features, drafter.block_size
     static.MAX_ROWS = 64   # 2 requests x 64 rows do not fit, 2 x 17 (a round's rows) do
     gen = torch.Generator().manual_seed(3)
     ours, theirs = drafter.new_caches(2, 300), drafter.new_caches(2, 300)
     with torch.no_grad():
         for warmed, sizes in ((False, (40, 3)), (True, (2, 50))):
             graphs.warmed = warmed
-            features = [torch.randn(m, HIDDEN * len(taps), generator=gen) for m in sizes]
-            blocks = [torch.randint(0, 50, (BLOCK,), generator=gen).tolist() for _ in sizes]
+            features = [torch.randn(m, features_width, generator=gen) for m in sizes]
+            blocks = [torch.randint(0, 50, (block,), generator=gen).tolist() for _ in sizes]
             got = static.batch(ours, features, blocks)
             starts = [c.length + m for c, m in zip(theirs, sizes)]
             drafter.add_contexts(theirs, features)
@@ -93,7 +91,7 @@ def test_a_catch_up_over_a_programs_rows_drafts_through_the_rounds_program(tmp_p
         assert {key[2] for key in graphs.programs} == {static.round_rows}
         assert static.catch_up_rows == (40 - 17) + (50 - 17)
         lone = drafter.new_caches(1, 300)
-        assert static.batch(lone, [torch.randn(70, HIDDEN * len(taps), generator=gen)], blocks[:1]) is None
+        assert static.batch(lone, [torch.randn(70, features_width, generator=gen)], blocks[:1]) is None
         assert lone[0].length == 0   # nothing written: the caller's dynamic pass writes it all
 
 def run_together(engine: Engine, lengths, modes) -> list[list[int]]:
