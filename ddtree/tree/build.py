@@ -79,18 +79,31 @@ def build_tree(log_probs: np.ndarray, token_ids: np.ndarray, budget: int) -> Dra
         return tree
     # Python lists: indexing them is several times cheaper than numpy scalars, and this runs per node every round
     log_p, ids = np.asarray(log_probs, dtype=np.float64).tolist(), np.asarray(token_ids).tolist()
+    # a prefix's rank tuple (r_1 .. r_d) as one integer, sum (r_i + 1) * base^(depth_limit - i): its order is the
+    # tuples' lexicographic order (a proper prefix first), so ties break as on the tuples, without building one per push
+    base = k + 1
+    place = [base ** (depth_limit - d) for d in range(depth_limit + 1)]   # place[d]: the digit of depth d
+    tokens, parents, depths, children, weights = tree.tokens, tree.parents, tree.depths, tree.children, tree.log_weights
+    push, pop = heapq.heappush, heapq.heappop
     first = log_p[0][0]
-    heap = [(-first, (0,), 0, 1, 0, first)]  # (-log w, ranks, parent, depth, rank, log w)
-    while heap and tree.num_nodes < budget:
-        _, ranks, parent, depth, rank, log_w = heapq.heappop(heap)
+    heap = [(-first, place[1], 0, 1, 0)]  # (-log w, ranks' code, parent, depth, rank)
+    while heap and len(tokens) <= budget:
+        neg_w, code, parent, depth, rank = pop(heap)
+        log_w = -neg_w   # exact
         row = log_p[depth - 1]
-        node = _add_node(tree, ids[depth - 1][rank], parent, depth, log_w)
+        node, token = len(tokens), ids[depth - 1][rank]
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(depth)
+        weights.append(log_w)
+        children.append({})
+        children[parent][token] = node
         if rank + 1 < k:
             sibling_w = log_w - row[rank] + row[rank + 1]
-            heapq.heappush(heap, (-sibling_w, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling_w))
+            push(heap, (-sibling_w, code + place[depth], parent, depth, rank + 1))
         if depth < depth_limit:
             child_w = log_w + log_p[depth][0]
-            heapq.heappush(heap, (-child_w, ranks + (0,), node, depth + 1, 0, child_w))
+            push(heap, (-child_w, code + place[depth + 1], node, depth + 1, 0))
     return tree
 
 

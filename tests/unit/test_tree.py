@@ -45,6 +45,21 @@ def test_build_tree_matches_brute_force(seed, budget):
     assert tree.num_nodes == min(budget, sum(k**d for d in range(1, depth_limit + 1)))
 
 
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ties_break_on_the_rank_tuples(seed):
+    """Paths of equal weight (log-probabilities of a few integer values: their sums are exact) come in the
+    lexicographic order of their rank tuples, a prefix before its extensions, as in the brute-force reading."""
+    rng = np.random.default_rng(seed)
+    depth_limit, k = 4, 3 + seed % 3
+    log_probs = -np.sort(rng.integers(1, 3, size=(depth_limit, k)), axis=1).astype(np.float64)
+    if seed % 2:
+        log_probs[:] = -1.0   # every path of a depth ties
+    token_ids = np.arange(depth_limit * k).reshape(depth_limit, k)
+    for budget in (5, 17, 40):
+        tree = build_tree(log_probs, token_ids, budget)
+        assert rank_paths(tree, token_ids) == reference_tree(log_probs, token_ids, budget), (seed, budget)
+
 @pytest.mark.parametrize("seed", range(5))
 def test_tree_invariants_and_compiled_mask(seed):
     gen = torch.Generator().manual_seed(100 + seed)
