@@ -553,8 +553,9 @@ class StaticDrafter:
             # before each request's last round_rows rows is written by the dynamic pass first. Otherwise each
             # catch-up length and accepted count would make a program of its own on requests' time (60-70 ms a
             # capture at SmolLM2 dims on the H200, where an `ar` round at 16 streams is 1.5 ms:
-            # concurrency_h200_split.md), and a catch-up over MAX_ROWS (17-32 requests, one of them with over 64
-            # rows) would run the whole drafter pass dynamically, its attention at shapes no warm-up ran
+            # concurrency_h200_split.md), and a catch-up over MAX_ROWS (padded requests x its row bucket: 17-32
+            # requests with one over 64 rows, 9-16 with one over 128) would run the whole drafter pass dynamically, its
+            # attention at shapes no warm-up ran
             n = self.round_rows
             after = [c.length + max(0, m - n) for c, m in zip(caches, sizes)]
             if max(after) + n > max_len or reqs * n > self.MAX_ROWS:
