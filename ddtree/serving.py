@@ -83,6 +83,7 @@ class ServiceStats:
     slow_step_seconds: float = 0.0   # their time
     gc_seconds: float = 0.0          # this process's garbage collections (any thread's), since the service started
     num_full_gcs: int = 0            # of which full collections (they walk every object not frozen: freeze_heap)
+    num_dynamic_forwards: int = 0    # drafter passes and verifies no static program fitted while static forwards are on
     # seconds from a request's arrival at the model to its first generated token, and to its last (finished
     # requests), observed since the last publication: each published once (only while stats are published)
     ttft_seconds: list[float] = field(default_factory=list)
@@ -373,6 +374,7 @@ class GenerationService:
         self.stats.acceptance_histogram, self.stats.auto_arm_rounds = times.acceptance_histogram, times.auto_arm_rounds
         self.stats.auto_arm_seconds, self.stats.num_late_programs = times.auto_arm_seconds, len(engine.graphs.late_keys)
         self.stats.gc_seconds, self.stats.num_full_gcs = self._stalls.gc_seconds, self._stalls.full_gcs
+        self.stats.num_dynamic_forwards = self._dynamic_forwards()
         # publishing costs one IPC call per changed metric in Triton (several per round): at most every
         # METRICS_INTERVAL_S while the engine works, and always once it is idle (scrapes then see final values)
         now = time.monotonic()

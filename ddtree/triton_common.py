@@ -143,7 +143,10 @@ class TritonMetrics:
                 ("ddtree_gc_seconds_total", "gc_seconds",
                  "The model process's garbage collections, whichever thread's allocations set them off"),
                 ("ddtree_gc_full_collections_total", "num_full_gcs",
-                 "Of those, full collections (they walk every object the warm-up's freeze_heap did not freeze)"))
+                 "Of those, full collections (they walk every object the warm-up's freeze_heap did not freeze)"),
+                ("ddtree_dynamic_forwards_total", "num_dynamic_forwards",
+                 "Drafter passes and verifies that no static program fitted, run by the dynamic forward while static "
+                 "forwards are on (CUDA): eager launches, and kernels at shapes warm-up never ran"))
     HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),
                   ("ddtree_time_to_first_token_seconds", "ttft_seconds",
                    "Seconds from a request's arrival at the generation model to its first generated token (queue and "

@@ -42,7 +42,8 @@ DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
 LATE = "ddtree_static_programs_late_total"
 # stalled steps and garbage collection (ddtree.serving.StallWatch): counters read before and after each run
 STALLS = {"slow_steps": "ddtree_slow_steps_total", "slow_step_s": "ddtree_slow_step_seconds_total",
-          "gc_s": "ddtree_gc_seconds_total", "full_gcs": "ddtree_gc_full_collections_total"}
+          "gc_s": "ddtree_gc_seconds_total", "full_gcs": "ddtree_gc_full_collections_total",
+          "dynamic": "ddtree_dynamic_forwards_total"}
 
 
 def summarize(requests: list[dict], max_tokens: int) -> dict:
@@ -279,12 +280,14 @@ def wall_ms_per_round(run: dict, max_tokens: int) -> float | None:
 
 
 def stalls_cell(entry: dict) -> str:
-    """A run's stalled steps / their ms; its garbage collection ms / full collections ("-": not measured)."""
+    """A run's stalled steps / their ms; its garbage collection ms / full collections; its dynamic forwards ("-": not
+    measured)."""
     stalls = entry.get("stalls")
     if stalls is None:
         return "-"
+    dynamic = f"; dynamic {stalls['dynamic']:.0f}" if "dynamic" in stalls else ""
     return (f"{stalls['slow_steps']:.0f} / {1e3 * stalls['slow_step_s']:.0f}; gc {1e3 * stalls['gc_s']:.0f} / "
-            f"{stalls['full_gcs']:.0f}")
+            f"{stalls['full_gcs']:.0f}{dynamic}")
 
 
 def write(result: dict, levels: list[int], args) -> None:
@@ -359,7 +362,8 @@ def write(result: dict, levels: list[int], args) -> None:
                                                     if "late_programs" in by_level[str(c)] else "-" for c in levels) + " |")
     if any("stalls" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
         rows += ["", "Stalled engine steps in the measured run (over 10x the recent steps' mean and 50 ms; "
-                 "ddtree_slow_steps_total) / their ms; the model process's garbage collection ms / full collections:", "",
+                 "ddtree_slow_steps_total) / their ms; the model process's garbage collection ms / full collections; "
+                 "drafter passes and verifies no static program fitted (ddtree_dynamic_forwards_total):", "",
                  "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
         for name, by_level in result["methods"].items():
             rows.append(f"| {name} | " + " | ".join(stalls_cell(by_level[str(c)]) for c in levels) + " |")

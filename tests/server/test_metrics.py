@@ -67,7 +67,7 @@ def test_new_metrics_are_exported(server):
                                   "ddtree_request_queue_seconds_count", "ddtree_request_prefill_seconds_sum",
                                   "ddtree_request_take_seconds_count", "ddtree_slow_steps_total",
                                   "ddtree_slow_step_seconds_total", "ddtree_gc_seconds_total",
-                                  "ddtree_gc_full_collections_total"]:
+                                  "ddtree_gc_full_collections_total", "ddtree_dynamic_forwards_total"]:
         assert name in samples, sorted(samples)
 
 

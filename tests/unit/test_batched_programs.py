@@ -134,7 +134,7 @@ def test_first_drafts_of_several_long_prompts_take_the_rounds_program(tiny_model
     """Requests whose first drafts bring more prompt features than one drafter program takes for their batch (here
     MAX_ROWS 80: 4 padded requests x 64 rows; on the H200 2048: 9-32 requests after prompts of over 64 tokens)
     draft through the round's program after a dynamic write of the earlier context, not through the dynamic pass:
-    no dynamic drafter pass, and the target's greedy tokens."""
+    no dynamic drafter pass, and the target's greedy tokens; a lone request's takes the dynamic pass, counted."""
     monkeypatch.setattr(StaticDrafter, "MAX_ROWS", 80)
     paths = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"))
     config = EngineConfig(**paths, max_model_len=160, max_num_seqs=4, static_forward="on")
@@ -146,6 +146,9 @@ def test_first_drafts_of_several_long_prompts_take_the_rounds_program(tiny_model
     assert run_together(engine, lengths, ("dflash",) * 3) == expected
     assert engine.stage_times.dynamic_drafts == 0 and engine.static_drafter.catch_up_rows > 0
     assert engine.stage_times.draft_passes > 1
+    # a lone request's first draft after a prompt of more rows than a program takes: the dynamic pass, counted
+    assert run_together(engine, (100,), ("dflash",)) == [run_together(plain, (100,), ("ar",))[0]]
+    assert engine.stage_times.dynamic_drafts == 1
 
 @pytest.mark.parametrize("budget", [0, 3, 7, 2048])
 def test_warm_up_makes_batched_verifies_within_their_memory(budget, tiny_models):

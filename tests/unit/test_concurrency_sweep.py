@@ -77,3 +77,5 @@ def test_a_runs_stalls_and_garbage_collection_read_as_counts_and_ms():
     run = {"tokens_per_s": 1.0, "stalls": {"slow_steps": 2.0, "slow_step_s": 1.3, "gc_s": 0.95, "full_gcs": 1.0}}
     assert stalls_cell(run) == "2 / 1300; gc 950 / 1"
     assert stalls_cell({"tokens_per_s": 1.0}) == "-"   # a run of a server without the counters
+    run["stalls"]["dynamic"] = 3.0
+    assert stalls_cell(run) == "2 / 1300; gc 950 / 1; dynamic 3"
