@@ -100,6 +100,11 @@ class StageTimes:
     #                              (what ArmSelector measures: from the previous round's end, serving work included)
 
     @property
+    def dynamic_forwards(self) -> int:
+        """Drafter passes and verifies no static program fitted while static forwards are on."""
+        return self.dynamic_drafts + self.dynamic_verifies
+
+    @property
     def host(self) -> float:
         """Round time outside the drafter and target passes (tree build, compile, acceptance, commit)."""
         return self.decode - self.draft - self.verify

@@ -374,7 +374,7 @@ class GenerationService:
         self.stats.acceptance_histogram, self.stats.auto_arm_rounds = times.acceptance_histogram, times.auto_arm_rounds
         self.stats.auto_arm_seconds, self.stats.num_late_programs = times.auto_arm_seconds, len(engine.graphs.late_keys)
         self.stats.gc_seconds, self.stats.num_full_gcs = self._stalls.gc_seconds, self._stalls.full_gcs
-        self.stats.num_dynamic_forwards = self._dynamic_forwards()
+        self.stats.num_dynamic_forwards = self.engine.stage_times.dynamic_forwards
         # publishing costs one IPC call per changed metric in Triton (several per round): at most every
         # METRICS_INTERVAL_S while the engine works, and always once it is idle (scrapes then see final values)
         now = time.monotonic()
@@ -404,7 +404,7 @@ class GenerationService:
                     self._claim_relayed_stops()
                     self._profiler.before_step()
                     gc_before, late_before = self._stalls.before(), len(self.engine.graphs.late_keys)
-                    dynamic_before = self._dynamic_forwards()
+                    dynamic_before = self.engine.stage_times.dynamic_forwards
                     self._step()
                     self._profiler.after_step()
                     if self._stalls.is_stall(self._step_seconds):
@@ -416,10 +416,6 @@ class GenerationService:
         except BaseException as e:  # the thread itself failed (not one step): nothing would serve the queue
             self._fail_fatal(e, "engine thread died")
 
-    def _dynamic_forwards(self) -> int:
-        times = self.engine.stage_times
-        return times.dynamic_drafts + times.dynamic_verifies
-
     def _stall(self, gc_before: tuple[float, int], late_before: int, dynamic_before: int) -> None:
         engine = self.engine
         self.stats.num_slow_steps += 1
@@ -429,7 +425,7 @@ class GenerationService:
                          f"{len(engine.running)} running, {len(engine.waiting)} waiting, auto's arm "
                          f"{arm.name if arm is not None else '-'}, static programs made in it "
                          f"{len(engine.graphs.late_keys) - late_before}, dynamic forwards in it (no static program fitted) "
-                         f"{self._dynamic_forwards() - dynamic_before}")
+                         f"{self.engine.stage_times.dynamic_forwards - dynamic_before}")
 
     def _fail_fatal(self, error: BaseException, what: str) -> None:
         """The instance stops serving: every running and queued request gets a final UNAVAILABLE error naming

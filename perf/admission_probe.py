@@ -65,11 +65,6 @@ class Timed:
             self.calls.append(time.perf_counter() - start)
 
 
-def dynamic_passes(engine: Engine) -> int:
-    """Drafter passes and verifies the engine ran dynamically so far while it has static forwards."""
-    return engine.stage_times.dynamic_drafts + engine.stage_times.dynamic_verifies
-
-
 def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dict:
     """One method's run: --slots requests kept running until --requests ran; every step timed and split."""
     profile = cProfile.Profile()
@@ -106,14 +101,14 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
     try:
         for _ in range(min(args.slots, args.requests)):
             add()
-        rounds0, dynamic0 = engine.stage_times.batch_rounds, dynamic_passes(engine)
+        rounds0, dynamic0 = engine.stage_times.batch_rounds, engine.stage_times.dynamic_forwards
         late0 = len(engine.graphs.late_keys)
         start = time.perf_counter()
         while engine.has_work:
             admitted = min(len(engine.waiting), len(engine.free_slots))
             n_settle, n_prefill = len(settle.calls), len(prefill.calls)
             traced = args.kernels and admitted == 1 and traced_steps < args.kernels
-            rounds, dynamic = engine.stage_times.batch_rounds, dynamic_passes(engine)
+            rounds, dynamic = engine.stage_times.batch_rounds, engine.stage_times.dynamic_forwards
             gc_before = collections.before()
             t0 = time.perf_counter()
             if traced:   # a lone admission's whole step, its kernels (the step left out of the timings)
@@ -149,7 +144,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
                     arm = engine.arm.name if mode == "auto" and getattr(engine, "arm", None) is not None else mode
                 steps.append({"admitted": admitted, "ms": 1e3 * wall, "settle_ms": 1e3 * settled, "arm": arm,
                               "batch": len(engine.running), "late": len(engine.graphs.late_keys) - late0,
-                              "dynamic": dynamic_passes(engine) - dynamic,
+                              "dynamic": engine.stage_times.dynamic_forwards - dynamic,
                               "gc_ms": 1e3 * (collections.gc_seconds - gc_before[0]),
                               "full_gcs": collections.full_gcs - gc_before[1],
                               "prefill_ms": 1e3 * prefilled, "rest_ms": 1e3 * (wall - settled - prefilled)})
@@ -189,7 +184,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
             "seconds": seconds, "steps": len(steps),
             "batch_rounds": engine.stage_times.batch_rounds - rounds0,
             # drafter passes and verifies that no static program took (static forwards on): the dynamic forwards
-            "dynamic": dynamic_passes(engine) - dynamic0,
+            "dynamic": engine.stage_times.dynamic_forwards - dynamic0,
             "admitting": {"steps": len(admitting), "requests": sum(s["admitted"] for s in admitting),
                           **{k: mean(admitting, k) for k in ("ms", "settle_ms", "prefill_ms", "rest_ms")}},
             "decoding": {"steps": len(decoding), **{k: mean(decoding, k) for k in ("ms", "settle_ms", "rest_ms")}},

@@ -159,8 +159,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
     pre = model_stats(server.http_url, "preprocessing")
     arms = auto_arms(server.metrics_url)
-    late = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0)
-    stalls = scrape_metrics(server.metrics_url, set(STALLS.values()))
+    counters = scrape_metrics(server.metrics_url, {LATE, *STALLS.values()})
     ttft = scrape_metrics(server.metrics_url, set(TTFT + QUEUE + PREFILL + TAKE))
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
@@ -178,9 +177,9 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
         time_total = sum(spent.values())
         entry["auto_arm_time_shares"] = {arm: t / time_total for arm, t in spent.items() if t > 0} if time_total else {}
     # static programs compiled (captured, on CUDA) inside the measured run: shapes no warm-up or earlier run made
-    entry["late_programs"] = scrape_metrics(server.metrics_url, {LATE}).get(LATE, 0.0) - late
-    now_stalls = scrape_metrics(server.metrics_url, set(STALLS.values()))
-    entry["stalls"] = {key: now_stalls.get(name, 0.0) - stalls.get(name, 0.0) for key, name in STALLS.items()}
+    now_counters = scrape_metrics(server.metrics_url, {LATE, *STALLS.values()})
+    entry["late_programs"] = now_counters.get(LATE, 0.0) - counters.get(LATE, 0.0)
+    entry["stalls"] = {key: now_counters.get(name, 0.0) - counters.get(name, 0.0) for key, name in STALLS.items()}
     after = model_stats(server.http_url, "postprocessing")
     entry["postprocessing"] = per_execution(post, after)
     entry["postprocessing"]["per_request"] = max(entry["postprocessing"]["executions"], 1) / max(entry["num_requests"], 1)
