@@ -14,7 +14,9 @@ PyTorch profile (operator table, by self CPU and by CUDA time) of `--profile-ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -45,16 +47,21 @@ def snapshot(engine: Engine) -> dict:
             "arms": dict(t.auto_arm_rounds)}
 
 
-def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile=None, total: int = 0) -> dict:
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile=None, total: int = 0,
+              spread: int = 0) -> dict:
     """All prompts added at once, stepped until every request finishes: tokens/s and the stage deltas. total (more
     than the prompts): as many requests kept running, each one that finished replaced before the next step by the
     next prompt (cycling) until `total` were added, as a closed loop's streams arrive (perf_analyzer's, without the
-    client's turnaround): admissions and prefills among the decoding rounds, which requests added at once pay once."""
+    client's turnaround): admissions and prefills among the decoding rounds, which requests added at once pay once.
+    spread: request i asks max_tokens less 0..spread (random.Random(i), the same every run), so that requests finish,
+    and the next ones arrive, on different rounds, as in a served load (perf/admission_probe.py's spread)."""
     requests: list[Request] = []
 
     def add() -> Request:
-        request = Request(request_id=f"b{len(requests)}", prompt_ids=list(prompts[len(requests) % len(prompts)]),
-                          params=params)
+        index = len(requests)
+        cut = random.Random(index).randint(0, spread) if spread else 0
+        request = Request(request_id=f"b{index}", prompt_ids=list(prompts[index % len(prompts)]),
+                          params=dataclasses.replace(params, max_tokens=max(1, params.max_tokens - cut)) if cut else params)
         requests.append(request)
         engine.add(request)
         return request

@@ -41,13 +41,13 @@ def params_for(name: str, max_tokens: int) -> SamplingParams:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile: cProfile.Profile | None = None,
-              total: int = 0) -> dict:
+              total: int = 0, spread: int = 0) -> dict:
     """batch_rounds.run_batch (the prompts added at once, stepped until all finish; with total, as many kept running
     until `total` ran), under `profile` where given: ms per batch round, tokens/s, auto's arms."""
     if profile is not None:
         profile.enable()
     try:
-        result = batch_rounds.run_batch(engine, prompts, params, total=total)
+        result = batch_rounds.run_batch(engine, prompts, params, total=total, spread=spread)
     finally:
         if profile is not None:
             profile.disable()
@@ -68,17 +68,18 @@ def per_function(profile: cProfile.Profile, rounds: int) -> dict[str, float]:
 def measure_level(engine: Engine, prompts: list[list[int]], methods: list[str], args) -> dict:
     total = len(prompts) * args.requests_per_stream
     for name in methods:   # unmeasured: auto's exploration at this batch size, any program not made at warm-up
-        run_batch(engine, prompts, params_for(name, args.max_tokens), total=total)
+        run_batch(engine, prompts, params_for(name, args.max_tokens), total=total, spread=args.spread)
     turns: list[dict[str, dict]] = []
     for turn in range(args.turns):
         order = methods[turn % len(methods):] + methods[: turn % len(methods)]
-        turns.append({name: run_batch(engine, prompts, params_for(name, args.max_tokens), total=total) for name in order})
+        turns.append({name: run_batch(engine, prompts, params_for(name, args.max_tokens), total=total, spread=args.spread)
+                      for name in order})
     base, candidate = methods[0], methods[-1]
     ratios = [t[candidate]["tokens_per_s"] / t[base]["tokens_per_s"] for t in turns]
     profiles = {}
     for name in methods:
         profile = cProfile.Profile()
-        result = run_batch(engine, prompts, params_for(name, args.max_tokens), profile, total)
+        result = run_batch(engine, prompts, params_for(name, args.max_tokens), profile, total, args.spread)
         profiles[name] = per_function(profile, result["batch_rounds"])
     diff = sorted(((profiles[candidate].get(k, 0.0) - profiles[base].get(k, 0.0), k) for k in
                    set(profiles[candidate]) | set(profiles[base])), reverse=True)[: args.top]
@@ -97,6 +98,8 @@ def table(result: dict) -> str:
     per_stream = result.get("requests_per_stream", 1)
     arrivals = ("added at once" if per_stream == 1 else f"kept running, each finished one replaced at once, {per_stream} "
                 "a stream (a closed loop's arrivals)")
+    if result.get("spread"):
+        arrivals += f", each asking {result['max_tokens']} tokens less 0..{result['spread']}"
     lines = [f"Requests x {result['max_tokens']} tokens {arrivals}, {result['turns']} turns per point (one batch of "
              "each method per turn); the median turn:", "",
              "| | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
@@ -133,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="1: a point's requests added at once; more: as many kept running, each that finished "
                              "replaced at once, until this many per stream ran (admissions among the rounds, as in "
                              "a serving sweep)")
+    parser.add_argument("--spread", type=int, default=0,
+                        help="request i asks --max-tokens less 0..SPREAD (the same every run): requests finish and "
+                             "arrive on different rounds, as in a served load (with --requests-per-stream > 1)")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine setting, parsed as config.pbtxt's (repeatable)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine = Engine(config)
     engine.warm_up()
     result = {"header": header(), "max_tokens": args.max_tokens, "turns": args.turns, "methods": methods,
-              "requests_per_stream": args.requests_per_stream, "freeze_heap": args.freeze_heap,
+              "requests_per_stream": args.requests_per_stream, "spread": args.spread, "freeze_heap": args.freeze_heap,
               "levels": levels, "points": {}}
     with frozen_heap(args.freeze_heap):
         for level in tqdm(levels, desc="concurrency"):

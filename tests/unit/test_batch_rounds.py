@@ -58,3 +58,22 @@ def test_run_batch_keeps_streams_running_until_total(tiny_models):
     assert recorder.held.count(2) > len(recorder.held) // 2   # mostly both streams busy: replacements arrive at once
     alone = batch_rounds.run_batch(engine, prompts, params)
     assert alone["num_requests"] == 2 and alone["num_tokens"] == 2 * 6
+
+
+def test_run_batch_spread_cuts_each_requests_max_tokens_the_same_every_run(tiny_models):
+    """spread: request i asks max_tokens less random.Random(i).randint(0, spread), so requests finish (and the next
+    arrive) on different rounds; the cuts repeat run to run, so methods compared in turns decode the same tokens."""
+    import random
+
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                                 max_num_seqs=2))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = batch_rounds.params_for("ar", 8)
+    expected = sum(8 - random.Random(i).randint(0, 5) for i in range(6))
+    assert expected < 6 * 8   # the seeds cut something
+    runs = [batch_rounds.run_batch(engine, prompts, params, total=6, spread=5) for _ in range(2)]
+    assert [r["num_tokens"] for r in runs] == [expected, expected] and runs[0]["num_requests"] == 6
+    assert params.max_tokens == 8   # the caller's params are left as they were
