@@ -128,6 +128,7 @@ LOG_AFTER = 16           # a bucket's new leading arm is logged once it has led 
 MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
 MAX_GAP = 4.0            # an arm measured at 1/g of the leader's rate waits up to g x longer between re-probes
 SETTLED_FOR = 64         # rounds a bucket's settled choice (the leader, no probe due) is reused before it is recomputed
+IDLE_EXPLORED = 4        # policy rounds of a bucket in which nobody drafted that count as its exploration there
 
 
 class Arm(NamedTuple):
@@ -176,6 +177,7 @@ class ArmSelector:
         self.samples: dict[tuple[int, Arm], int] = defaultdict(int)
         self.last_tried: dict[tuple[int, Arm], int] = defaultdict(lambda: -1)
         self.misses: dict[tuple[int, Arm], int] = defaultdict(int)        # re-probes since the arm last led
+        self.idle: dict[tuple[int, Arm], int] = defaultdict(int)          # the policy's rounds in which nobody drafted
         self.probing: dict[int, tuple[Arm, float]] = {}                   # bucket -> (arm re-probed, best's rate)
         self.rounds: dict[int, int] = defaultdict(int)
         self.catch_up: dict[tuple[int, Arm], float] = defaultdict(float)   # seconds of the arm's last catch-up round
@@ -246,11 +248,24 @@ class ArmSelector:
                 lost.add(a)
         return lost
 
+    def explored(self, bucket: int, arm: Arm) -> bool:
+        """Whether the arm's estimate in this bucket is trusted: min_samples rounds measured; for the policy arm also
+        IDLE_EXPLORED rounds in which it drafted for nobody. Those are credited to `ar` (record), so a policy whose
+        back-off skips drafting (up to 64 rounds a request) never gathers samples: counted unexplored, it was chosen in
+        every round of the bucket, each a plain step without `ar`'s lookahead (on the H200 in the drains of batches
+        of 16-32 requests, policy in all 10 rounds at 3-4 requests: admission_probe_h200_catchup.md)."""
+        key = (bucket, arm)
+        return self.samples[key] >= self.min_samples or self.idle[key] >= IDLE_EXPLORED
+
     def score(self, bucket: int, arm: Arm) -> float:
         """The measured rate plus an optimism bonus that shrinks with the arm's (decayed) number of rounds: an arm
-        whose few rounds came out unluckily low, but that is close to the best, gets tried again soon (UCB)."""
+        whose few rounds came out unluckily low, but that is close to the best, gets tried again soon (UCB). An arm
+        never measured scores infinite, unless explored without drafting (a policy that found no tree worth it: 0,
+        re-probed on the schedule of a losing arm)."""
         weight = self.weight[(bucket, arm)]
-        return self.rate(bucket, arm) * (1.0 + UCB / weight**0.5) if weight > 0 else float("inf")
+        if weight > 0:
+            return self.rate(bucket, arm) * (1.0 + UCB / weight**0.5)
+        return 0.0 if self.idle[(bucket, arm)] >= IDLE_EXPLORED else float("inf")
 
     def round_seconds(self, bucket: int, arm: Arm) -> float:
         """Measured seconds of one round of this arm (decayed mean)."""
@@ -281,11 +296,11 @@ class ArmSelector:
             eligible = tuple(a for a in arms if a not in pruned) or arms
             if cached is not None and cached[2] == eligible:
                 eligible = cached[2]   # the same object: a settled choice made with it still holds
-            explored = all(self.samples[(b, a)] >= self.min_samples for a in eligible)
+            explored = all(self.explored(b, a) for a in eligible)
             cached = self._eligible[(b, arms)] = (self.rounds[b] + PRUNE_EVERY, pruned, eligible, explored)
         _, pruned, arms, explored = cached
         self.rounds[b] += 1
-        unexplored = [] if explored else [a for a in arms if self.samples[(b, a)] < self.min_samples]
+        unexplored = [] if explored else [a for a in arms if not self.explored(b, a)]
         settled = self._settled_choice.get(b)
         if unexplored:
             arm = unexplored[0]
@@ -373,6 +388,7 @@ class ArmSelector:
         if arm.mode == "policy" and not drafted and AR in self.arms:
             # no catch-up happened (nobody drafted); the policy's next drafting round pays the catch-up its skipping
             # causes, measured: it is the policy's own cost
+            self.idle[(self.bucket(num_seqs), arm)] += 1   # tried all the same (explored)
             arm, self.catching_up = AR, False
         b = self.bucket(num_seqs)
         key = (b, arm)

@@ -476,3 +476,26 @@ def test_the_engine_tells_the_selector_which_rounds_made_programs(tiny_models):
         engine.step()
         late.append(len(engine.graphs.late_keys) > before)
     assert flags == late[-len(flags):] and any(flags) and not all(flags), (flags, engine.graphs.late_keys)
+
+
+def test_a_policy_that_drafts_for_nobody_is_explored_and_then_only_re_probed():
+    """Rounds of the policy arm in which nobody drafted are credited to `ar`, so such a policy never gathers samples
+    of its own. Counted unexplored, it was chosen in every round of its bucket (each a plain step without `ar`'s
+    lookahead: all the rounds of the drains of batches on the H200). Now IDLE_EXPLORED such rounds explore it: it
+    scores 0 and is re-probed like a losing arm, in a small share of the rounds, not never."""
+    from ddtree.budget import IDLE_EXPLORED
+
+    selector = ArmSelector(parse_arms("ar,policy"))
+    chosen = []
+    for _ in range(3000):
+        arm = selector.choose(4)
+        chosen.append(arm)
+        selector.record(4, arm, tokens=4, seconds=0.002, drafted=False)   # the policy's back-off: no tree drafted
+    b = selector.bucket(4)
+    assert selector.samples[(b, Arm("policy"))] == 0 and selector.idle[(b, Arm("policy"))] >= IDLE_EXPLORED
+    assert selector.explored(b, Arm("policy")) and selector.score(b, Arm("policy")) == 0.0
+    first = chosen.index(Arm("policy"))
+    assert chosen[first:first + IDLE_EXPLORED] == [Arm("policy")] * IDLE_EXPLORED   # explored at once
+    later = chosen[first + IDLE_EXPLORED:]
+    assert 0 < later.count(Arm("policy")) < 0.01 * len(later)   # re-probed, rarely
+    assert ArmSelector(parse_arms("ar,policy")).score(b, Arm("policy")) == float("inf")   # never tried: try it
