@@ -265,7 +265,7 @@ class ArmSelector:
         weight = self.weight[(bucket, arm)]
         if weight > 0:
             return self.rate(bucket, arm) * (1.0 + UCB / weight**0.5)
-        return 0.0 if self.idle[(bucket, arm)] >= IDLE_EXPLORED else float("inf")
+        return 0.0 if self.explored(bucket, arm) else float("inf")   # explored unmeasured: only by idle rounds
 
     def round_seconds(self, bucket: int, arm: Arm) -> float:
         """Measured seconds of one round of this arm (decayed mean)."""
@@ -382,15 +382,15 @@ class ArmSelector:
         arm's measure, nor its catch-up's: the same arm runs again next round (choose), and that round counts. On the
         H200 a `dflash` probe at 16 streams measured 900 ms a round this way and was then left alone for good
         (concurrency_h200_groupprefill.md)."""
+        b = self.bucket(num_seqs)
         if made_programs:
-            self.catching_up, self.repeat = False, (self.bucket(num_seqs), arm)
+            self.catching_up, self.repeat = False, (b, arm)
             return arm
         if arm.mode == "policy" and not drafted and AR in self.arms:
             # no catch-up happened (nobody drafted); the policy's next drafting round pays the catch-up its skipping
             # causes, measured: it is the policy's own cost
-            self.idle[(self.bucket(num_seqs), arm)] += 1   # tried all the same (explored)
+            self.idle[(b, arm)] += 1   # tried all the same (explored)
             arm, self.catching_up = AR, False
-        b = self.bucket(num_seqs)
         key = (b, arm)
         self._version[b] += 1
         settled = self._settled_choice.get(b)

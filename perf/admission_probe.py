@@ -26,7 +26,6 @@ import argparse
 import cProfile
 import json
 import pstats
-import random
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.serving import StallWatch  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
+from perf.batch_rounds import spread_cut  # noqa: E402
 from perf.common import ROOT, add_freeze_heap_arg, add_model_args, frozen_heap, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
 
@@ -89,7 +89,7 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
 
     def add() -> None:
         nonlocal count
-        max_tokens = args.max_tokens - random.Random(count).randint(0, args.spread)
+        max_tokens = args.max_tokens - spread_cut(count, args.spread)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, mode=mode, tree_budget=64, seed=0)
         engine.add(Request(request_id=f"{mode}-{count}", prompt_ids=prompts[count % len(prompts)], params=params))
         count += 1

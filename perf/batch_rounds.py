@@ -47,6 +47,11 @@ def snapshot(engine: Engine) -> dict:
             "arms": dict(t.auto_arm_rounds)}
 
 
+def spread_cut(index: int, spread: int) -> int:
+    """How many tokens request `index` asks less than max_tokens under a spread (the same every run and script)."""
+    return random.Random(index).randint(0, spread)
+
+
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile=None, total: int = 0,
               spread: int = 0) -> dict:
     """All prompts added at once, stepped until every request finishes: tokens/s and the stage deltas. total (more
@@ -59,7 +64,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
 
     def add() -> Request:
         index = len(requests)
-        cut = random.Random(index).randint(0, spread) if spread else 0
+        cut = spread_cut(index, spread) if spread else 0
         request = Request(request_id=f"b{index}", prompt_ids=list(prompts[index % len(prompts)]),
                           params=dataclasses.replace(params, max_tokens=max(1, params.max_tokens - cut)) if cut else params)
         requests.append(request)
