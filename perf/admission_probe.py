@@ -14,7 +14,9 @@ Each method first runs `--warm-requests` unmeasured (one wave of `--slots` by de
 batch sizes that spread arrivals pass through). The report also gives `auto`'s choices by batch size, the steps whose
 round ran `ar` apart from its probes of other arms, the slowest steps (arm, batch, admissions) and the static programs
 made inside the measured run; `--profile-slow MS` runs every step under cProfile (slower) and keeps the functions of
-those over MS.
+those over MS. `--turns N` runs the methods N times, every other turn in reverse order (a later run on the same engine
+and machine can be slower or faster for reasons of its own), and reports each method's tokens/s over the first one's
+by turn and their median: the ratio to trust; the step tables are the first turn's.
 
     python perf/admission_probe.py --device cuda --dtype bfloat16 --target models/smollm2-shaped \\
         --drafter models/smollm2-shaped-dflash --methods ar,auto --name admission_probe_h200
@@ -202,8 +204,43 @@ def run_method(engine: Engine, prompts: list[list[int]], mode: str, args) -> dic
             "prefill_functions_us": [(name, 1e6 * cum / max(prefills, 1)) for name, cum in functions[: args.top]]}
 
 
+def turn_ratios(turns: list[dict], methods: list[str]) -> dict[str, dict]:
+    """Each method's tokens/s over the first method's, per turn (measured side by side) and their median and worst."""
+    out = {}
+    for method in methods[1:]:
+        ratios = [t[method]["tokens_per_s"] / t[methods[0]]["tokens_per_s"] for t in turns]
+        out[method] = {"by_turn": ratios, "median": statistics.median(ratios), "worst": min(ratios)}
+    return out
+
+
+def turns_table(result: dict) -> list[str]:
+    """The turns' tokens/s and ratios (empty for one turn)."""
+    turns = result.get("turns", [])
+    if len(turns) < 2:
+        return []
+    methods = list(turns[0])
+    first = methods[0]
+    rows = [f"Turns (every other one in reverse order, each after its own warm-up requests): tokens/s, and over `{first}`'s "
+            "in the same turn; ms of the decoding and admitting steps whose round ran `ar`.", "",
+            "| turn | " + " | ".join(methods) + " | " + " | ".join(f"{m} / {first}" for m in methods[1:])
+            + " | decoding ms on ar | admitting ms on ar |", "|---|" + "---|" * (2 * len(methods) + 1)]
+    for i, t in enumerate(turns, start=1):
+        rows.append(f"| {i} | " + " | ".join(f"{t[m]['tokens_per_s']:.0f}" for m in methods) + " | "
+                    + " | ".join(f"{t[m]['tokens_per_s'] / t[first]['tokens_per_s']:.3f}" for m in methods[1:]) + " | "
+                    + " / ".join(f"{t[m]['decoding_on_ar_ms']:.2f}" for m in methods) + " | "
+                    + " / ".join(f"{t[m]['admitting_on_ar_ms']:.2f}" for m in methods) + " |")
+    rows.append("")
+    for method, r in result["ratios"].items():
+        rows.append(f"{method} / {first}: median turn **{r['median']:.3f}**, worst {r['worst']:.3f}")
+    for method in methods:
+        arms = [", ".join(f"{k} {v}" for k, v in t[method]["arms"].items()) for t in turns if t[method]["arms"]]
+        if arms:
+            rows.append(f"{method}: arms of its rounds by turn: " + "; ".join(arms))
+    return rows + [""]
+
+
 def table(result: dict) -> str:
-    rows = ["Steps that admit requests (their settle of queued `ar` steps / prefill / the rest: the decoding round of the "
+    rows = turns_table(result) + ["Steps that admit requests (their settle of queued `ar` steps / prefill / the rest: the decoding round of the "
             "others and the releases) against steps that only decode; mean ms.", "",
             "| method | tok/s | admitting steps (requests) | admitting ms = settle + prefill + rest | decoding steps | "
             "decoding ms = settle + rest | share of the time in admitting steps |", "|---|---|---|---|---|---|---|"]
@@ -271,6 +308,9 @@ def main(argv: list[str] | None = None) -> dict:
     add_freeze_heap_arg(parser)
     parser.add_argument("--profile-slow", type=float, default=0.0, metavar="MS",
                         help="a diagnostic: every step under cProfile (slower), the functions of steps over MS kept")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="run the methods this many times, every other turn in reverse order; tokens/s over the "
+                             "first method's by turn")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="admission_probe_cpu")
@@ -285,12 +325,22 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"header": header(), "top": args.top, "slots": args.slots, "requests": args.requests,
               "warm_requests": args.warm_requests or args.slots, "max_tokens": args.max_tokens,
               "freeze_heap": args.freeze_heap,
-              "spread": args.spread, "methods": {}}
+              "spread": args.spread, "methods": {}, "turns": []}
+    methods = args.methods.split(",")
+    warm = args.warm_requests or args.slots
     with frozen_heap(args.freeze_heap):
-        for method in tqdm(args.methods.split(","), desc="methods"):
-            warm = args.warm_requests or args.slots
-            run_method(engine, prompts, method, argparse.Namespace(**{**vars(args), "requests": warm, "kernels": 0}))
-            result["methods"][method] = run_method(engine, prompts, method, args)
+        for turn in tqdm(range(max(1, args.turns)), desc="turns"):
+            measured = {}
+            for method in tqdm(methods if turn % 2 == 0 else methods[::-1], desc="methods", leave=False):
+                run_method(engine, prompts, method, argparse.Namespace(**{**vars(args), "requests": warm, "kernels": 0}))
+                measured[method] = run_method(engine, prompts, method, args if turn == 0 else
+                                              argparse.Namespace(**{**vars(args), "kernels": 0}))
+            if turn == 0:
+                result["methods"] = measured
+            result["turns"].append({m: {"tokens_per_s": r["tokens_per_s"], "arms": r["arms"],
+                                        "decoding_on_ar_ms": r["decoding_on_ar"]["ms"],
+                                        "admitting_on_ar_ms": r["admitting_on_ar"]["ms"]} for m, r in measured.items()})
+        result["ratios"] = turn_ratios(result["turns"], methods)
     write_results(Path(args.out), args.name, result, table(result))
     return result
 

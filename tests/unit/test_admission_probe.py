@@ -48,3 +48,21 @@ def test_admission_probe_profiles_the_slow_steps(tiny_models, tmp_path):
     assert len(r["slow_profiles"]) == r["steps"] and r["late_programs"] == []
     assert all(any(name.endswith(":step") for name, _ in slow["functions"]) for slow in r["slow_profiles"])
     assert len(r["slowest_steps"]) == min(8, r["steps"]) and "a step of" in (tmp_path / "p.md").read_text()
+
+
+def test_admission_probe_turns_alternate_the_order_and_report_ratios(tiny_models, tmp_path):
+    """--turns: every method measured once a turn (the second turn in reverse order); each turn's tokens/s over the
+    first method's, their median and worst, written to the report."""
+    result = admission_probe.main(["--target", str(tiny_models / "qwen3-target"), "--drafter",
+                                   str(tiny_models / "qwen3-dflash"), "--methods", "ar,auto", "--slots", "2",
+                                   "--requests", "3", "--warm-requests", "2", "--max-tokens", "4", "--spread", "1",
+                                   "--turns", "2", "--no-freeze-heap", "--out", str(tmp_path), "--name", "t"])
+    turns = result["turns"]
+    assert len(turns) == 2 and list(turns[0]) == ["ar", "auto"] and list(turns[1]) == ["auto", "ar"]
+    assert turns[0]["ar"]["tokens_per_s"] == result["methods"]["ar"]["tokens_per_s"]   # the first turn's tables
+    by_turn = [t["auto"]["tokens_per_s"] / t["ar"]["tokens_per_s"] for t in turns]
+    ratios = result["ratios"]["auto"]
+    assert ratios["by_turn"] == by_turn and ratios["worst"] == min(by_turn)
+    assert abs(ratios["median"] - sum(by_turn) / 2) < 1e-12
+    assert turns[1]["auto"]["arms"] and not turns[1]["ar"]["arms"]
+    assert "auto / ar: median turn" in (tmp_path / "t.md").read_text()
