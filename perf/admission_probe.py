@@ -240,7 +240,8 @@ def turns_table(result: dict) -> list[str]:
 
 
 def table(result: dict) -> str:
-    rows = turns_table(result) + ["Steps that admit requests (their settle of queued `ar` steps / prefill / the rest: the decoding round of the "
+    rows = turns_table(result)
+    rows += ["Steps that admit requests (their settle of queued `ar` steps / prefill / the rest: the decoding round of the "
             "others and the releases) against steps that only decode; mean ms.", "",
             "| method | tok/s | admitting steps (requests) | admitting ms = settle + prefill + rest | decoding steps | "
             "decoding ms = settle + rest | share of the time in admitting steps |", "|---|---|---|---|---|---|---|"]
