@@ -328,14 +328,14 @@ def main(argv: list[str] | None = None) -> dict:
               "freeze_heap": args.freeze_heap,
               "spread": args.spread, "methods": {}, "turns": []}
     methods = args.methods.split(",")
-    warm = args.warm_requests or args.slots
+    warm_args = argparse.Namespace(**{**vars(args), "requests": args.warm_requests or args.slots, "kernels": 0})
+    later_args = argparse.Namespace(**{**vars(args), "kernels": 0})   # kernels are traced in the first turn only
     with frozen_heap(args.freeze_heap):
         for turn in tqdm(range(max(1, args.turns)), desc="turns"):
             measured = {}
             for method in tqdm(methods if turn % 2 == 0 else methods[::-1], desc="methods", leave=False):
-                run_method(engine, prompts, method, argparse.Namespace(**{**vars(args), "requests": warm, "kernels": 0}))
-                measured[method] = run_method(engine, prompts, method, args if turn == 0 else
-                                              argparse.Namespace(**{**vars(args), "kernels": 0}))
+                run_method(engine, prompts, method, warm_args)
+                measured[method] = run_method(engine, prompts, method, args if turn == 0 else later_args)
             if turn == 0:
                 result["methods"] = measured
             result["turns"].append({m: {"tokens_per_s": r["tokens_per_s"], "arms": r["arms"],

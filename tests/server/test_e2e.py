@@ -264,7 +264,7 @@ def one_chaotic_request(server, i: int, rng_seed: int) -> str:
 
     rng = random.Random(rng_seed)
     action = rng.choice(["finish", "cancel", "disconnect"])
-    # 4-12 tokens: several rounds a request (the first response comes after the first), short enough for 200 requests
+    # 4-12 tokens: several rounds a request (a cancel after the first response still lands mid-generation), short enough for 200 requests
     # through 4 slots on 2 CPU cores (6-24 took 155 s of the suite)
     sampling = {"max_tokens": rng.randint(4, 12), "temperature": rng.choice([0, 0.8]), "seed": i, "ignore_eos": True,
                 "mode": rng.choice(["ar", "dflash", "ddtree"]), "tree_budget": rng.choice([4, 16])}

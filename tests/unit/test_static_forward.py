@@ -7,8 +7,6 @@ with them must still decode exactly the target's greedy tokens (fp32). tests/gpu
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -144,8 +142,8 @@ def family_engine(family: str, tiny_models, hybrid, **settings):
                                **settings))
 
 
-def greedy(mode: str, budget: int) -> SamplingParams:
-    return SamplingParams(max_tokens=32, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
+def greedy(mode: str, budget: int, max_tokens: int = 32) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, mode=mode, tree_budget=budget, ignore_eos=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
@@ -400,5 +398,5 @@ def test_warm_up_prepares_a_hybrids_trees_too(hybrid, monkeypatch):
     prepared = set(engine.graphs.programs)
     for mode, budget in [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16)]:
         # 16 tokens: full trees, then the shorter ones of the last rounds (each verify runs the interpreted kernel)
-        engine.generate_ids(list(range(3, 40)), dataclasses.replace(greedy(mode, budget), max_tokens=16))
+        engine.generate_ids(list(range(3, 40)), greedy(mode, budget, max_tokens=16))
     assert set(engine.graphs.programs) == prepared, set(engine.graphs.programs) - prepared
