@@ -4,7 +4,9 @@ perf_analyzer over gRPC streaming against the ensemble, one server (continuous b
 max_num_seqs = the largest concurrency), methods ar / dflash / ddtree-16 / auto (the budget
 policy), concurrency 1, 2, 4, 8, 16, 32. Every request decodes exactly --max-tokens tokens.
 At each concurrency the methods are measured in turns, --repeats times (a method's point is its median run), and
-`auto`'s throughput is compared run by run with the best other method's of the same turn.
+`auto`'s throughput is compared run by run with the best other method's of the same turn. `ar-again` runs `ar` a second
+time in each turn (an A/A control): its ratio to `ar` is the spread of two identical methods measured this way, what
+`auto`'s ratio must be read against.
 Writes perf/results/<name>.{json,md,png}.
 
     python perf/concurrency_sweep.py --name concurrency_cpu --max-tokens 16
@@ -37,7 +39,8 @@ from perf.triton_bench import (  # noqa: E402
 )
 
 METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), ("ddtree", 16, "ddtree-16"),
-           ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto")]
+           ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto"), ("ar", 1, "ar-again")]
+CONTROL = "ar-again"   # `ar` measured twice a turn: not a method `auto` is compared with
 DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
 LATE = "ddtree_static_programs_late_total"
 # stalled steps and garbage collection (ddtree.serving.StallWatch): counters read before and after each run
@@ -144,6 +147,8 @@ def main() -> None:
                 for _, _, name in methods:
                     result["methods"][name][str(level)] = median_run(runs[name][str(level)])
                 result["paired"] = paired_ratios(result["methods"])
+                if CONTROL in result["methods"] and "ar" in result["methods"]:
+                    result["control"] = paired_ratios({n: result["methods"][n] for n in ("ar", CONTROL)}, CONTROL)
                 write(result, sorted(earlier + [c for c in levels if str(c) in runs[methods[0][2]]]), args)
                 # after each point: a cut-off run keeps what it measured
 
@@ -231,8 +236,9 @@ def median_run(entries: list[dict]) -> dict:
 
 def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") -> dict[str, dict]:
     """Per concurrency: `candidate`'s throughput over the best other method's, run by run (run i of every method was
-    measured in the same turn), and over `ar`'s; the median and the worst of those ratios."""
-    others = [name for name in methods if name != candidate]
+    measured in the same turn), and over `ar`'s; the median and the worst of those ratios. The A/A control (CONTROL)
+    is no other method: the best of two samples of `ar` would rank `auto` against `ar`'s luckier run."""
+    others = [name for name in methods if name not in (candidate, CONTROL)]
     if candidate not in methods or not others:
         return {}
     out = {}
@@ -381,6 +387,12 @@ def write(result: dict, levels: list[int], args) -> None:
                                                             else "-" for r in cells.values()) + " |")
         rows.append("| best other per turn | " + " | ".join(", ".join(r["best_per_run"]) if r else "-"
                                                          for r in cells.values()) + " |")
+        control = {c: result.get("control", {}).get(str(c)) for c in levels}
+        if any(control.values()):
+            rows += [f"| {CONTROL} / ar (the same method twice a turn), median | "
+                     + " | ".join(f"{r['over_ar_median']:.2f}" if r else "-" for r in control.values()) + " |",
+                     f"| {CONTROL} / ar, worst turn | "
+                     + " | ".join(f"{r['over_ar_min']:.2f}" if r else "-" for r in control.values()) + " |"]
     if result.get("repeats", 1) > 1:
         rows += ["", "Every run's tokens/s, turn by turn:", "",
                  "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]

@@ -29,6 +29,17 @@ def test_auto_is_compared_with_the_best_other_method_of_the_same_turn():
     # the medians of each method alone (ar 150, auto 160) would hide the turn auto lost by 8%
 
 
+def test_the_a_a_control_is_not_a_method_auto_is_compared_with_but_has_its_own_ratio_to_ar():
+    from perf.concurrency_sweep import CONTROL
+
+    methods = {"ar": {"4": runs(100.0, 200.0)}, CONTROL: {"4": runs(130.0, 180.0)}, "auto": {"4": runs(110.0, 190.0)}}
+    row = paired_ratios(methods)["4"]
+    assert row["best_per_run"] == ["ar", "ar"]   # not the control's luckier first run
+    assert row["over_best"] == pytest.approx([1.1, 0.95])
+    control = paired_ratios({n: methods[n] for n in ("ar", CONTROL)}, CONTROL)["4"]
+    assert control["over_ar"] == pytest.approx([1.3, 0.9]) and control["over_ar_min"] == pytest.approx(0.9)
+
+
 def test_no_auto_or_nothing_to_compare_gives_no_ratios():
     assert paired_ratios({"ar": {"1": runs(1.0)}}) == {}
     assert paired_ratios({"auto": {"1": runs(1.0)}}) == {}
