@@ -3,6 +3,8 @@ PY := .venv/bin/python
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# pytest-xdist workers for make test / test-unit (the end-to-end tests run in order on one of them: tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .PHONY: help setup serve test test-unit test-server bench perf-tools lint image tiny
 
@@ -16,10 +18,10 @@ serve: setup     ## serve the embedded default (SmolLM2-135M-Instruct + DFlash) 
 	$(PY) scripts/triton_env.py serve --model-repository model_repository --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 test: setup      ## all tests: unit (CPU) and end-to-end through a tritonserver the tests start
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-unit: setup ## unit tests only
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 
 test-server: setup ## end-to-end server tests only
 	$(PY) -m pytest -q tests/server

@@ -244,6 +244,12 @@ def test_malformed_requests(frontend):
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_client_disconnect_cancels_the_request(server, frontend, stream):
     """A client that goes away mid-request: the frontend cancels the Triton stream and the engine frees it."""
+    # idle first: the gauge of the request before (the last test's) may still count it, and read as this one running
+    # (under contention, make test's two workers, the whole request was then dropped before Triton had it)
+    deadline = time.time() + 60
+    while metric(server, "ddtree_active_requests") > 0:
+        assert time.time() < deadline, "the server never became idle"
+        time.sleep(0.1)
     cancelled_before = metric(server, "ddtree_requests_cancelled_total")
     host, port = frontend.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
