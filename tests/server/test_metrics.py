@@ -3,41 +3,12 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 
 from client.chat import build_inputs, stream_chat
+from tests.server.conftest import scrape, wait_idle
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 BUCKETS = [str(length) for length in range(1, 18)] + ["+Inf"]     # the le labels, as Triton prints them
-
-
-def scrape(server) -> dict[str, float]:
-    """ddtree_* samples by name and labels other than model/instance, e.g. 'ddtree_acceptance_length_bucket{le="1"}'."""
-    samples = {}
-    for line in urllib.request.urlopen(server.metrics_url, timeout=10).read().decode().splitlines():
-        if not line.startswith("ddtree_"):
-            continue
-        name, value = line.rsplit(" ", 1)
-        labels = ",".join(label for label in name[name.find("{") + 1 : -1].split(",") if not label.startswith(("model=", "instance=")))
-        samples[name.split("{")[0] + (f"{{{labels}}}" if labels else "")] = float(value)
-    return samples
-
-
-def wait_idle(server, finished: float = 0) -> dict[str, float]:
-    """Metrics once the engine holds nothing and at least `finished` requests have finished (updates trail responses),
-    and two scrapes 0.2 s apart agree: a publication updates its metrics one by one, so a scrape in the middle of one
-    can see the finished count and the gauges of a snapshot whose other counters are still on their way (CI failed
-    once at dd3bd1b: 30 auto arm rounds against 32 batch rounds)."""
-    deadline = time.time() + 60
-    while True:
-        samples = scrape(server)
-        idle = not samples["ddtree_active_requests"] and not samples["ddtree_waiting_requests"]
-        if (idle and samples["ddtree_requests_finished_total"] >= finished) or time.time() > deadline:
-            time.sleep(0.2)
-            again = scrape(server)
-            if again == samples or time.time() > deadline:
-                return again
-        time.sleep(0.1)
 
 
 def run(server, sampling) -> list[dict]:

@@ -19,7 +19,15 @@ import requests
 from client.chat import bool_tensor, build_inputs, stream_chat, string_tensor
 from openai_frontend.protocol import parse_request
 from scripts.triton_env import free_port
-from tests.server.conftest import MAX_NUM_SEQS, MAX_QUEUE_SIZE, MAX_TOKENS_LIMIT, ROOT, metric, wait_for_cancellation
+from tests.server.conftest import (
+    MAX_NUM_SEQS,
+    MAX_QUEUE_SIZE,
+    MAX_TOKENS_LIMIT,
+    ROOT,
+    metric,
+    wait_for_cancellation,
+    wait_idle,
+)
 
 CHAT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 CHAT_CJK = [{"role": "user", "content": "请用中文写一句关于春天的话，并加上表情符号🌸。"}]
@@ -246,10 +254,7 @@ def test_client_disconnect_cancels_the_request(server, frontend, stream):
     """A client that goes away mid-request: the frontend cancels the Triton stream and the engine frees it."""
     # idle first: the gauge of the request before (the last test's) may still count it, and read as this one running
     # (under contention, make test's two workers, the whole request was then dropped before Triton had it)
-    deadline = time.time() + 60
-    while metric(server, "ddtree_active_requests") > 0:
-        assert time.time() < deadline, "the server never became idle"
-        time.sleep(0.1)
+    assert not wait_idle(server)["ddtree_active_requests"], "the server never became idle"
     cancelled_before = metric(server, "ddtree_requests_cancelled_total")
     host, port = frontend.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
