@@ -12,10 +12,8 @@ rows. Variants:
   long side, as cuBLAS tiles skinny products), each shape at the best of SWAP_GRID;
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
   gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
-  (shape, prologue) at its own best configuration; more than one row: the add alone (the few-rows kernel takes no
-  prologue: computed per program, the chains made 16 rows' products 2.6x slower, perf/results/gemv_rows_h200.md).
-  Not comparable with the GEMMs alone: it does the chains' work
-  too.
+  (shape, prologue) at its own best configuration (more than one row: of the plain form's best ROWS_TOP). Not
+  comparable with the GEMMs alone: it does the chains' work too.
 Also: bytes-read bandwidth (a sum over 4 GiB) and copy bandwidth (read + written), measured in the same run.
 
     python perf/gemv_bench.py --name gemv_h200
@@ -83,8 +81,6 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
         return torch.randn(*shape, device="cuda", dtype=dt)
 
     x, kwargs = rand(rows, k), {"add": rand(rows, n)} if add else {}
-    if rows > 1:   # the few-rows kernel takes no prologue (its add only)
-        return x, kwargs
     if kind == "norm":
         kwargs.update(prologue=kind, p=1.0 + 0.1 * rand(k, dt=torch.float32), eps=1e-6)
     elif kind == "silu_mul":

@@ -120,6 +120,13 @@ def gemv_max_rows() -> int:
     return max(1, min(int(os.environ.get("DDTREE_GEMV_ROWS", "16") or "1"), 128))
 
 
+def gemv_rows_prologues() -> bool:
+    """Whether a few rows' Linears take the chain before them in the few-rows kernel's prologue too (norm, silu x up,
+    gated norm, sigmoid gate: ddtree.models.gemv_kernel._rows_prologue), as one row's do in the GEMV's, instead of
+    computing it in a kernel of its own first. DDTREE_GEMV_ROWS_PROLOGUE=1 (default 0)."""
+    return os.environ.get("DDTREE_GEMV_ROWS_PROLOGUE", "0") not in ("", "0")
+
+
 @functools.cache
 def _gemv_kernel() -> Callable:
     from ddtree.models.gemv_kernel import linear_rows

@@ -122,11 +122,16 @@ def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | No
     it (the prologue's chain before it)."""
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
-        if isinstance(x, Prologue) and x.shape[0] == 1:
-            return kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add)
-        return kernel(materialize(x).contiguous(), module.weight, add=add)
+        if isinstance(x, Prologue) and (x.shape[0] == 1 or kernels.gemv_rows_prologues()):
+            return kernel(rows(x.x), module.weight, **x.kernel_args(), add=add)
+        return kernel(rows(materialize(x)), module.weight, add=add)
     out = module(materialize(x))
     return out if add is None else add + out
+
+
+def rows(x: torch.Tensor) -> torch.Tensor:
+    """x as our kernels read it: each row contiguous (a split's view stays a view)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def materialize(x: torch.Tensor | Prologue) -> torch.Tensor:
