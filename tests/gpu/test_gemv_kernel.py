@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("norm_first", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
-@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (65, "0"), (16, "1"), (17, "1"), (65, "1")])
-def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, swap, monkeypatch):
+@pytest.mark.parametrize("rows, swap, split", [(1, "0", "1"), (16, "0", "1"), (65, "0", "1"), (16, "1", "1"), (17, "1", "1"),
+                                               (65, "1", "1"), (17, "1", "3"), (16, "0", "2")])
+def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, swap, split, monkeypatch):
     """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
     rounds; the norms' default form does not round their input; the few-rows kernel rounds x * scale for its
     tensor-core product), plus the residual stream where the epilogue adds
@@ -27,6 +28,7 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
 
     monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
     monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)   # more than one row: the few-rows kernel's form
+    monkeypatch.setenv("DDTREE_GEMV_SPLIT_K", split)   # and its narrow weights' reduction split
 
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k**0.5).to("cuda", dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -39,23 +41,26 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
             assert (got - want.float()).abs().max() <= tolerance * scale, f"{prologue} {dtype} {n}x{k} {rows} rows"
 
 
-@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (17, "1")])
-def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
+@pytest.mark.parametrize("rows, swap, split", [(1, "0", "1"), (16, "0", "1"), (17, "1", "1"), (17, "1", "3")])
+def test_gemv_replays_from_a_cuda_graph(rows, swap, split, monkeypatch):
+    """A graph of the kernel replays with new inputs; split in 3 (its counters reset by each call), twice."""
     from ddtree.models.gemv_kernel import linear_rows
 
     monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)
+    monkeypatch.setenv("DDTREE_GEMV_SPLIT_K", split)
 
     x, w = torch.randn(rows, 4096, device="cuda"), torch.randn(1000, 4096, device="cuda")
     linear_rows(x, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = linear_rows(x, w)
-    x.copy_(torch.randn(rows, 4096, device="cuda"))
-    graph.replay()
-    # against float64: two fp32 sums of 4096 products differ by their rounding (~1e-6 of the largest output; a fixed
-    # atol of 1e-4 failed once in 16-row runs), while a stale or wrong row is off by the order of the outputs
-    want = F.linear(x.double(), w.double())
-    assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for _ in range(2):
+        x.copy_(torch.randn(rows, 4096, device="cuda"))
+        graph.replay()
+        # against float64: two fp32 sums of 4096 products differ by their rounding (~1e-6 of the largest output; a
+        # fixed atol of 1e-4 failed once in 16-row runs), while a stale or wrong row is off by the order of the outputs
+        want = F.linear(x.double(), w.double())
+        assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
