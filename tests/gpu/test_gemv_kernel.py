@@ -71,3 +71,17 @@ def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_model
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", tiny_config(family, tiny_models, tmp_path),
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=6)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_engine_with_the_chains_in_the_few_rows_kernel_decodes_what_it_decodes_without(family, tiny_models, monkeypatch,
+                                                                                      tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs, up to 32 rows through our kernels, the narrow weights'
+    reduction split in 2) with the chains before a few rows' Linears in the few-rows kernel's prologue
+    (DDTREE_GEMV_ROWS_PROLOGUE=1) == computed apart."""
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    monkeypatch.setenv("DDTREE_GEMV_ROWS", "32")
+    monkeypatch.setenv("DDTREE_GEMV_SPLIT_K", "2")
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_ROWS_PROLOGUE", tiny_config(family, tiny_models, tmp_path),
+                                      [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=7)
