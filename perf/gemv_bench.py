@@ -94,12 +94,22 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
 
 
 def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int,
-                 forms: tuple[str, ...] = ("rows",)) -> dict:
+                 forms: tuple[str, ...] = ("rows",), search: bool = True) -> dict:
     """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
     where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph); forms
     (more than one row): "rows" the few-rows kernel's rows-first form (variants plain, prologue), "swap" its swapped
-    one (swap, swap_prologue)."""
-    from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block
+    one (swap, swap_prologue). search False: each shape's configuration as linear_rows chooses it, no grid."""
+    from ddtree.models.gemv_kernel import (
+        CONFIGS,
+        DEFAULT,
+        ROWS_CONFIGS,
+        ROWS_DEFAULT,
+        SWAP_CONFIGS,
+        SWAP_DEFAULT,
+        fit_shared,
+        linear_rows,
+        rows_block,
+    )
 
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w, kind, group, add in weights:
@@ -119,9 +129,15 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
         for variant, kw in variants:
             first = "swap" if variant.startswith("swap") else "plain"
             times, grid = {}, CONFIG_GRID if rows == 1 else SWAP_GRID if first == "swap" else ROWS_GRID
-            if rows > 1 and variant != first:
+            if not search:
+                grid = [CONFIGS.get((n, k, kind), CONFIGS.get((n, k, None), DEFAULT)) if rows == 1 else
+                        SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if first == "swap" else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)]
+            elif rows > 1 and variant != first:
                 grid = [tuple(c) for c, _ in entry[first]["top"][:ROWS_TOP]]
-            if rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
+            if rows > 1 and not search:   # cut down as linear_rows cuts it
+                grid = [(c[0], fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size())[0], c[2],
+                         fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size())[1]) for c in grid]
+            elif rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
                 grid = [c for c in grid if fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size()) == (c[1], c[3])]
             for config in grid:
                 try:
@@ -229,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default="1", help="input rows, comma-separated (one: the GEMV; more: the few-rows kernel)")
     parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure: rows, swap or both")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-search", action="store_true", help="each shape at linear_rows' own configuration")
     parser.add_argument("--splits", default="1", help="more than one row: the whole step with the narrow weights' "
                                                       "reduction split in each of these (comma-separated)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
@@ -245,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
               "shapes": {}, "steps": {}}
     print(f"read {result['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
-        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")))
+        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")), not args.no_search)
         result["shapes"][rows] = {f"{n}x{k} {kind}{'+add' if add else ''}": v for (n, k, kind, _, add), v in chosen.items()}
         result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats,
                                            tuple(int(s) for s in args.splits.split(",")))

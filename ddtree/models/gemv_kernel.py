@@ -339,10 +339,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
                 split: int | None = None) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
-    the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
-    computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
-    weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
-    kernel's form (None: swap_ab's)."""
+    the GEMV, a few (M <= MAX_ROWS) through the few-rows kernel, each with its prologue (the few-rows kernel's rounds
+    x * p to the weight's dtype for its tensor-core product where the one-row kernel keeps it in float32); weight, x,
+    a and add contiguous in their last dim (sigmoid_gate: a [M, K // group, group]). swap: the few-rows kernel's form
+    (None: swap_ab's); split: its reduction split (None: split_k's)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())

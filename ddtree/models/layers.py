@@ -119,7 +119,7 @@ def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | No
     """[add +] module(x), x a tensor or a Prologue; in a static forward on CUDA (through_gemv) one row through our
     GEMV kernel with the prologue and the add in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8%
     slower on the H200, and each prologue or add is a kernel less), a few through its few-rows kernel with the add in
-    it (the prologue's chain before it)."""
+    it (the prologue's chain before it, or in it too: kernels.gemv_rows_prologues)."""
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
         if isinstance(x, Prologue) and (x.shape[0] == 1 or kernels.gemv_rows_prologues()):
