@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -156,11 +155,8 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
     return chosen
 
 
-def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, chosen: dict, repeats: int,
-               splits: tuple[int, ...] = (1,)) -> dict:
-    """Every Linear of a step in one graph: cuBLASLt, ours plain, ours with the engine's prologues; more than one row
-    also with the narrow weights' reduction split in S (DDTREE_GEMV_SPLIT_K=S, each S of splits but 1: variants
-    `<name>_split<S>`)."""
+def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, chosen: dict, repeats: int) -> dict:
+    """Every Linear of a step in one graph: cuBLASLt, ours plain, ours with the engine's prologues."""
     from ddtree.models.gemv_kernel import linear_rows
 
     inputs = {key: prologue_inputs(key[2], rows, key[0], key[1], key[3], key[4], weights[0][0].dtype) for key in chosen}
@@ -182,16 +178,6 @@ def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: 
                              repeats)
         out[f"{name}_prologues"] = graph_ms(lambda: [linear_rows(x, w, tuple(e.get(pro, e[plain])["config"]),
                                                                  **{**kw, **flag}) for w, x, kw, e in plan], repeats)
-        for split in (s for s in splits if s > 1 and rows > 1):
-            os.environ["DDTREE_GEMV_SPLIT_K"] = str(split)
-            try:
-                out[f"{name}_split{split}"] = graph_ms(
-                    lambda: [linear_rows(x, w, tuple(e[plain]["config"]), **flag) for w, x, _, e in plan], repeats)
-                out[f"{name}_prologues_split{split}"] = graph_ms(
-                    lambda: [linear_rows(x, w, tuple(e.get(pro, e[plain])["config"]), **{**kw, **flag})
-                             for w, x, kw, e in plan], repeats)
-            finally:
-                os.environ.pop("DDTREE_GEMV_SPLIT_K")
     diffs = {}
     for (n, k, kind, group, add), (x, _) in inputs.items():   # agreement with cuBLAS, plain, one weight of each shape
         w = next(w for w, *_ in weights if tuple(w.shape) == (n, k))
@@ -200,8 +186,6 @@ def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: 
                              "cublaslt": (F.linear(x, w).float() - ref).abs().max().item()}
         if rows > 1 and "swap" in first:
             diffs[f"{n}x{k}"]["ours_swap"] = (linear_rows(x, w, swap=True).float() - ref).abs().max().item()
-        for split in (s for s in splits if s > 1 and rows > 1):   # forced even for the wide weights
-            diffs[f"{n}x{k}"][f"ours_split{split}"] = (linear_rows(x, w, split=split).float() - ref).abs().max().item()
     out["max_abs_diff_vs_fp32"] = diffs
     return out
 
@@ -219,12 +203,6 @@ def table(result: dict) -> str:
     for rows, step in result["steps"].items():
         lines.append(f"| {rows} | " + " | ".join(f"{step[v]:.3f} ({step[v] / floor:.3f})" if v in step else "-"
                                                  for v in variants) + " |")
-    split_rows = [(rows, v, t) for rows, step in result["steps"].items() for v, t in step.items() if "_split" in v]
-    if split_rows:
-        lines += ["", "The narrow weights' (fewer column blocks than SMs) reduction split in S "
-                  "(DDTREE_GEMV_SPLIT_K=S), every Linear of a step in one replay, ms (/ floor)\n",
-                  "| rows | variant | ms |", "|---|---|---|"]
-        lines += [f"| {rows} | {v} | {t:.3f} ({t / floor:.3f}) |" for rows, v, t in split_rows]
     lines += ["", "Per weight shape and prologue (up to 16 of its weights in one graph), ms (TB/s), best configuration "
               "of ours (BLOCK_N, BLOCK_K, warps, stages)\n",
               "| rows | N x K | prologue | weights | cublaslt | ours | config | ours with the prologue | config "
@@ -246,8 +224,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure: rows, swap or both")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-search", action="store_true", help="each shape at linear_rows' own configuration")
-    parser.add_argument("--splits", default="1", help="more than one row: the whole step with the narrow weights' "
-                                                      "reduction split in each of these (comma-separated)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")
     args = parser.parse_args(argv)
@@ -264,8 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     for rows in (int(r) for r in args.rows.split(",")):
         chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")), not args.no_search)
         result["shapes"][rows] = {f"{n}x{k} {kind}{'+add' if add else ''}": v for (n, k, kind, _, add), v in chosen.items()}
-        result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats,
-                                           tuple(int(s) for s in args.splits.split(",")))
+        result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats)
         print(f"rows {rows}: {result['steps'][rows]}", flush=True)
     write_results(Path(args.out), args.name, result, table(result))
     return result

@@ -64,8 +64,7 @@ DENSE_DRAFTERS = {
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
-            "static-gemv128", "static-swap32", "static-gemv32", "static-rowpro", "static-rowpro32",
-            "static-rowpro32s2", "static-rowpro32s4", "static-hosttree")
+            "static-gemv128", "static-swap32", "static-gemv32", "static-rowpro", "static-rowpro32", "static-hosttree")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -76,8 +75,6 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"},
     "static-rowpro": {"DDTREE_GEMV_ROWS_PROLOGUE": "1"},
     "static-rowpro32": {"DDTREE_GEMV_ROWS_PROLOGUE": "1", "DDTREE_GEMV_ROWS": "32"},
-    "static-rowpro32s2": {"DDTREE_GEMV_ROWS_PROLOGUE": "1", "DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SPLIT_K": "2"},
-    "static-rowpro32s4": {"DDTREE_GEMV_ROWS_PROLOGUE": "1", "DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SPLIT_K": "4"},
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
@@ -264,8 +261,7 @@ def table(result: dict) -> str:
              "rows (DDTREE_GEMV_ROWS=32: a budget-16 tree's 17 through the few-rows kernel's swapped form, the weight's "
              "columns the tile's long side); static-gemv32: the same in its rows-first form (DDTREE_GEMV_SWAP=0); "
              "static-rowpro: the few-rows kernel with the chains before its Linears in its prologue "
-             "(DDTREE_GEMV_ROWS_PROLOGUE=1); static-rowpro32: the same up to 32 rows; static-rowpro32s2, s4: and the "
-             "narrow weights' reduction split in 2 or 4 (DDTREE_GEMV_SPLIT_K); "
+             "(DDTREE_GEMV_ROWS_PROLOGUE=1); static-rowpro32: the same up to 32 rows; "
              "static-treeops (whole rounds: --round-variants): the device tree's program as build_tree_device's "
              "tensor operations (DDTREE_TREE_BUILD_KERNEL=0) instead of two Triton launches; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "

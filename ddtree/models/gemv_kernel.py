@@ -170,21 +170,16 @@ def _rows_prologue(v, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype,
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
-                 a_ptr, stride_am, stride_ag, p_ptr, eps, ws_ptr, locks_ptr,
+                 a_ptr, stride_am, stride_ag, p_ptr, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, SWAP: tl.constexpr, PRO: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr):
+                 IEEE: tl.constexpr, SWAP: tl.constexpr, PRO: tl.constexpr, GROUP: tl.constexpr):
     """out[M, N] = prologue(x)[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N
     columns of the weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32).
     SWAP: the product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as
     cuBLAS tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. PRO: the
     chain before the Linear computed on each input tile (_rows_prologue; the norms' statistic gathered in the same
-    loop and applied to the product, as the one-row kernel's default form does). SPLIT > 1: program (i, s) takes the
-    s-th of SPLIT runs of the reduction dim of column block i (a narrow weight, N = 5120, has too few column blocks
-    to keep every SM streaming); each writes its float32 partial sums (and the norms' squares) to ws, and the block's
-    last to finish (a counter in locks, reset by it) adds them in split order and writes the output: one kernel,
-    the same sums whichever program finishes last."""
+    loop and applied to the product, as the one-row kernel's default form does)."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
@@ -197,8 +192,7 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_run = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-    for k0 in range(split * k_run, tl.minimum(K, (split + 1) * k_run), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
         ok = m_ok[:, None] & k_ok[None, :]
@@ -221,70 +215,13 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
             acc = tl.dot(v, tl.trans(w), acc)
     if SWAP:
         acc = tl.trans(acc_t)
-    sq = tl.sum(squares, axis=1, keep_dims=True)   # [BLOCK_M, 1]
-    if SPLIT > 1:
-        tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        part = ws_ptr + (pid * SPLIT + split) * (BLOCK_M * BLOCK_N + BLOCK_M)
-        tl.store(part + tile, acc)
-        tl.store(part + BLOCK_M * BLOCK_N + offs_m[:, None], sq)
-        tl.debug_barrier()   # every thread's partial written before the counter says so
-        if tl.atomic_add(locks_ptr + pid, 1, sem="acq_rel") == SPLIT - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            sq = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-            for s in range(SPLIT):
-                part = ws_ptr + (pid * SPLIT + s) * (BLOCK_M * BLOCK_N + BLOCK_M)
-                acc += tl.load(part + tile, cache_modifier=".cg")
-                sq += tl.load(part + BLOCK_M * BLOCK_N + offs_m[:, None], cache_modifier=".cg")
-            tl.atomic_xchg(locks_ptr + pid, 0)   # ready for the next call (a graph's replay)
-            _rows_epilogue(acc, sq, out_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, stride_addm, K, eps,
-                           ADD, PRO)
-    else:
-        _rows_epilogue(acc, sq, out_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, stride_addm, K, eps, ADD, PRO)
-
-
-@triton.jit
-def _rows_epilogue(acc, sq, out_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, stride_addm, K, eps,
-                   ADD: tl.constexpr, PRO: tl.constexpr):
-    """The few-rows kernel's output from its float32 sums: each row's rstd for the norms (sq its squares), the
-    residual stream added, rounded to out's dtype."""
-    dtype = out_ptr.dtype.element_ty
     if PRO == 1 or PRO == 2:   # each row's rstd, one number per row: applied to its products
-        acc = acc / tl.sqrt(sq / K + eps)
+        acc = acc / tl.sqrt(tl.sum(squares, axis=1, keep_dims=True) / K + eps)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
-
-
-_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_outgrown: list[tuple[torch.Tensor, torch.Tensor]] = []   # kept: CUDA graphs captured with them still use them
-
-
-def split_k(n_blocks: int, device: torch.device) -> int:
-    """How many runs of the reduction dim the few-rows kernel splits a weight of n_blocks column blocks into
-    (_rows_kernel's SPLIT): DDTREE_GEMV_SPLIT_K=S splits weights with fewer column blocks than the GPU has SMs
-    into S (default 1: none)."""
-    splits = int(os.environ.get("DDTREE_GEMV_SPLIT_K", "1") or "1")
-    if splits <= 1 or device.type != "cuda" or n_blocks >= torch.cuda.get_device_properties(device).multi_processor_count:
-        return 1
-    return splits
-
-
-def workspace(device: torch.device, floats: int, locks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The split few-rows kernel's float32 partials and its counters (zeros; each call leaves them zero), one pair
-    per device, grown outside CUDA graph capture (a static forward's warm-up run, before its capture, has the same
-    shapes); None where a capture would need it larger."""
-    ws = _workspaces.get(device)
-    if ws is None or ws[0].numel() < floats or ws[1].numel() < locks:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        size = max(floats, 0 if ws is None else ws[0].numel()), max(locks, 0 if ws is None else ws[1].numel())
-        if ws is not None:
-            _outgrown.append(ws)
-        ws = _workspaces[device] = (torch.empty(size[0], device=device, dtype=torch.float32),
-                                    torch.zeros(size[1], device=device, dtype=torch.int32))
-    return ws
 
 
 @functools.cache
@@ -336,13 +273,13 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
-                eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
-                split: int | None = None) -> torch.Tensor:
+                eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None
+                ) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, a few (M <= MAX_ROWS) through the few-rows kernel, each with its prologue (the few-rows kernel's rounds
     x * p to the weight's dtype for its tensor-core product where the one-row kernel keeps it in float32); weight, x,
     a and add contiguous in their last dim (sigmoid_gate: a [M, K // group, group]). swap: the few-rows kernel's form
-    (None: swap_ab's); split: its reduction split (None: split_k's)."""
+    (None: swap_ab's)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -364,17 +301,12 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
             block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
         if mode == 5:   # whole groups in each step
             block_k = max(block_k, group)
-        n_blocks = triton.cdiv(n, block_n)
-        splits = split_k(n_blocks, x.device) if split is None else split
-        ws = workspace(x.device, n_blocks * splits * block_m * (block_n + 1), n_blocks) if splits > 1 else None
-        if ws is None:
-            splits, ws = 1, (out, out)
-        _rows_kernel[(n_blocks, splits)](
+        _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), x if a is None else a, 0 if a is None else a.stride(0),
-            a.stride(1) if mode == 4 else 0, x if p is None else p, eps, *ws, BLOCK_M=block_m, BLOCK_N=block_n,
+            a.stride(1) if mode == 4 else 0, x if p is None else p, eps, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, PRO=mode, GROUP=group,
-            SPLIT=splits, num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages)
         return out
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
     if mode == 5:

@@ -17,9 +17,8 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("norm_first", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
-@pytest.mark.parametrize("rows, swap, split", [(1, "0", "1"), (16, "0", "1"), (65, "0", "1"), (16, "1", "1"), (17, "1", "1"),
-                                               (65, "1", "1"), (17, "1", "3"), (16, "0", "2")])
-def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, swap, split, monkeypatch):
+@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (65, "0"), (16, "1"), (17, "1"), (65, "1")])
+def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, swap, monkeypatch):
     """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
     rounds; the norms' default form does not round their input; the few-rows kernel rounds x * scale for its
     tensor-core product), plus the residual stream where the epilogue adds
@@ -28,7 +27,6 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
 
     monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
     monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)   # more than one row: the few-rows kernel's form
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT_K", split)   # and its narrow weights' reduction split
 
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k**0.5).to("cuda", dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -41,26 +39,23 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
             assert (got - want.float()).abs().max() <= tolerance * scale, f"{prologue} {dtype} {n}x{k} {rows} rows"
 
 
-@pytest.mark.parametrize("rows, swap, split", [(1, "0", "1"), (16, "0", "1"), (17, "1", "1"), (17, "1", "3")])
-def test_gemv_replays_from_a_cuda_graph(rows, swap, split, monkeypatch):
-    """A graph of the kernel replays with new inputs; split in 3 (its counters reset by each call), twice."""
+@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (17, "1")])
+def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
     from ddtree.models.gemv_kernel import linear_rows
 
     monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT_K", split)
 
     x, w = torch.randn(rows, 4096, device="cuda"), torch.randn(1000, 4096, device="cuda")
     linear_rows(x, w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = linear_rows(x, w)
-    for _ in range(2):
-        x.copy_(torch.randn(rows, 4096, device="cuda"))
-        graph.replay()
-        # against float64: two fp32 sums of 4096 products differ by their rounding (~1e-6 of the largest output; a
-        # fixed atol of 1e-4 failed once in 16-row runs), while a stale or wrong row is off by the order of the outputs
-        want = F.linear(x.double(), w.double())
-        assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    x.copy_(torch.randn(rows, 4096, device="cuda"))
+    graph.replay()
+    # against float64: two fp32 sums of 4096 products differ by their rounding (~1e-6 of the largest output; a fixed
+    # atol of 1e-4 failed once in 16-row runs), while a stale or wrong row is off by the order of the outputs
+    want = F.linear(x.double(), w.double())
+    assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
@@ -76,12 +71,10 @@ def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_model
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_engine_with_the_chains_in_the_few_rows_kernel_decodes_what_it_decodes_without(family, tiny_models, monkeypatch,
                                                                                       tmp_path):
-    """Greedy tokens (fp32, static forwards with graphs, up to 32 rows through our kernels, the narrow weights'
-    reduction split in 2) with the chains before a few rows' Linears in the few-rows kernel's prologue
-    (DDTREE_GEMV_ROWS_PROLOGUE=1) == computed apart."""
+    """Greedy tokens (fp32, static forwards with graphs, up to 32 rows through our kernels) with the chains before a
+    few rows' Linears in the few-rows kernel's prologue (DDTREE_GEMV_ROWS_PROLOGUE=1) == computed apart."""
     from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
     monkeypatch.setenv("DDTREE_GEMV_ROWS", "32")
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT_K", "2")
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_ROWS_PROLOGUE", tiny_config(family, tiny_models, tmp_path),
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=7)
