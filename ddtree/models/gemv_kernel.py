@@ -113,28 +113,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         k_ok = k < K
         ok = m_ok[:, None] & k_ok[None, :]
         v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
-        if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # x * p now, times the row's rstd after the sum
-            squares += v * v
-            v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        elif PRO == 1 or PRO == 2:
+        if (PRO == 1 or PRO == 2) and NORM_FIRST:
             p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             if PRO == 1:
                 v = (v * rstd * p).to(dtype).to(tl.float32)
             else:
                 v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
-        elif PRO == 3:
-            u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-            v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
-        elif PRO == 4:
-            g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
-            v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
-            z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-            v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
-            r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
-            v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
-            p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
-            v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
+        else:   # the norms: x * p now, times the row's rstd after the sum
+            if PRO == 1 or PRO == 2:
+                squares += v * v
+            v = _prologue(v, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype, BLOCK_M, BLOCK_K, PRO, GROUP)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * v
     y = tl.sum(acc, axis=1)
@@ -146,10 +134,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
-def _rows_prologue(v, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype,
+def _prologue(v, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, GROUP: tl.constexpr):
-    """A few rows' input tile v [BLOCK_M, BLOCK_K] (float32) after its prologue (PROLOGUES, 3 to 5: the norms scale
-    here and apply each row's rstd to the product), rounded to dtype where the eager chain rounds."""
+    """An input tile v [BLOCK_M, BLOCK_K] (float32) after its prologue (PROLOGUES; the norms only scale by p here:
+    the kernel applies each row's rstd to the product), rounded to dtype where the eager chain rounds."""
     if PRO == 1 or PRO == 2:   # x * p; the row's rstd (from the squares of x gathered beside it) after the product
         v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
     elif PRO == 3:
@@ -177,7 +165,7 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     columns of the weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32).
     SWAP: the product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as
     cuBLAS tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. PRO: the
-    chain before the Linear computed on each input tile (_rows_prologue; the norms' statistic gathered in the same
+    chain before the Linear computed on each input tile (_prologue; the norms' statistic gathered in the same
     loop and applied to the product, as the one-row kernel's default form does)."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
@@ -201,7 +189,7 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
             vf = v.to(tl.float32)
             if PRO == 1 or PRO == 2:
                 squares += vf * vf
-            v = _rows_prologue(vf, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype, BLOCK_M, BLOCK_K, PRO,
+            v = _prologue(vf, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype, BLOCK_M, BLOCK_K, PRO,
                                GROUP).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if SWAP:

@@ -122,7 +122,7 @@ def gemv_max_rows() -> int:
 
 def gemv_rows_prologues() -> bool:
     """Whether a few rows' Linears take the chain before them in the few-rows kernel's prologue too (norm, silu x up,
-    gated norm, sigmoid gate: ddtree.models.gemv_kernel._rows_prologue), as one row's do in the GEMV's, instead of
+    gated norm, sigmoid gate: ddtree.models.gemv_kernel._prologue), as one row's do in the GEMV's, instead of
     computing it in a kernel of its own first. DDTREE_GEMV_ROWS_PROLOGUE=1 (default 0)."""
     return os.environ.get("DDTREE_GEMV_ROWS_PROLOGUE", "0") not in ("", "0")
 
