@@ -12,8 +12,10 @@ rows. Variants:
   long side, as cuBLAS tiles skinny products), each shape at the best of SWAP_GRID;
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
   gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
-  (shape, prologue) at its own best configuration (more than one row: of the plain form's best ROWS_TOP). Not
-  comparable with the GEMMs alone: it does the chains' work too.
+  (shape, prologue) at its own best configuration; more than one row: the add alone (the few-rows kernel takes no
+  prologue: computed per program, the chains made 16 rows' products 2.6x slower, perf/results/gemv_rows_h200.md).
+  Not comparable with the GEMMs alone: it does the chains' work
+  too.
 Also: bytes-read bandwidth (a sum over 4 GiB) and copy bandwidth (read + written), measured in the same run.
 
     python perf/gemv_bench.py --name gemv_h200
@@ -81,6 +83,8 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
         return torch.randn(*shape, device="cuda", dtype=dt)
 
     x, kwargs = rand(rows, k), {"add": rand(rows, n)} if add else {}
+    if rows > 1:   # the few-rows kernel takes no prologue (its add only)
+        return x, kwargs
     if kind == "norm":
         kwargs.update(prologue=kind, p=1.0 + 0.1 * rand(k, dt=torch.float32), eps=1e-6)
     elif kind == "silu_mul":
@@ -93,22 +97,12 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
 
 
 def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int,
-                 forms: tuple[str, ...] = ("rows",), search: bool = True) -> dict:
+                 forms: tuple[str, ...] = ("rows",)) -> dict:
     """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
     where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph); forms
     (more than one row): "rows" the few-rows kernel's rows-first form (variants plain, prologue), "swap" its swapped
-    one (swap, swap_prologue). search False: each shape's configuration as linear_rows chooses it, no grid."""
-    from ddtree.models.gemv_kernel import (
-        CONFIGS,
-        DEFAULT,
-        ROWS_CONFIGS,
-        ROWS_DEFAULT,
-        SWAP_CONFIGS,
-        SWAP_DEFAULT,
-        fit_shared,
-        linear_rows,
-        rows_block,
-    )
+    one (swap, swap_prologue)."""
+    from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block
 
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w, kind, group, add in weights:
@@ -128,15 +122,9 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
         for variant, kw in variants:
             first = "swap" if variant.startswith("swap") else "plain"
             times, grid = {}, CONFIG_GRID if rows == 1 else SWAP_GRID if first == "swap" else ROWS_GRID
-            if not search:
-                grid = [CONFIGS.get((n, k, kind), CONFIGS.get((n, k, None), DEFAULT)) if rows == 1 else
-                        SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if first == "swap" else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)]
-            elif rows > 1 and variant != first:
+            if rows > 1 and variant != first:
                 grid = [tuple(c) for c, _ in entry[first]["top"][:ROWS_TOP]]
-            if rows > 1 and not search:   # cut down as linear_rows cuts it
-                grid = [(c[0], fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size())[0], c[2],
-                         fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size())[1]) for c in grid]
-            elif rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
+            if rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
                 grid = [c for c in grid if fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size()) == (c[1], c[3])]
             for config in grid:
                 try:
@@ -223,7 +211,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default="1", help="input rows, comma-separated (one: the GEMV; more: the few-rows kernel)")
     parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure: rows, swap or both")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--no-search", action="store_true", help="each shape at linear_rows' own configuration")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")
     args = parser.parse_args(argv)
@@ -238,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
               "shapes": {}, "steps": {}}
     print(f"read {result['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
-        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")), not args.no_search)
+        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")))
         result["shapes"][rows] = {f"{n}x{k} {kind}{'+add' if add else ''}": v for (n, k, kind, _, add), v in chosen.items()}
         result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats)
         print(f"rows {rows}: {result['steps'][rows]}", flush=True)

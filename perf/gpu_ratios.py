@@ -64,7 +64,7 @@ DENSE_DRAFTERS = {
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
-            "static-gemv128", "static-swap32", "static-gemv32", "static-rowpro", "static-rowpro32", "static-hosttree")
+            "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -72,9 +72,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-normfirst": {"DDTREE_GEMV_NORM_FIRST": "1"}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"},
     "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}, "static-gemv1": {"DDTREE_GEMV_ROWS": "1"},
     "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}, "static-swap32": {"DDTREE_GEMV_ROWS": "32"},
-    "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"},
-    "static-rowpro": {"DDTREE_GEMV_ROWS_PROLOGUE": "1"},
-    "static-rowpro32": {"DDTREE_GEMV_ROWS_PROLOGUE": "1", "DDTREE_GEMV_ROWS": "32"},
+    "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"}, "static-gemv16": {"DDTREE_GEMV_ROWS": "16"},
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
@@ -258,10 +256,9 @@ def table(result: dict) -> str:
              "separate, instead of our GEMV (one row, the chains in its prologue) and few-rows kernel (up to 16 rows, "
              "the residual add in its epilogue) (DDTREE_GEMV_KERNEL=0); static-gemv1: only one-row Linears through ours "
              "(DDTREE_GEMV_ROWS=1); static-gemv128: up to 128 rows (DDTREE_GEMV_ROWS=128); static-swap32: up to 32 "
-             "rows (DDTREE_GEMV_ROWS=32: a budget-16 tree's 17 through the few-rows kernel's swapped form, the weight's "
-             "columns the tile's long side); static-gemv32: the same in its rows-first form (DDTREE_GEMV_SWAP=0); "
-             "static-rowpro: the few-rows kernel with the chains before its Linears in its prologue "
-             "(DDTREE_GEMV_ROWS_PROLOGUE=1); static-rowpro32: the same up to 32 rows; "
+             "rows (DDTREE_GEMV_ROWS=32; by default 17, a budget-16 tree's, through the few-rows kernel's swapped form, "
+             "the weight's columns the tile's long side); static-gemv32: the same in its rows-first form "
+             "(DDTREE_GEMV_SWAP=0); static-gemv16: up to 16 (DDTREE_GEMV_ROWS=16: a budget-16 tree's 17 through cuBLAS); "
              "static-treeops (whole rounds: --round-variants): the device tree's program as build_tree_device's "
              "tensor operations (DDTREE_TREE_BUILD_KERNEL=0) instead of two Triton launches; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "

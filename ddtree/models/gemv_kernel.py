@@ -113,16 +113,28 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         k_ok = k < K
         ok = m_ok[:, None] & k_ok[None, :]
         v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
-        if (PRO == 1 or PRO == 2) and NORM_FIRST:
+        if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # x * p now, times the row's rstd after the sum
+            squares += v * v
+            v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        elif PRO == 1 or PRO == 2:
             p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             if PRO == 1:
                 v = (v * rstd * p).to(dtype).to(tl.float32)
             else:
                 v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
-        else:   # the norms: x * p now, times the row's rstd after the sum
-            if PRO == 1 or PRO == 2:
-                squares += v * v
-            v = _prologue(v, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype, BLOCK_M, BLOCK_K, PRO, GROUP)
+        elif PRO == 3:
+            u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+            v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
+        elif PRO == 4:
+            g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
+            v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
+            z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+            v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
+            r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
+            v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
+            p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
+            v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * v
     y = tl.sum(acc, axis=1)
@@ -134,39 +146,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
-def _prologue(v, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, GROUP: tl.constexpr):
-    """An input tile v [BLOCK_M, BLOCK_K] (float32) after its prologue (PROLOGUES; the norms only scale by p here:
-    the kernel applies each row's rstd to the product), rounded to dtype where the eager chain rounds."""
-    if PRO == 1 or PRO == 2:   # x * p; the row's rstd (from the squares of x gathered beside it) after the product
-        v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    elif PRO == 3:
-        u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
-    elif PRO == 4:
-        g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
-        v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
-        z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
-        r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
-        v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
-        p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
-        v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
-    return v
-
-
-@triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
-                 a_ptr, stride_am, stride_ag, p_ptr, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, SWAP: tl.constexpr, PRO: tl.constexpr, GROUP: tl.constexpr):
-    """out[M, N] = prologue(x)[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N
-    columns of the weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32).
-    SWAP: the product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as
-    cuBLAS tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. PRO: the
-    chain before the Linear computed on each input tile (_prologue; the norms' statistic gathered in the same
-    loop and applied to the product, as the one-row kernel's default form does)."""
+                 IEEE: tl.constexpr, SWAP: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
+    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
+    product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
+    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -174,8 +160,6 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + offs_m[:, None] * stride_am
-    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if SWAP:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -183,14 +167,7 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < K
-        ok = m_ok[:, None] & k_ok[None, :]
-        v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=ok, other=0.0)
-        if PRO != 0:
-            vf = v.to(tl.float32)
-            if PRO == 1 or PRO == 2:
-                squares += vf * vf
-            v = _prologue(vf, a_rows, k, ok, p_ptr, k_ok, stride_ag, eps, dtype, BLOCK_M, BLOCK_K, PRO,
-                               GROUP).to(x_ptr.dtype.element_ty)
+        v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if SWAP:
             if IEEE:
@@ -203,8 +180,6 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
             acc = tl.dot(v, tl.trans(w), acc)
     if SWAP:
         acc = tl.trans(acc_t)
-    if PRO == 1 or PRO == 2:   # each row's rstd, one number per row: applied to its products
-        acc = acc / tl.sqrt(tl.sum(squares, axis=1, keep_dims=True) / K + eps)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
@@ -233,10 +208,11 @@ def tuned_configs(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, int,
 
 def swap_ab(block_m: int) -> bool:
     """Whether the few-rows kernel's program of block_m rows takes its product as (w @ x.T).T (_rows_kernel's SWAP).
-    By default programs of 32 rows (17 to 32, a budget-16 tree's 17, which reach the kernel only with
-    DDTREE_GEMV_ROWS=32: kernels.gemv_max_rows): on the H200 the 27B step's products at 17 rows took 13.14 ms that way
-    against 13.73 rows first and cuBLASLt's 13.26 (perf/results/gemv_rows_h200_17.md), but inside the engine's
-    budget-16 verify they tied cuBLAS (15.20 against 15.23 ms of device time: gpu_ratios_h200_swap17.md). At 16 rows
+    By default programs of 32 rows (17 to 32: a budget-16 tree's 17; more reach the kernel only with DDTREE_GEMV_ROWS
+    above its default 17: kernels.gemv_max_rows): on the H200 the 27B step's products at 17 rows took 13.14 ms that way
+    against 13.73 rows first and cuBLASLt's 13.26 (perf/results/gemv_rows_h200_17.md); inside the engine's budget-16
+    verify they first tied cuBLAS (15.20 against 15.23 ms of device time: gpu_ratios_h200_swap17.md), then made its
+    whole round 0.981x in 3 turns (gpu_ratios_h200_rowpro.md). At 16 rows
     the rows-first form was as fast (12.83 against 12.91, two runs: gemv_rows_h200_extra.md, gemv_rows_h200_swap.md)
     and at 65 the swapped one lost to cuBLAS (19.48 against 13.86). DDTREE_GEMV_SWAP=1 swaps every program, 0 none."""
     env = os.environ.get("DDTREE_GEMV_SWAP", "")
@@ -264,20 +240,16 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None
                 ) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
-    the GEMV, a few (M <= MAX_ROWS) through the few-rows kernel, each with its prologue (the few-rows kernel's rounds
-    x * p to the weight's dtype for its tensor-core product where the one-row kernel keeps it in float32); weight, x,
-    a and add contiguous in their last dim (sigmoid_gate: a [M, K // group, group]). swap: the few-rows kernel's form
-    (None: swap_ab's)."""
+    the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
+    computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
+    weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
+    kernel's form (None: swap_ab's)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
+    assert m == 1 or prologue is None, "the few-rows kernel takes no prologue"
     if add is not None:
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
-    if a is not None:
-        assert a.shape[0] == m and a.stride(-1) == 1, (a.shape, a.stride())
-    mode = PROLOGUES[prologue]
-    if mode == 5:
-        assert k % group == 0 and group & (group - 1) == 0, (k, group)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m > 1:
         block_m = rows_block(m)
@@ -287,18 +259,18 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                                                else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
         if config is None:   # the pipeline's stages of weight and input tiles within shared memory
             block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
-        if mode == 5:   # whole groups in each step
-            block_k = max(block_k, group)
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
-            0 if add is None else add.stride(0), x if a is None else a, 0 if a is None else a.stride(0),
-            a.stride(1) if mode == 4 else 0, x if p is None else p, eps, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, PRO=mode, GROUP=group,
-            num_warps=warps, num_stages=stages)
+            0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, num_warps=warps, num_stages=stages)
         return out
+    mode = PROLOGUES[prologue]
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
     if mode == 5:
+        assert k % group == 0 and group & (group - 1) == 0, (k, group)
         block_k = max(block_k, group)
+    if a is not None:
+        assert a.shape[0] == m and a.stride(-1) == 1, (a.shape, a.stride())
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,

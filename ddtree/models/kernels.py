@@ -112,19 +112,13 @@ def gemv_kernel(device: torch.device) -> Callable | None:
 def gemv_max_rows() -> int:
     """The most rows of a static forward whose Linears go through our kernels (gemv_kernel: one row through the GEMV,
     up to this many through its few-rows kernel, which streams each weight once for all of them); more go through
-    cuBLAS. DDTREE_GEMV_ROWS, default 16: a drafter's block, a dflash verify, a batch of up to 16 `ar` steps (the 27B
+    cuBLAS. DDTREE_GEMV_ROWS, default 17: a drafter's block, a dflash verify, a batch of up to 17 `ar` steps (the 27B
     step's products on the H200 at 16 rows 12.86 ms against cuBLASLt's 13.56, at 4 12.66 against 13.46:
-    perf/results/gemv_rows_h200_4_16.md). A budget-16 tree's 17 rows stay on cuBLAS: through the kernel's swapped form
-    (DDTREE_GEMV_ROWS=32; gemv_kernel.swap_ab) the products alone were 1% faster, the engine's verify no faster
-    (gpu_ratios_h200_swap17.md); at 65 cuBLAS is faster. 1: the GEMV alone."""
-    return max(1, min(int(os.environ.get("DDTREE_GEMV_ROWS", "16") or "1"), 128))
-
-
-def gemv_rows_prologues() -> bool:
-    """Whether a few rows' Linears take the chain before them in the few-rows kernel's prologue too (norm, silu x up,
-    gated norm, sigmoid gate: ddtree.models.gemv_kernel._prologue), as one row's do in the GEMV's, instead of
-    computing it in a kernel of its own first. DDTREE_GEMV_ROWS_PROLOGUE=1 (default 0)."""
-    return os.environ.get("DDTREE_GEMV_ROWS_PROLOGUE", "0") not in ("", "0")
+    perf/results/gemv_rows_h200_4_16.md) and a budget-16 tree's 17 rows, through the kernel's swapped form
+    (gemv_kernel.swap_ab): its whole `ddtree-16` round 0.981x the round with those rows on cuBLAS, in each of 3 turns
+    0.980-0.995 (perf/results/gpu_ratios_h200_rowpro.md, `static-swap32`; the products alone 1% faster,
+    gemv_rows_h200_17.md). At 65 cuBLAS is faster. 16: 17 rows on cuBLAS; 1: the GEMV alone."""
+    return max(1, min(int(os.environ.get("DDTREE_GEMV_ROWS", "17") or "1"), 128))
 
 
 @functools.cache

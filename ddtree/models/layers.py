@@ -119,19 +119,14 @@ def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | No
     """[add +] module(x), x a tensor or a Prologue; in a static forward on CUDA (through_gemv) one row through our
     GEMV kernel with the prologue and the add in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8%
     slower on the H200, and each prologue or add is a kernel less), a few through its few-rows kernel with the add in
-    it (the prologue's chain before it, or in it too: kernels.gemv_rows_prologues)."""
+    it (the prologue's chain before it)."""
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
-        if isinstance(x, Prologue) and (x.shape[0] == 1 or kernels.gemv_rows_prologues()):
-            return kernel(rows(x.x), module.weight, **x.kernel_args(), add=add)
-        return kernel(rows(materialize(x)), module.weight, add=add)
+        if isinstance(x, Prologue) and x.shape[0] == 1:
+            return kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add)
+        return kernel(materialize(x).contiguous(), module.weight, add=add)
     out = module(materialize(x))
     return out if add is None else add + out
-
-
-def rows(x: torch.Tensor) -> torch.Tensor:
-    """x as our kernels read it: each row contiguous (a split's view stays a view)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def materialize(x: torch.Tensor | Prologue) -> torch.Tensor:

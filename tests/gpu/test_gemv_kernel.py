@@ -20,8 +20,7 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (65, "0"), (16, "1"), (17, "1"), (65, "1")])
 def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, swap, monkeypatch):
     """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
-    rounds; the norms' default form does not round their input; the few-rows kernel rounds x * scale for its
-    tensor-core product), plus the residual stream where the epilogue adds
+    rounds; the norms' default form does not round their input), plus the residual stream where the epilogue adds
     it: to float32 rounding in float32, to a bf16 ulp or two of the output's scale in bf16."""
     from ddtree.models.gemv_kernel import linear_rows
 
@@ -33,6 +32,8 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
     x, cases = prologue_cases(k, n, 8 if k % 128 else 128, seed=n + k, device="cuda", dtype=dtype, rows=rows)
     with torch.inference_mode():
         for prologue, kwargs, chained, residual in cases:
+            if rows > 1 and prologue is not None:
+                continue
             want = F.linear(chained, w) if residual is None else residual + F.linear(chained, w)
             got = linear_rows(x, w, prologue=prologue, **kwargs).float()
             scale = want.float().abs().max().clamp(min=1.0)
@@ -66,15 +67,3 @@ def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_model
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", tiny_config(family, tiny_models, tmp_path),
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=6)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_engine_with_the_chains_in_the_few_rows_kernel_decodes_what_it_decodes_without(family, tiny_models, monkeypatch,
-                                                                                      tmp_path):
-    """Greedy tokens (fp32, static forwards with graphs, up to 32 rows through our kernels) with the chains before a
-    few rows' Linears in the few-rows kernel's prologue (DDTREE_GEMV_ROWS_PROLOGUE=1) == computed apart."""
-    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
-
-    monkeypatch.setenv("DDTREE_GEMV_ROWS", "32")
-    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_ROWS_PROLOGUE", tiny_config(family, tiny_models, tmp_path),
-                                      [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=7)

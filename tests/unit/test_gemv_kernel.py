@@ -72,31 +72,30 @@ def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", d
                                              (17, 512, (16, 128, 4, 3)), (5, 1000, (32, 256, 4, 2))])
 def test_prologues_equal_their_eager_chains(rows, k, config, norm_first, monkeypatch):
     """Each prologue's Linear == the Linear of the eager chain's output, plus the residual stream where one is added
-    in the epilogue; one row (the GEMV) and several (the few-rows kernel, in both its forms: the norms' statistic is
-    gathered in its loop whatever DDTREE_GEMV_NORM_FIRST says)."""
+    in the epilogue; one row (the GEMV) and, without a prologue, several (the few-rows kernel)."""
     monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
     w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
     x, cases = prologue_cases(k, 23, 8, seed=k, rows=rows)
     for prologue, kwargs, chained, residual in cases:
+        if rows > 1 and prologue is not None:
+            with pytest.raises(AssertionError, match="no prologue"):
+                gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
+            continue
+        got = gemv_module().linear_rows(x, w, config, prologue=prologue, **kwargs)
         want = F.linear(chained, w) if residual is None else residual + F.linear(chained, w)
-        for swap in (False, True) if rows > 1 else (None,):
-            got = gemv_module().linear_rows(x, w, config, prologue=prologue, swap=swap, **kwargs)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} swap {swap}")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(prologue))
 
 
-@pytest.mark.parametrize("rows_prologues", ["0", "1"])
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_engines_with_linears_through_the_kernels_decode_what_they_decode_without(kind, rows_prologues, tiny_models,
-                                                                                   tmp_path, monkeypatch):
+def test_engines_with_linears_through_the_kernels_decode_what_they_decode_without(kind, tiny_models, tmp_path,
+                                                                                   monkeypatch):
     """Greedy `ar` and `ddtree` requests with every Linear of the static forwards of up to gemv_max_rows() rows (the
     `ar` steps', the trees', the drafter's blocks, at batch 1) through our kernels: the tokens of F.linear's
-    engine. The chains before a few rows' Linears computed apart (default) or in the few-rows kernel's prologue
-    (DDTREE_GEMV_ROWS_PROLOGUE=1)."""
+    engine."""
     from ddtree.engine import Engine
     from ddtree.models import layers
     from tests.unit.test_batching import static_cpu_config
 
-    monkeypatch.setenv("DDTREE_GEMV_ROWS_PROLOGUE", rows_prologues)
     config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=1)
     vocab = Engine(config).target.config.vocab_size
     rng = random.Random(3)
@@ -110,18 +109,11 @@ def test_engines_with_linears_through_the_kernels_decode_what_they_decode_withou
     eager_norms, eager = [], layers.NormedRows.eager   # a norm computed apart from the Linear that reads it
     monkeypatch.setattr(layers.NormedRows, "eager", lambda self: eager_norms.append(self) or eager(self))
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
-    # a one-row norm: in its GEMV's prologue; a few rows': apart, or in the few-rows kernel's prologue
-    if rows_prologues == "1":
-        assert not [norm for norm in eager_norms if norm.shape[0] <= layers.kernels.gemv_max_rows()]
-    else:
-        assert eager_norms and all(norm.shape[0] > 1 for norm in eager_norms)
+    assert eager_norms and all(norm.shape[0] > 1 for norm in eager_norms)   # a one-row norm: in its GEMV's prologue
     want = {"norm", None, "silu_mul", "sigmoid_gate", "gated_norm"} if kind == "hybrid" else {"norm_plain", None, "silu_mul"}
-    if rows_prologues == "1" and kind == "hybrid":
-        want.add("norm_plain")   # the drafter's blocks (its RMSNorm), in the few-rows kernel's prologue
     rows = {rows for rows, _, _ in calls}
     assert 1 in rows and max(rows) > 1 and max(rows) <= layers.kernels.gemv_max_rows(), rows
     assert {p for _, p, _ in calls} == want, set(calls)
-    assert {p for r, p, _ in calls if r > 1} == (want if rows_prologues == "1" else {None}), set(calls)
     assert {add for _, _, add in calls} == {True, False}   # residual adds in epilogues, the others plain
 
 
