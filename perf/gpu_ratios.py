@@ -253,7 +253,7 @@ def table(result: dict) -> str:
              "go through our split-KV kernel, and trees' too where heads are 256 wide); static-sdpatrees: only `ar` "
              "steps' through our kernel (DDTREE_ATTENTION_KERNEL=1); static-treeattn: trees' through it too whatever "
              "the head dim (DDTREE_ATTENTION_KERNEL=128); static-cublas: every Linear through cuBLAS, the chains before them "
-             "separate, instead of our GEMV (one row, the chains in its prologue) and few-rows kernel (up to 16 rows, "
+             "separate, instead of our GEMV (one row, the chains in its prologue) and few-rows kernel (up to 17 rows, "
              "the residual add in its epilogue) (DDTREE_GEMV_KERNEL=0); static-gemv1: only one-row Linears through ours "
              "(DDTREE_GEMV_ROWS=1); static-gemv128: up to 128 rows (DDTREE_GEMV_ROWS=128); static-swap32: up to 32 "
              "rows (DDTREE_GEMV_ROWS=32; by default 17, a budget-16 tree's, through the few-rows kernel's swapped form, "
