@@ -70,6 +70,12 @@ class EngineConfig:
     # a batch's steps queued too: `ar` 1.20-1.54x the tokens/s at 2-32 requests of SmolLM2 shapes in process:
     # perf/results/round_profile_h200_lookahead_{true,auto}.md)
     ar_lookahead: bool | None = None
+    # a lone greedy request's next draft launched as soon as its round's acceptance is known, before that round's cache
+    # commit and bookkeeping (Engine._launch_draft_ahead): the device drafts while the host commits, reports and
+    # starts the next round, instead of idling until the next round launches its draft; undone (the drafter's context
+    # length and pending features put back) when the next round does not take it. Needs device_tree. None ("auto"):
+    # as device_tree; off until measured on a GPU
+    draft_ahead: bool | None = False
     # the drafter proposes only token ids below this, and the EOS ids (0: the whole vocabulary): its logits read that
     # many rows of the target's lm_head instead of all (ddtree.draft_vocab; lossless whatever it is)
     draft_vocab: int = 0

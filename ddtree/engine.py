@@ -91,6 +91,8 @@ class StageTimes:
     static_commits: int = 0      # rounds whose cache commit ran as a static program (graphs.StaticCommit)
     device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
     lookahead_steps: int = 0     # `ar` steps queued before the last one's token was read (Engine._lookahead_round)
+    drafts_ahead: int = 0        # drafts launched before their round (config.draft_ahead: Engine._launch_draft_ahead)
+    drafts_ahead_undone: int = 0  # of which the next round did not take (undone, or dropped with their request)
     static_prefills: int = 0     # prompts prefilled through a static forward (config.static_prefill)
     folded_rows: int = 0         # pending target features written into drafter contexts ahead of a draft (_fold_contexts)
     acceptance_histogram: dict[int, int] = field(default_factory=dict)
@@ -151,6 +153,19 @@ class QueuedStep:
 
     def read(self) -> list[int]:
         return _read_host(self.host, self.event)
+
+
+@dataclass(slots=True)
+class DraftAhead:
+    """A lone greedy request's next draft, launched before its round (Engine._launch_draft_ahead): the drafter's
+    hidden states for the request at `start`, the round's plan, and what undoes it (the drafter context's length and
+    the pending features before it took them)."""
+    seq: Sequence
+    start: int
+    plan: tuple
+    hidden: torch.Tensor
+    length: int
+    pending: list[tuple[torch.Tensor, int, int]]
 
 
 @dataclass(slots=True)
@@ -288,6 +303,9 @@ class Engine:
         # a lone request's steps and a batch's (on the H200 in process, SmolLM2 shapes, a batch's queued too: `ar`
         # 1.20-1.54x the tokens/s at 2-32 requests: perf/results/round_profile_h200_lookahead_{true,auto}.md)
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
+        draft_ahead = config.draft_ahead if config.draft_ahead is not None else device_tree
+        self.draft_ahead = bool(draft_ahead) and self.static_tree is not None
+        self._draft_ahead: DraftAhead | None = None
         self.keep_step_taps = os.environ.get("DDTREE_KEEP_STEP_TAPS", "0") not in ("", "0")   # see _queue_step
         self.fold_chunks = FOLD_CHUNKS   # rounds a request's features wait for a draft before _fold_contexts writes them
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
@@ -375,6 +393,10 @@ class Engine:
         outputs, self._firsts = [], []   # (a step that failed left its groups: their requests were aborted)
         if self._ahead is not None and not (self._lookahead_ok(self.running) and self._ahead.matches(self.running)):
             outputs += self._settle_ahead()   # a request arrives (or the batch changes): the queued steps are a round
+        ahead = self._draft_ahead
+        if ahead is not None and (ahead.seq.request.finish_reason is not None or not any(s is ahead.seq for s in self.running)):
+            self._draft_ahead = None   # its request ended or was aborted: its slot's context is reset by the next prefill
+            self.stage_times.drafts_ahead_undone += 1
         decoding = [s for s in self.running if s.request.finish_reason is None]
         t_prefill = time.perf_counter()
         outputs += self._prefill(self._admit())
@@ -558,9 +580,10 @@ class Engine:
                 return settled
         outputs = self._lookahead_round(seqs) if self._lookahead_ok(seqs) else None
         if outputs is None:
-            plan = self._device_tree_plan(seqs)
+            ahead = self._take_draft_ahead(seqs)
+            plan = ahead.plan if ahead is not None else self._device_tree_plan(seqs)
             if plan is not None:
-                trees, verified = self._round_on_device(seqs[0], *plan)
+                trees, verified = self._round_on_device(seqs[0], *plan, ahead=ahead)
                 batches = []
             else:
                 trees, verified = self._draft(seqs), None
@@ -620,21 +643,41 @@ class Engine:
             starts.append(row)
             row = rows.stop
         t_accepted = time.perf_counter()
-        self._commit_caches(seqs, [a.accepted for a in accepted])
-        t_caches = time.perf_counter()
-        self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
-        t_features = time.perf_counter()
-        outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
+        parts = times.commit_parts   # the stage's host time by part: they add up to it
+        parts[0] += t_accepted - t_commit
+        if self.draft_ahead and verified is not None:
+            # the features kept and the request advanced first, then the next round's draft launched, then this
+            # round's cache commit: the device drafts while the host launches the commit, reports and starts the next
+            # round (the commit stays ahead of the next verify in stream order)
+            old_starts = [seq.start for seq in seqs]
+            self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
+            t_features = time.perf_counter()
+            outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
+            t_ahead = time.perf_counter()
+            self._launch_draft_ahead(seqs)
+            t_launched = time.perf_counter()
+            self._events.record("commit")   # the commit's GPU time alone (the draft queued before it is the draft's)
+            self._commit_caches(seqs, [a.accepted for a in accepted], old_starts)
+            t_caches = time.perf_counter()
+            parts[1] += t_caches - t_launched
+            parts[2] += t_features - t_accepted
+            parts[3] += t_ahead - t_features
+            times.draft += t_launched - t_ahead
+            t_end = t_caches - (t_launched - t_ahead)   # the commit stage's host time, less the draft's launch
+        else:
+            self._commit_caches(seqs, [a.accepted for a in accepted])
+            t_caches = time.perf_counter()
+            self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
+            t_features = time.perf_counter()
+            outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
+            t_end = time.perf_counter()
+            parts[1] += t_caches - t_accepted
+            parts[2] += t_features - t_caches
+            parts[3] += t_end - t_features
         self._events.record("committed")
         # not waited for: the commit's device work (K/V row moves, a hybrid's recurrent replay) runs while the host
         # reports this round and starts the next; the next round's reads wait for it in stream order
         self._events.defer("commit", "committed", times, "commit_gpu")
-        t_end = time.perf_counter()
-        parts = times.commit_parts   # the stage's host time by part: they add up to it
-        parts[0] += t_accepted - t_commit
-        parts[1] += t_caches - t_accepted
-        parts[2] += t_features - t_caches
-        parts[3] += t_end - t_features
         times.verify += t_commit - t_verify
         times.commit += t_end - t_commit
         return outputs
@@ -906,20 +949,22 @@ class Engine:
             return None
         return k, budget, depth, nodes, shape
 
-    def _round_on_device(self, seq: Sequence, k: int, budget: int, depth: int, nodes: int, shape: tuple[int, int]
-                         ) -> tuple[list[DraftTree], tuple]:
+    def _round_on_device(self, seq: Sequence, k: int, budget: int, depth: int, nodes: int, shape: tuple[int, int],
+                         ahead: DraftAhead | None = None) -> tuple[list[DraftTree], tuple]:
         """A lone greedy request's draft, tree and verify queued back to back, read once: the draft's top-k, the tree
         build and the verify's tree inputs stay on the device (graphs.StaticTreeBuild), and the verify's choices come
         back with the tree they answer (on the host path the draft's top-k is read before the tree build, a second
         read and a GPU idle while the host builds the tree and launches the verify). Returns ([tree], the verify's
-        (logits, taps, choices))."""
+        (logits, taps, choices)). ahead: its draft, launched before this round (_launch_draft_ahead): the draft
+        stage's GPU timeline then spans the last round's commit, queued behind the draft."""
         times, t0 = self.stage_times, time.perf_counter()
-        self._events.record("draft")
+        if ahead is None:
+            self._events.record("draft")
         times.draft_passes += 1
         times.device_trees += 1
         self._auto_drafted = seq.request.params.mode == "auto"
         n = nodes + 1
-        hidden = self._draft_hidden([seq])
+        hidden = self._draft_hidden([seq]) if ahead is None else ahead.hidden
         # the whole block's depths (one program per block depth: the tree takes the first `depth`); the draft's
         # logits and top-k run inside the tree's program
         head, paths = self.static_tree(hidden[0, 1:], self._draft_head([seq.request]), k, budget, depth, seq.root,
@@ -944,6 +989,41 @@ class Engine:
         times.verify += t2 - t1
         times.tree_build += time.perf_counter() - t2
         return [tree], (logits, taps, choices)
+
+    def _launch_draft_ahead(self, seqs: list[Sequence]) -> None:
+        """After a device round's acceptance (the request advanced, its features pending), its next draft launched at
+        once (config.draft_ahead): a lone greedy `dflash` or `ddtree` request still running whose next round builds its
+        tree on the device, with no request waiting for a free slot (the next step would admit it). The drafter's pass
+        appends the pending features to its context and drafts the block; what it leaves, the next round takes
+        (_take_draft_ahead) or undoes."""
+        if len(seqs) != 1 or (self.waiting and self.free_slots):   # a request about to join the batch
+            return
+        seq = seqs[0]
+        if seq.request.finish_reason is not None or seq.request.params.mode not in ("dflash", "ddtree"):
+            return
+        plan = self._device_tree_plan(seqs)
+        if plan is None:
+            return
+        cache = self.draft_caches[seq.slot]
+        length, pending = cache.length, list(seq.pending_taps)
+        self._events.record("draft")
+        hidden = self._draft_hidden(seqs)
+        self._draft_ahead = DraftAhead(seq, seq.start, plan, hidden, length, pending)
+        self.stage_times.drafts_ahead += 1
+
+    def _take_draft_ahead(self, seqs: list[Sequence]) -> DraftAhead | None:
+        """The draft launched ahead for this round (the same lone request where it stood), or None: a draft ahead of
+        another batch is undone first (the drafter's context length and the request's pending features put back: its
+        next draft writes the same context rows again)."""
+        ahead, self._draft_ahead = self._draft_ahead, None
+        if ahead is None:
+            return None
+        if len(seqs) == 1 and seqs[0] is ahead.seq and ahead.seq.start == ahead.start:
+            return ahead
+        self.draft_caches[ahead.seq.slot].length = ahead.length
+        ahead.seq.pending_taps = ahead.pending + ahead.seq.pending_taps
+        self.stage_times.drafts_ahead_undone += 1
+        return None
 
     def _draft_plan(self, seq: Sequence) -> tuple[bool, int]:
         """(draft a chain?, tree budget) of a drafting request this round; auto requests follow the round's arm."""

@@ -76,7 +76,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
-                  "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False}}
+                  "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
+                  "static-draftahead": {"draft_ahead": True}}
 GOALS = {"ar_over_floor": 1.10, "ar_round_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -273,7 +274,8 @@ def table(result: dict) -> str:
              "proposing only the first 32,768 ids and the EOS ids (draft_vocab), its logits from those rows of the "
              "lm_head; static-arahead (whole rounds in turns only): a lone greedy `ar` request's next step queued "
              "before its token is read (ar_lookahead=True; on CUDA the default); static-noahead: without it "
-             "(ar_lookahead=False).", "",
+             "(ar_lookahead=False); static-draftahead (whole rounds in turns only): a lone request's next draft launched as soon "
+             "as its round's acceptance is known, before that round's commit (draft_ahead=True).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | ar round / floor | uncompiled ar / floor | "
              "dynamic ar / floor | ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -452,7 +454,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="measure the static forward's whole rounds and --round-variants' in this many turns")
     parser.add_argument("--round-variants", default="",
                         help="environment variants (of --variants' list) whose whole rounds to measure too; with "
-                             "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k, static-arahead, static-noahead)")
+                             "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k, static-arahead, static-noahead, "
+                             "static-draftahead)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)

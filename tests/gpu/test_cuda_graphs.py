@@ -124,6 +124,42 @@ def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_m
     assert captured(ahead.static_target) >= 1
 
 
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_draft_ahead_with_graphs_decodes_what_it_decodes_without(family, tiny_models, hybrid):
+    """draft_ahead under CUDA graphs: a lone request's next draft replayed before its round's commit, its hidden states
+    (the drafter program's static output) read by the next round's tree program; undone when a second request joins.
+    The tokens equal the engine's without graphs."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.request import Request
+    from ddtree.sampling_params import SamplingParams
+
+    root = hybrid if family == "hybrid" else tiny_models
+    target = root / "target" if family == "hybrid" else root / "qwen3-target"
+    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
+    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda",
+                max_num_seqs=2)
+    plain = Engine(EngineConfig(**base, static_forward="off"))
+    ahead = Engine(EngineConfig(**base, static_forward="auto", draft_ahead=True))
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    for mode, budget in [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]:
+        params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=48, ignore_eos=True)
+        assert ahead.generate_ids(prompt, params).output_ids == plain.generate_ids(prompt, params).output_ids, mode
+    assert ahead.stage_times.drafts_ahead > 30 and ahead.stage_times.drafts_ahead_undone == 0
+    first = Request("first", prompt, SamplingParams(mode="ddtree", tree_budget=16, max_tokens=40, ignore_eos=True))
+    second = Request("second", prompt[:23], SamplingParams(mode="dflash", max_tokens=20, ignore_eos=True))
+    ahead.add(first)
+    for _ in range(5):
+        ahead.step()
+    ahead.add(second)
+    while ahead.has_work:
+        ahead.step()
+    assert first.output_ids == plain.generate_ids(prompt, first.params).output_ids
+    assert second.output_ids == plain.generate_ids(prompt[:23], second.params).output_ids
+    assert ahead.stage_times.drafts_ahead_undone >= 1
+    assert captured(ahead.static_target) >= 1
+
+
 @pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_batched_graphs_decode_what_requests_decode_alone(family, warm, tiny_models, hybrid):

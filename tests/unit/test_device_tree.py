@@ -242,3 +242,76 @@ def test_device_tree_is_on_by_default_only_for_cuda_graphs(tiny_models):
         EngineConfig.from_dict({**base, "device_tree": "sometimes"})
     assert EngineConfig(**base).device_tree is None and Engine(EngineConfig(**base)).static_tree is None
     assert Engine(EngineConfig(**base, device_tree=True)).static_tree is not None
+
+
+def run_all(engine, requests, *, at=None):
+    """Step the engine until these requests finish; at: {step index: callback(engine)} run before that step."""
+    for request in requests:
+        if request is not None:
+            engine.add(request)
+    step = 0
+    while any(r.finish_reason is None for r in requests if r is not None) or engine.has_work:
+        if at and step in at:
+            at.pop(step)(engine)
+        engine.step()
+        step += 1
+        assert step < 500
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_drafts_launched_ahead_decode_the_targets_greedy_tokens(family, tiny_models, hybrid):
+    """config.draft_ahead: a lone request's next draft launched before its round's commit (Engine._launch_draft_ahead)
+    decodes the target's greedy tokens in every drafting mode, and the rounds take the drafts launched for them."""
+    plain, engine = engines(family, tiny_models, hybrid, draft_ahead=True)
+    assert engine.draft_ahead and not plain.draft_ahead
+    for prompt in ([5, 9, 17, 33, 2, 71], list(range(3, 40))):
+        expected = plain.generate_ids(prompt, greedy("ar", 1)).output_ids
+        for mode, budget in [("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
+            ahead, undone = engine.stage_times.drafts_ahead, engine.stage_times.drafts_ahead_undone
+            request = engine.generate_ids(prompt, greedy(mode, budget))
+            assert request.output_ids == expected, f"{family} {mode}-{budget}"
+            assert max(request.acceptance_lengths) > 2, "the oracle drafter's trees were never accepted"
+            taken = engine.stage_times.drafts_ahead - ahead
+            # every round after the first drafts ahead of it, but the last (the request ends there)
+            assert taken >= len(request.acceptance_lengths) - 2 > 0, (taken, request.acceptance_lengths)
+            assert engine.stage_times.drafts_ahead_undone == undone
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_a_draft_ahead_is_undone_when_the_batch_changes_or_its_request_goes(family, tiny_models, hybrid):
+    """A draft launched ahead for a lone request that the next round does not take is undone (a second request joins
+    the batch: the drafter's context and the request's pending features as they were, its next draft writes them
+    again) or dropped with its request (aborted: its slot's next request starts afresh); every request still decodes
+    the target's greedy tokens."""
+    from ddtree.request import Request
+
+    plain, engine = engines(family, tiny_models, hybrid, draft_ahead=True, max_num_seqs=2)
+    prompts = {"a": [5, 9, 17, 33, 2, 71], "b": list(range(3, 40)), "c": [11, 4, 8, 60, 2]}
+    expected = {k: plain.generate_ids(p, greedy("ar", 1)).output_ids for k, p in prompts.items()}
+    a = Request(request_id="a", prompt_ids=prompts["a"], params=greedy("ddtree", 16))
+    b = Request(request_id="b", prompt_ids=prompts["b"], params=greedy("dflash", 1))
+    run_all(engine, [a], at={4: lambda e: e.add(b)})
+    assert a.output_ids == expected["a"] and b.output_ids == expected["b"]
+    assert engine.stage_times.drafts_ahead_undone >= 1, "the joined batch never undid a draft ahead"
+    undone = engine.stage_times.drafts_ahead_undone
+    gone = Request(request_id="gone", prompt_ids=prompts["b"], params=greedy("ddtree", 16))
+    engine.add(gone)
+    for _ in range(4):
+        engine.step()
+    assert engine._draft_ahead is not None and engine._draft_ahead.seq.request is gone
+    assert engine.abort("gone")
+    c = Request(request_id="c", prompt_ids=prompts["c"], params=greedy("ddtree", 16))
+    run_all(engine, [c])
+    assert c.output_ids == expected["c"]
+    assert engine.stage_times.drafts_ahead_undone == undone + 1 and engine._draft_ahead is None
+
+
+def test_draft_ahead_is_off_by_default(tiny_models):
+    from ddtree.engine import Engine
+
+    base = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                max_model_len=64, static_forward="on", device_tree=True)
+    assert EngineConfig.from_dict({**base, "draft_ahead": "on"}).draft_ahead is True
+    assert not Engine(EngineConfig(**base)).draft_ahead
+    assert Engine(EngineConfig(**base, draft_ahead=True)).draft_ahead
+    assert not Engine(EngineConfig(**{**base, "device_tree": False}, draft_ahead=True)).draft_ahead   # needs the device tree
