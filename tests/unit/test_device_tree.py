@@ -315,3 +315,48 @@ def test_draft_ahead_is_off_by_default(tiny_models):
     assert not Engine(EngineConfig(**base)).draft_ahead
     assert Engine(EngineConfig(**base, draft_ahead=True)).draft_ahead
     assert not Engine(EngineConfig(**{**base, "device_tree": False}, draft_ahead=True)).draft_ahead   # needs the device tree
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_the_device_walk_is_the_greedy_acceptance(seed):
+    """greedy_path_device == verify.accept_greedy on build_tree's trees (chains every fourth), the target's choices
+    following the tree at most nodes: the path's rows, its tokens and the bonus token."""
+    from ddtree.tree.device import greedy_path_device
+    from ddtree.verify import accept_greedy
+
+    gen = torch.Generator().manual_seed(seed)
+    depth, vocab = int(torch.randint(1, 16, (), generator=gen)), int(torch.randint(2, 12, (), generator=gen))
+    budget = int(torch.randint(1, 70, (), generator=gen))
+    k = 1 if seed % 4 == 0 else min(budget, vocab)
+    tree = build_tree(*top_log_probs(3 * torch.randn(depth, vocab, generator=gen), k), budget)
+    choices = torch.randint(0, vocab, (tree.num_nodes + 1,), generator=gen)
+    for i in range(1, tree.num_nodes + 1):
+        if torch.rand((), generator=gen) < 0.7:
+            choices[tree.parents[i]] = tree.tokens[i]
+    want = accept_greedy(tree, None, choices.tolist())
+    out = greedy_path_device(torch.tensor([7] + tree.tokens[1:]), torch.tensor(tree.parents), torch.tensor(tree.depths),
+                             choices, 15).tolist()
+    length = out[0]
+    assert out[2 : 2 + length] == want.accepted and out[1] == want.bonus_token
+    assert out[2 + 16 : 2 + 16 + length] == [7] + [tree.tokens[i] for i in want.accepted[1:]]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_the_acceptance_walked_on_the_device_decodes_the_targets_greedy_tokens(family, tiny_models, hybrid, monkeypatch):
+    """DDTREE_DEVICE_ACCEPT=1: a device round reads its accepted path (greedy_path_device) instead of the tree and the
+    choices; with and without drafts ahead, every drafting mode decodes the target's greedy tokens, to max_tokens and
+    to a stop id."""
+    monkeypatch.setenv("DDTREE_DEVICE_ACCEPT", "1")
+    plain, engine = engines(family, tiny_models, hybrid)
+    _, ahead = engines(family, tiny_models, hybrid, draft_ahead=True)
+    assert engine.device_accept and ahead.device_accept and ahead.draft_ahead
+    prompt = list(range(3, 40))
+    expected = plain.generate_ids(prompt, greedy("ar", 1)).output_ids
+    for mode, budget in [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]:
+        for e in (engine, ahead):
+            before = e.stage_times.device_trees
+            request = e.generate_ids(prompt, greedy(mode, budget))
+            assert request.output_ids == expected, f"{family} {mode}-{budget}"
+            assert e.stage_times.device_trees > before and max(request.acceptance_lengths) > 2
+    stop = SamplingParams(max_tokens=40, temperature=0.0, mode="ddtree", tree_budget=16, stop_token_ids=[expected[17]])
+    assert ahead.generate_ids(prompt, stop).output_ids == plain.generate_ids(prompt, stop).output_ids
