@@ -47,7 +47,7 @@ from ddtree.sampling import probabilities, sample, suppress_tokens
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree, build_chain, build_tree, compile_tree, top_ids, top_log_probs
 from ddtree.tree.build import _add_node, _empty_tree
-from ddtree.tree.device import fits_budget, greedy_path_device
+from ddtree.tree.device import fits_budget
 from ddtree.verify import Acceptance, accept
 
 logger = logging.getLogger(__name__)
@@ -187,21 +187,6 @@ class FirstTokens:
         return firsts
 
 
-def _path_tree(rows: int, accepted: list[int], tokens: list[int]) -> DraftTree:
-    """A tree of rows - 1 nodes of which the host knows only the accepted path (its rows, root first, and their
-    tokens): what a round whose acceptance was walked on the device reads (Engine._round_on_device with
-    device_accept). Its other nodes hold token -1 and the root as parent; nothing reads them."""
-    tree = DraftTree(tokens=[-1] * rows, parents=[0] * rows, depths=[0] * rows, children=[{} for _ in range(rows)],
-                     log_weights=[0.0] * rows)
-    tree.parents[0] = -1
-    for depth, (row, token) in enumerate(zip(accepted, tokens)):
-        tree.tokens[row], tree.depths[row] = token, depth
-        if depth:
-            tree.parents[row] = accepted[depth - 1]
-            tree.children[accepted[depth - 1]][token] = row
-    return tree
-
-
 def _read_host(host: torch.Tensor, event: torch.cuda.Event | None) -> list[int]:
     """Values copied to the host behind an event (Engine._to_host), once the device has passed it."""
     if event is not None:
@@ -318,9 +303,6 @@ class Engine:
         # a lone request's steps and a batch's (on the H200 in process, SmolLM2 shapes, a batch's queued too: `ar`
         # 1.20-1.54x the tokens/s at 2-32 requests: perf/results/round_profile_h200_lookahead_{true,auto}.md)
         self.ar_lookahead = config.ar_lookahead if config.ar_lookahead is not None else graphed
-        # a device round's greedy acceptance walked on the device, its path read instead of the whole tree and the
-        # choices (DDTREE_DEVICE_ACCEPT=1; off until measured on a GPU): _round_on_device
-        self.device_accept = os.environ.get("DDTREE_DEVICE_ACCEPT", "0") not in ("", "0")
         draft_ahead = config.draft_ahead if config.draft_ahead is not None else device_tree
         self.draft_ahead = bool(draft_ahead) and self.static_tree is not None
         self._draft_ahead: DraftAhead | None = None
@@ -635,12 +617,10 @@ class Engine:
     def _verify_and_commit(self, seqs: list[Sequence], trees: list[DraftTree], batches: list,
                            verified: tuple | None = None) -> list[RequestOutput]:
         """One target pass over the requests' trees, then each one's acceptance walk and commit; verified: the
-        pass's (logits, taps, greedy choices, the acceptance where it was walked on the device) where the round ran it
-        already (_round_on_device)."""
+        pass's (logits, taps, greedy choices) where the round ran it already (_round_on_device)."""
         times, t_verify = self.stage_times, time.perf_counter()
-        known = None   # the acceptance walked on the device (_round_on_device)
         if verified is not None:
-            logits, taps, choices, known = verified
+            logits, taps, choices = verified
         else:
             self._events.record("verify")
             logits, taps = self._verify(seqs, trees, batches)
@@ -659,8 +639,7 @@ class Engine:
         accepted, starts, row = [], [], 0
         for seq, tree in zip(seqs, trees):
             rows = slice(row, row + tree.num_nodes + 1)
-            accepted.append(known if known is not None else
-                            self._accept(seq, tree, logits[rows], None if choices is None else choices[rows]))
+            accepted.append(self._accept(seq, tree, logits[rows], None if choices is None else choices[rows]))
             starts.append(row)
             row = rows.stop
         t_accepted = time.perf_counter()
@@ -976,8 +955,7 @@ class Engine:
         build and the verify's tree inputs stay on the device (graphs.StaticTreeBuild), and the verify's choices come
         back with the tree they answer (on the host path the draft's top-k is read before the tree build, a second
         read and a GPU idle while the host builds the tree and launches the verify). Returns ([tree], the verify's
-        (logits, taps, choices, None)), or with device_accept ([the accepted path's tree], (logits, taps, None, its
-        acceptance)). ahead: its draft, launched before this round (_launch_draft_ahead): the draft
+        (logits, taps, choices)). ahead: its draft, launched before this round (_launch_draft_ahead): the draft
         stage's GPU timeline then spans the last round's commit, queued behind the draft."""
         times, t0 = self.stage_times, time.perf_counter()
         if ahead is None:
@@ -998,35 +976,19 @@ class Engine:
         logits, taps = self.static_target.batch([cache], [seq.start], [[0] * n], [[seq.start] * n], [[-1] * n],
                                                 tree=(head, paths))
         self._events.record("verified")
-        if self.device_accept:
-            # the acceptance walked on the device (launched while the device verifies): the round reads the accepted
-            # path and its tokens, not the tree and every row's choice, and the host builds no tree
-            block = self.drafter.block_size
-            path = greedy_path_device(head[0, :n], head[2, :n], head[1, :n] - seq.start, logits[:n].argmax(dim=-1),
-                                      block - 1)
-            with self._waiting():
-                read = path.tolist()
-            t2 = time.perf_counter()
-            length, bonus = read[0], read[1]
-            accepted, tokens = read[2 : 2 + length], read[2 + block : 2 + block + length]
-            tree = _path_tree(n, accepted, tokens)
-            acceptance = Acceptance(accepted=accepted, bonus_token=bonus)
-            choices = None
-        else:
-            # the round's one device-to-host read: the verify's choices, the tree's ids, positions and parents
-            with self._waiting():
-                read = torch.cat([logits.argmax(dim=-1), head[:, :n].flatten()]).tolist()
-            t2 = time.perf_counter()
-            choices, ids, positions, parents = (read[i * n : (i + 1) * n] for i in range(4))
-            tree = _empty_tree()
-            for node in range(1, n):
-                _add_node(tree, ids[node], parents[node], positions[node] - seq.start)
-            acceptance = None
+        # the round's one device-to-host read: the verify's choices, the tree's ids, positions and parents
+        with self._waiting():
+            read = torch.cat([logits.argmax(dim=-1), head[:, :n].flatten()]).tolist()
+        t2 = time.perf_counter()
+        choices, ids, positions, parents = (read[i * n : (i + 1) * n] for i in range(4))
+        tree = _empty_tree()
+        for node in range(1, n):
+            _add_node(tree, ids[node], parents[node], positions[node] - seq.start)
         times.draft += t1 - t0
         times.draft_gpu += self._events.seconds("draft", "drafted")
         times.verify += t2 - t1
         times.tree_build += time.perf_counter() - t2
-        return [tree], (logits, taps, choices, acceptance)
+        return [tree], (logits, taps, choices)
 
     def _launch_draft_ahead(self, seqs: list[Sequence]) -> None:
         """After a device round's acceptance (the request advanced, its features pending), its next draft launched at

@@ -68,7 +68,6 @@ VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdp
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
-    "static-deviceaccept": {"DDTREE_DEVICE_ACCEPT": "1"},
     "static-cublas": {"DDTREE_GEMV_KERNEL": "0"}, "static-treepaths": {"DDTREE_TREE_CHUNKS": "0"},
     "static-normfirst": {"DDTREE_GEMV_NORM_FIRST": "1"}, "static-noqkv": {"DDTREE_QKV_KERNEL": "0"},
     "static-convchain": {"DDTREE_TREE_CONV_KERNEL": "0"}, "static-gemv1": {"DDTREE_GEMV_ROWS": "1"},
@@ -276,9 +275,7 @@ def table(result: dict) -> str:
              "lm_head; static-arahead (whole rounds in turns only): a lone greedy `ar` request's next step queued "
              "before its token is read (ar_lookahead=True; on CUDA the default); static-noahead: without it "
              "(ar_lookahead=False); static-draftahead (whole rounds in turns only): a lone request's next draft launched as soon "
-             "as its round's acceptance is known, before that round's commit (draft_ahead=True); static-deviceaccept: a lone "
-             "request's greedy acceptance walked on the device, its path read instead of the tree and every row's choice "
-             "(DDTREE_DEVICE_ACCEPT=1).", "",
+             "as its round's acceptance is known, before that round's commit (draft_ahead=True).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | ar round / floor | uncompiled ar / floor | "
              "dynamic ar / floor | ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

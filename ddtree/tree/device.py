@@ -127,28 +127,3 @@ def tree_paths_device(parents: torch.Tensor, num_nodes: int | torch.Tensor, max_
 
 
 __all__ = ["build_tree_device", "candidate_grid", "fits_budget", "tree_paths_device", "verify_rows"]
-
-
-def greedy_path_device(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, choices: torch.Tensor,
-                       max_depth: int) -> torch.Tensor:
-    """The greedy acceptance of a tree on the device, no host reads (verify.accept_greedy's walk: from the root, the
-    child whose token is the target's choice at its parent, while there is one). tokens, parents, depths, choices
-    # [n] long: the tree's rows (row 0 the root, parents[0] = -1, siblings' tokens distinct) and the target's argmax
-    at each; max_depth >= the deepest row's depth. A node is accepted where it and every ancestor match their parent's
-    choice (pointer doubling over the ancestors: log2 steps); the accepted nodes are a path, one per depth.
-    Returns [2 * (max_depth + 1) + 2]: the path's length L, the bonus token (the choice at its last node), the path's
-    rows by depth (max_depth + 1 of them, the first L meaningful) and their tokens."""
-    n = tokens.shape[0]
-    up = parents.clamp(min=0)                          # the root its own parent
-    ok = tokens == choices[up]
-    ok[0] = True
-    for _ in range(max(1, max_depth.bit_length())):   # 2^steps >= the deepest path's max_depth + 1 rows
-        ok = ok & ok[up]
-        up = up[up]
-    length = ok.sum().view(1)
-    # each accepted row to the slot of its depth; the others to a spare slot past them (dropped)
-    slots = torch.where(ok, depths, torch.full_like(depths, max_depth + 1))
-    path = torch.zeros(max_depth + 2, dtype=torch.long, device=tokens.device).scatter_(
-        0, slots, torch.arange(n, device=tokens.device))[: max_depth + 1]
-    bonus = choices.gather(0, path.gather(0, length - 1))
-    return torch.cat([length, bonus, path, tokens.gather(0, path)])
