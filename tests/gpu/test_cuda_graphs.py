@@ -22,6 +22,15 @@ def hybrid(tmp_path_factory):
     return root
 
 
+def engine_base(family: str, tiny_models, hybrid, **settings) -> dict:
+    """EngineConfig fields of the tiny dense pair ("qwen3") or the tiny hybrid's on CUDA (settings override them)."""
+    root = hybrid if family == "hybrid" else tiny_models
+    target = root / "target" if family == "hybrid" else root / "qwen3-target"
+    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
+    return {"target_path": str(target), "drafter_path": str(drafter), "max_model_len": 300, "max_tree_budget": 64,
+            "device": "cuda", **settings}
+
+
 def captured(static) -> int:
     graphs = [p.graph for p in static.graphs.programs.values()]
     assert all(g is not False for g in graphs), "a capture failed and fell back to eager"
@@ -60,10 +69,7 @@ def test_engine_with_graphs_decodes_what_it_decodes_without(family, tiny_models,
     from ddtree.engine import Engine
     from ddtree.sampling_params import SamplingParams
 
-    root = hybrid if family == "hybrid" else tiny_models
-    target = root / "target" if family == "hybrid" else root / "qwen3-target"
-    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
+    base = engine_base(family, tiny_models, hybrid)
     plain = Engine(EngineConfig(**base, static_forward="off"))
     graphed = Engine(EngineConfig(**base, static_forward="auto"))
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -95,10 +101,7 @@ def test_ar_lookahead_with_graphs_decodes_what_it_decodes_without(family, tiny_m
     from ddtree.request import Request
     from ddtree.sampling_params import SamplingParams
 
-    root = hybrid if family == "hybrid" else tiny_models
-    target = root / "target" if family == "hybrid" else root / "qwen3-target"
-    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, device="cuda", max_num_seqs=4)
+    base = engine_base(family, tiny_models, hybrid, max_tree_budget=1024, max_num_seqs=4)
     plain = Engine(EngineConfig(**base, static_forward="off"))
     ahead = Engine(EngineConfig(**base, static_forward="auto"))
     ahead.warm_up()
@@ -134,11 +137,7 @@ def test_draft_ahead_with_graphs_decodes_what_it_decodes_without(family, tiny_mo
     from ddtree.request import Request
     from ddtree.sampling_params import SamplingParams
 
-    root = hybrid if family == "hybrid" else tiny_models
-    target = root / "target" if family == "hybrid" else root / "qwen3-target"
-    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda",
-                max_num_seqs=2)
+    base = engine_base(family, tiny_models, hybrid, max_num_seqs=2)
     plain = Engine(EngineConfig(**base, static_forward="off"))
     ahead = Engine(EngineConfig(**base, static_forward="auto", draft_ahead=True))
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -172,10 +171,7 @@ def test_batched_graphs_decode_what_requests_decode_alone(family, warm, tiny_mod
     from ddtree.request import Request
     from ddtree.sampling_params import SamplingParams
 
-    root = hybrid if family == "hybrid" else tiny_models
-    target = root / "target" if family == "hybrid" else root / "qwen3-target"
-    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
+    base = engine_base(family, tiny_models, hybrid)
     plain = Engine(EngineConfig(**base, static_forward="off", max_num_seqs=1))
     graphed = Engine(EngineConfig(**base, static_forward="auto", max_num_seqs=8))
     if warm:
@@ -216,10 +212,7 @@ def test_a_lone_greedy_round_reads_the_device_once(family, tiny_models, hybrid):
     from ddtree.request import Request
     from ddtree.sampling_params import SamplingParams
 
-    root = hybrid if family == "hybrid" else tiny_models
-    target = root / "target" if family == "hybrid" else root / "qwen3-target"
-    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda")
+    base = engine_base(family, tiny_models, hybrid)
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     outputs = {}
     for device_tree in (True, False):
@@ -281,11 +274,7 @@ def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(famil
     from ddtree.request import Request
     from ddtree.sampling_params import SamplingParams
 
-    root = hybrid if family == "hybrid" else tiny_models
-    target = root / "target" if family == "hybrid" else root / "qwen3-target"
-    drafter = root / "dflash" if family == "hybrid" else root / "qwen3-dflash"
-    base = dict(target_path=str(target), drafter_path=str(drafter), max_model_len=300, max_tree_budget=64, device="cuda",
-                max_num_seqs=2)
+    base = engine_base(family, tiny_models, hybrid, max_num_seqs=2)
     plain = Engine(EngineConfig(**base, static_forward="off"))
     static = Engine(EngineConfig(**base, static_forward="auto"))
     assert static.static_prefill == 256
