@@ -48,7 +48,7 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree, build_chain, build_tree, compile_tree, top_ids, top_log_probs
 from ddtree.tree.build import _add_node, _empty_tree
 from ddtree.tree.device import fits_budget
-from ddtree.verify import Acceptance, accept
+from ddtree.verify import accept
 
 logger = logging.getLogger(__name__)
 
@@ -798,10 +798,14 @@ class Engine:
         drafter's context)."""
         outputs = []
         for i in which:
-            seq = step.seqs[i]
+            seq, token = step.seqs[i], tokens[i]
             if step.taps is not None and seq.request.params.mode != "ar":
                 seq.pending_taps.append((step.taps, i, i + 1))
-            outputs.append(self._advance(seq, _empty_tree(), Acceptance(accepted=[0], bonus_token=tokens[i])))
+            # _advance of an acceptance that is its root alone, without the empty tree and the Acceptance it would
+            # take: two objects a request and step, at 32 requests where the host paces the rounds (c=32 above)
+            seq.start += 1
+            seq.root = token
+            outputs.append(self._commit(seq, [token], 1))
         return outputs
 
     def _settle_ahead(self) -> list[RequestOutput]:
