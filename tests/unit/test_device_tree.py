@@ -18,7 +18,7 @@ from ddtree.models.qwen3_5 import PATHS_MAX_LEN
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import build_tree, top_log_probs
 from ddtree.tree.device import build_tree_device, fits_budget, tree_paths_device, verify_rows
-from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid
+from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid, serve_together
 
 
 @pytest.fixture(scope="module")
@@ -244,20 +244,6 @@ def test_device_tree_is_on_by_default_only_for_cuda_graphs(tiny_models):
     assert Engine(EngineConfig(**base, device_tree=True)).static_tree is not None
 
 
-def run_all(engine, requests, *, at=None):
-    """Step the engine until these requests finish; at: {step index: callback(engine)} run before that step."""
-    for request in requests:
-        if request is not None:
-            engine.add(request)
-    step = 0
-    while any(r.finish_reason is None for r in requests if r is not None) or engine.has_work:
-        if at and step in at:
-            at.pop(step)(engine)
-        engine.step()
-        step += 1
-        assert step < 500
-
-
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_drafts_launched_ahead_decode_the_targets_greedy_tokens(family, tiny_models, hybrid):
     """config.draft_ahead: a lone request's next draft launched before its round's commit (Engine._launch_draft_ahead)
@@ -290,7 +276,10 @@ def test_a_draft_ahead_is_undone_when_the_batch_changes_or_its_request_goes(fami
     expected = {k: plain.generate_ids(p, greedy("ar", 1)).output_ids for k, p in prompts.items()}
     a = Request(request_id="a", prompt_ids=prompts["a"], params=greedy("ddtree", 16))
     b = Request(request_id="b", prompt_ids=prompts["b"], params=greedy("dflash", 1))
-    run_all(engine, [a], at={4: lambda e: e.add(b)})
+    engine.add(a)
+    for _ in range(4):   # a decodes alone, its drafts ahead taken
+        engine.step()
+    serve_together(engine, [b])
     assert a.output_ids == expected["a"] and b.output_ids == expected["b"]
     assert engine.stage_times.drafts_ahead_undone >= 1, "the joined batch never undid a draft ahead"
     undone = engine.stage_times.drafts_ahead_undone
@@ -301,7 +290,7 @@ def test_a_draft_ahead_is_undone_when_the_batch_changes_or_its_request_goes(fami
     assert engine._draft_ahead is not None and engine._draft_ahead.seq.request is gone
     assert engine.abort("gone")
     c = Request(request_id="c", prompt_ids=prompts["c"], params=greedy("ddtree", 16))
-    run_all(engine, [c])
+    serve_together(engine, [c])
     assert c.output_ids == expected["c"]
     assert engine.stage_times.drafts_ahead_undone == undone + 1 and engine._draft_ahead is None
 
