@@ -3,13 +3,22 @@
 DDTREE_PROFILE=<dir>[:<skip>[:<steps>]]: after `skip` engine steps (default 200), record `steps` (default 50) with the
 PyTorch profiler (host ops and, on CUDA, kernels) and write their summary tables to <dir>/profile_<pid>.txt. Inside
 Triton the model's process inherits the server's environment, so the same setting profiles the stub and an in-process
-run (perf/serve_overhead.py) side by side."""
+run (perf/serve_overhead.py) side by side.
+
+DDTREE_CPROFILE=<dir>[:<skip>[:<steps>[:<every>]]]: the engine thread's Python functions under cProfile for `steps`
+engine steps (default 200) after `skip` (default 200), again every `every` steps (default 0: once), each window to
+<dir>/cprofile_<pid>_<window>.txt, headed by its wall ms a step and the modes of the requests it served (so one server
+that serves `ar`, then `auto`, profiles both: where the stub's host time goes, by function)."""
 
 from __future__ import annotations
 
+import cProfile
+import io
 import logging
 import os
+import pstats
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -63,6 +72,74 @@ class StepProfiler:
             logger.warning("profile of %d steps written to %s", self.steps, path)
         except Exception:
             logger.exception("DDTREE_PROFILE: could not write the profile to %s", self.directory)
+
+
+class CProfileWindows:
+    """DDTREE_CPROFILE's windows (module doc). describe() names what a step served (called after each profiled one)."""
+
+    def __init__(self, spec: str | None = None, describe=None) -> None:
+        spec = os.environ.get("DDTREE_CPROFILE", "") if spec is None else spec
+        parts = spec.split(":") if spec else []
+        self.directory = Path(parts[0]) if parts else None
+        self.describe = describe
+        self.skip, self.steps, self.every = 200, 200, 0
+        try:
+            self.skip = int(parts[1]) if len(parts) > 1 else 200
+            self.steps = max(int(parts[2]), 1) if len(parts) > 2 else 200
+            self.every = max(int(parts[3]), 0) if len(parts) > 3 else 0
+        except ValueError:   # a diagnostic's typo must not stop the model from loading
+            logger.error("DDTREE_CPROFILE=%r: expected <dir>[:<skip>[:<steps>[:<every>]]] with whole numbers; "
+                         "not profiling", spec)
+            self.directory = None
+        if self.every and self.every < self.steps:
+            self.every = self.steps   # windows never overlap
+        self.count = 0     # engine steps seen
+        self.windows = 0   # windows written
+        self._profile: cProfile.Profile | None = None
+        self._done = 0     # steps of the open window
+        self._start = 0.0
+        self._served: Counter = Counter()
+
+    def before_step(self) -> None:
+        if self.directory is None or self._profile is not None or self.count < self.skip:
+            return
+        if self.count != self.skip and not (self.every and (self.count - self.skip) % self.every == 0):
+            return
+        self._profile, self._served, self._done = cProfile.Profile(), Counter(), 0
+        self._start = time.perf_counter()
+        self._profile.enable()
+
+    def after_step(self) -> None:
+        if self.directory is None:
+            return
+        self.count += 1
+        profile = self._profile
+        if profile is None:
+            return
+        profile.disable()
+        if self.describe is not None:
+            self._served.update(self.describe())
+        self._done += 1
+        if self._done < self.steps:
+            profile.enable()
+            return
+        seconds = time.perf_counter() - self._start
+        self._profile = None
+        try:   # never a reason for the serving loop to fail
+            out = io.StringIO()
+            served = ", ".join(f"{k} {v}" for k, v in sorted(self._served.items())) or "-"
+            out.write(f"{self.steps} steps from step {self.count - self.steps}: {1e3 * seconds / self.steps:.3f} ms "
+                      f"per step (wall, profiler included); served (request-steps by mode): {served}\n\n")
+            stats = pstats.Stats(profile, stream=out)
+            stats.sort_stats("tottime").print_stats(45)
+            stats.sort_stats("cumulative").print_stats(35)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path = self.directory / f"cprofile_{os.getpid()}_{self.windows}.txt"
+            path.write_text(out.getvalue())
+            logger.warning("cProfile of %d steps written to %s", self.steps, path)
+        except Exception:
+            logger.exception("DDTREE_CPROFILE: could not write the profile to %s", self.directory)
+        self.windows += 1
 
 
 def name_native_thread(name: str) -> None:

@@ -22,7 +22,7 @@ from ddtree import api
 from ddtree.detokenize import IncrementalDetokenizer, StreamChunk
 from ddtree.engine import Engine
 from ddtree.errors import EngineUnavailable, InvalidRequest
-from ddtree.profiling import StepProfiler, name_native_thread
+from ddtree.profiling import CProfileWindows, StepProfiler, name_native_thread
 from ddtree.request import Request, RequestOutput
 from ddtree.stop_registry import StopRegistry
 
@@ -278,6 +278,7 @@ class GenerationService:
         self._active: dict[str, Job] = {}   # engine request id (= job key) -> job
         self._stopping = False
         self._profiler = StepProfiler()   # DDTREE_PROFILE (a diagnostic): off by default
+        self._cprofiler = CProfileWindows(describe=self._running_modes)   # DDTREE_CPROFILE (a diagnostic): off by default
         self._stalls = StallWatch()
         # the outbox's calls wait for the engine thread's device waits: a CUDA engine's by default; DDTREE_OUTBOX_GATE=0
         # (a diagnostic) turns that off, =1 on whatever the device
@@ -389,6 +390,9 @@ class GenerationService:
             self.stats.ttft_seconds, self.stats.latency_seconds = [], []
             self.stats.queue_seconds, self.stats.prefill_seconds, self.stats.take_seconds = [], [], []
 
+    def _running_modes(self) -> list[str]:
+        return [seq.request.params.mode for seq in getattr(self.engine, "running", [])]
+
     def _loop(self) -> None:
         name_native_thread("ddtree-engine")
         try:
@@ -403,10 +407,12 @@ class GenerationService:
                     start = time.perf_counter()
                     self._claim_relayed_stops()
                     self._profiler.before_step()
+                    self._cprofiler.before_step()
                     gc_before, late_before = self._stalls.before(), len(self.engine.graphs.late_keys)
                     dynamic_before = self.engine.stage_times.dynamic_forwards
                     self._step()
                     self._profiler.after_step()
+                    self._cprofiler.after_step()
                     if self._stalls.is_stall(self._step_seconds):
                         self._stall(gc_before, late_before, dynamic_before)
                     self._report()

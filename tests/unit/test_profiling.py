@@ -63,3 +63,44 @@ def test_named_native_thread():
     thread.start()
     thread.join()
     assert seen["comm"] == "ddtree-engine-l"   # truncated to the kernel's 15 bytes
+
+
+def test_cprofile_windows_repeat_and_name_what_they_served(tmp_path, monkeypatch):
+    """DDTREE_CPROFILE: a window of steps after `skip`, again every `every` steps, each its own file with the modes
+    its steps served (one server serving `ar`, then `auto`, profiles both)."""
+    from ddtree.profiling import CProfileWindows
+
+    modes = ["ar", "ar"]
+    windows = CProfileWindows(f"{tmp_path}:1:2:4", describe=lambda: modes)
+
+    def matmul_step():
+        torch.ones(8, 8) @ torch.ones(8, 8)
+
+    def steps(n):
+        for _ in range(n):
+            windows.before_step()
+            matmul_step()
+            windows.after_step()
+
+    steps(3)                                        # step 0 skipped, steps 1-2 the first window
+    (first,) = tmp_path.iterdir()
+    modes = ["auto"]
+    steps(4)                                        # steps 3-4 outside, 5-6 the second window
+    second = tmp_path / first.name.replace("_0.txt", "_1.txt")
+    assert sorted(tmp_path.iterdir()) == sorted([first, second])
+    head = first.read_text().splitlines()[0]
+    assert head.startswith("2 steps from step 1:") and head.endswith("served (request-steps by mode): ar 4")
+    assert second.read_text().splitlines()[0].endswith("served (request-steps by mode): auto 2")
+    assert "matmul_step" in second.read_text()      # the functions the steps ran, by cProfile
+    assert windows.count == 7 and windows.windows == 2
+
+
+def test_cprofile_off_by_default_and_a_typo_never_stops_serving(tmp_path, monkeypatch):
+    from ddtree.profiling import CProfileWindows
+
+    monkeypatch.delenv("DDTREE_CPROFILE", raising=False)
+    assert CProfileWindows().directory is None
+    windows = CProfileWindows(f"{tmp_path}:x")
+    windows.before_step()
+    windows.after_step()
+    assert windows.directory is None and list(tmp_path.iterdir()) == []
