@@ -348,10 +348,14 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_ready(self, timeout_s: float = 120.0) -> Self:
-        """Poll until is_ready(); raise with the log's tail if the server exits or time runs out."""
+    def wait_ready(self, timeout_s: float | None = None) -> Self:
+        """Poll until is_ready(); raise with the log's tail if the server exits or time runs out (timeout_s: default
+        TRITON_READY_TIMEOUT_S from the environment, else 120: a fresh GPU machine's warm-up compiles and captures
+        ~280 programs with cold caches)."""
         if self.process is None:
             raise RuntimeError("start() first")
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("TRITON_READY_TIMEOUT_S", "120"))
         deadline = time.monotonic() + timeout_s
         while not self.is_ready():
             rc = self.process.poll()
