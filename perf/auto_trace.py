@@ -1,0 +1,146 @@
+"""Every round `auto` runs, in process: its arm, tokens, seconds and whether it was a catch-up, against `ar` alone.
+
+Issue 4's sweep with the trained drafter through Triton on the H100 (concurrency_h100_trained_low.md) found `auto` at
+0.85x `ar` at one stream (median of 3 runs; 0.64 in the first), its first runs spending 73% and 32% of their time on
+drafting arms although no prompt of the sweep pays for drafting there on average (`ddtree-8` accepts 1.3-2.6 tokens a
+round on them, fp32 CPU, below the ~2.9 a 3 ms drafting round needs against a 1.07 ms `ar` round). The sweep's metrics
+say how long each arm ran, not when and why. This runs the sweep's prompts (chat-templated as Triton's preprocessing
+does), one after another or `--concurrency` at a time, on one engine: `ar` alone, then `auto` for `--passes` passes
+over the prompts, and records every `ArmSelector.record` call: per arm its rounds, time share, measured tokens/s, ms a
+round, catch-up rounds and their time; the switches between arms; the run-length sequence of arms; and per pass the
+tokens/s against `ar`'s.
+
+    python perf/auto_trace.py --device cuda --dtype bfloat16 --passes 3 --name auto_trace_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree.config import EngineConfig  # noqa: E402
+from ddtree.engine import Engine  # noqa: E402
+from ddtree.request import Request  # noqa: E402
+from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.tokenizer import Tokenizer  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, add_model_args, frozen_heap, header, write_results  # noqa: E402
+from perf.humaneval import encode_prompts  # noqa: E402
+
+
+def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> tuple[int, float]:
+    """The prompts through the engine, `concurrency` at a time (each finished one replaced at once); (tokens, s)
+    (each request's first token, from its prefill, counted: no round of `auto` records it)."""
+    pending = list(enumerate(prompts))
+    running: list[Request] = []
+    tokens, start = 0, time.perf_counter()
+    while pending or running:
+        while pending and len(running) < concurrency:
+            i, ids = pending.pop(0)
+            request = Request(request_id=f"p{i}-{time.monotonic_ns()}", prompt_ids=list(ids), params=params)
+            engine.add(request)
+            running.append(request)
+        engine.step()
+        for request in [r for r in running if r.finish_reason is not None]:
+            running.remove(request)
+            tokens += request.num_output_tokens
+    return tokens, time.perf_counter() - start
+
+
+def traced(engine: Engine) -> list[tuple[str, int, float, bool]]:
+    """Wrap the engine's arm selector: every record() appended as (arm credited, tokens, seconds, catch-up)."""
+    selector, rows = engine.arm_selector, []
+    record = selector.record
+
+    def logged(num_seqs, arm, tokens, seconds, **kw):
+        catching_up = selector.catching_up
+        ran = record(num_seqs, arm, tokens, seconds, **kw)
+        rows.append((ran.name, tokens, seconds, catching_up))
+        return ran
+
+    selector.record = logged
+    return rows
+
+
+def summary(rows: list[tuple[str, int, float, bool]]) -> dict:
+    arms: dict[str, dict] = defaultdict(lambda: {"rounds": 0, "tokens": 0, "seconds": 0.0, "catch_ups": 0,
+                                                 "catch_up_seconds": 0.0})
+    for name, tokens, seconds, catching_up in rows:
+        a = arms[name]
+        a["rounds"] += 1
+        a["tokens"] += tokens
+        a["seconds"] += seconds
+        a["catch_ups"] += catching_up
+        a["catch_up_seconds"] += seconds if catching_up else 0.0
+    total = sum(a["seconds"] for a in arms.values()) or 1e-9
+    for a in arms.values():
+        a["time_share"] = a["seconds"] / total
+        a["tokens_per_s"] = a["tokens"] / a["seconds"] if a["seconds"] else 0.0
+        a["ms_per_round"] = 1e3 * a["seconds"] / a["rounds"]
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(r[0] for r in rows)]
+    return {"arms": dict(arms), "switches": len(runs) - 1, "rounds": len(rows), "sequence": runs}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    add_freeze_heap_arg(parser)
+    parser.add_argument("--prompts", default=str(ROOT / "perf/prompts.json"), help="the concurrency sweep's by default")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--passes", type=int, default=3, help="auto's passes over the prompts (one trace)")
+    parser.add_argument("--tree-budget", type=int, default=64)
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="auto_trace_cpu")
+    args = parser.parse_args(argv)
+    config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
+                          max_num_seqs=args.concurrency, max_tree_budget=64)
+    engine = Engine(config)
+    engine.warm_up()
+    prompts = encode_prompts(Tokenizer(args.target), json.loads(Path(args.prompts).read_text()))
+
+    def params(mode: str) -> SamplingParams:
+        return SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, mode=mode, tree_budget=args.tree_budget)
+
+    with frozen_heap(args.freeze_heap):
+        serve(engine, prompts[:1], params("ar"), 1)   # unmeasured: the first request's one-off work
+        tokens, seconds = serve(engine, prompts, params("ar"), args.concurrency)
+        ar = tokens / seconds
+        rows = traced(engine)
+        passes = []
+        for p in range(args.passes):
+            first = len(rows)
+            tokens, seconds = serve(engine, prompts, params("auto"), args.concurrency)
+            passes.append({"tokens_per_s": tokens / seconds, "over_ar": tokens / seconds / ar, "tokens": tokens,
+                           "requests": len(prompts), **summary(rows[first:])})
+            print(f"auto pass {p + 1}: {tokens / seconds:.1f} tok/s ({tokens / seconds / ar:.2f}x ar)", flush=True)
+    result = {"header": header(), "device": args.device, "dtype": args.dtype, "concurrency": args.concurrency,
+              "max_tokens": args.max_tokens, "ar_tokens_per_s": ar, "passes": passes, "whole": summary(rows)}
+    lines = [f"`ar`: {ar:.1f} tok/s ({len(prompts)} prompts, {args.max_tokens} tokens each, {args.concurrency} at a "
+             "time). `auto` by pass over the same prompts (one engine, so a pass starts from what the ones before "
+             "it measured):", "",
+             "| pass | tok/s | / ar | switches | catch-ups (ms) | time share by arm (tokens/s it measured, ms a round) |",
+             "|---|---|---|---|---|---|"]
+    for i, p in enumerate(passes, 1):
+        arms = sorted(p["arms"].items(), key=lambda kv: -kv[1]["seconds"])
+        shares = ", ".join(f"{n} {100 * a['time_share']:.0f}% ({a['tokens_per_s']:.0f}, {a['ms_per_round']:.2f})"
+                           for n, a in arms)
+        catch = sum(a["catch_ups"] for a in p["arms"].values())
+        catch_ms = 1e3 * sum(a["catch_up_seconds"] for a in p["arms"].values())
+        lines.append(f"| {i} | {p['tokens_per_s']:.1f} | {p['over_ar']:.2f} | {p['switches']} | {catch} ({catch_ms:.0f}) "
+                     f"| {shares} |")
+    lines += ["", "Arms in the order `auto` ran them (arm x rounds in a row), each pass:", ""]
+    for i, p in enumerate(passes, 1):
+        lines.append(f"- pass {i}: " + " ".join(f"{n}x{k}" for n, k in p["sequence"]))
+    write_results(Path(args.out), args.name, result, "\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()
