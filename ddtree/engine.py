@@ -42,6 +42,7 @@ from ddtree.models.graphs import (
 from ddtree.models.loader import dtype_of
 from ddtree.models.qwen3_5 import PATHS_MAX_LEN, compact_all
 from ddtree.models.target import load_target
+from ddtree.profiling import ArmTrace
 from ddtree.request import Request, RequestOutput
 from ddtree.sampling import probabilities, sample, suppress_tokens
 from ddtree.sampling_params import SamplingParams
@@ -291,6 +292,7 @@ class Engine:
             config.device, getattr(dims, "hidden_size", None), getattr(dims, "num_hidden_layers", None)))
         self.arm_selector = ArmSelector(parse_arms(config.auto_arms),
                                         chain_nodes=drafter.block_size - 1 if drafter is not None else 15)
+        self.arm_trace = ArmTrace.from_env(self.arm_selector)   # DDTREE_AUTO_TRACE (a diagnostic): off by default
         self.graphs = GraphPool(self.device, capture=config.cuda_graphs)
         self.static_target = StaticTarget(self.target, self.tap_layers, self.graphs, scratch) if static else None
         self.static_drafter = StaticDrafter(drafter, self.target.embed, self.graphs, scratch) if static and drafter else None

@@ -8,12 +8,17 @@ run (perf/serve_overhead.py) side by side.
 DDTREE_CPROFILE=<dir>[:<skip>[:<steps>[:<every>]]]: the engine thread's Python functions under cProfile for `steps`
 engine steps (default 200) after `skip` (default 200), again every `every` steps (default 0: once), each window to
 <dir>/cprofile_<pid>_<window>.txt, headed by its wall ms a step and the modes of the requests it served (so one server
-that serves `ar`, then `auto`, profiles both: where the stub's host time goes, by function)."""
+that serves `ar`, then `auto`, profiles both: where the stub's host time goes, by function).
+
+DDTREE_AUTO_TRACE=<dir>: every round mode `auto` runs (ArmSelector.record: the arm credited, the batch size, tokens,
+seconds, whether it was a catch-up) as a JSON line in <dir>/auto_trace_<pid>.jsonl (ArmTrace); perf/auto_trace.py
+--summarise reads it, split into runs at idle gaps (a sweep's perf_analyzer runs)."""
 
 from __future__ import annotations
 
 import cProfile
 import io
+import json
 import logging
 import os
 import pstats
@@ -72,6 +77,49 @@ class StepProfiler:
             logger.warning("profile of %d steps written to %s", self.steps, path)
         except Exception:
             logger.exception("DDTREE_PROFILE: could not write the profile to %s", self.directory)
+
+
+class ArmTrace:
+    """Every record() of an ArmSelector: (arm credited, batch size, tokens, seconds, catch-up, monotonic time) kept in
+    `rows`, or with a path appended to it as JSON lines instead (a served model's trace would otherwise grow in
+    memory). Wraps the selector's record in place."""
+
+    FIELDS = ("arm", "num_seqs", "tokens", "seconds", "catch_up", "time")
+
+    def __init__(self, selector, path: Path | str | None = None) -> None:
+        self.rows: list[tuple] = []
+        self._file = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1)   # noqa: SIM115 (open for the engine's life; a line a round)
+        record = selector.record
+
+        def traced(num_seqs, arm, tokens, seconds, **kw):
+            catch_up = selector.catching_up   # record() clears it
+            ran = record(num_seqs, arm, tokens, seconds, **kw)
+            row = (ran.name, num_seqs, tokens, seconds, catch_up, time.monotonic())
+            if self._file is None:
+                self.rows.append(row)
+            else:
+                try:   # a diagnostic never stops a round
+                    self._file.write(json.dumps(dict(zip(self.FIELDS, row))) + "\n")
+                except (OSError, ValueError):
+                    logger.exception("DDTREE_AUTO_TRACE: could not write; tracing stops")
+                    self._file = None
+            return ran
+
+        selector.record = traced
+
+    @classmethod
+    def from_env(cls, selector) -> ArmTrace | None:
+        directory = os.environ.get("DDTREE_AUTO_TRACE", "")
+        if not directory:
+            return None
+        try:
+            return cls(selector, Path(directory) / f"auto_trace_{os.getpid()}.jsonl")
+        except OSError:
+            logger.exception("DDTREE_AUTO_TRACE=%r: cannot write there; not tracing", directory)
+            return None
 
 
 class CProfileWindows:

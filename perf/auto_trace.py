@@ -8,9 +8,12 @@ say how long each arm ran, not when and why. This runs the sweep's prompts (chat
 does), one after another or `--concurrency` at a time, on one engine: `ar` alone, then `auto` for `--passes` passes
 over the prompts, and records every `ArmSelector.record` call: per arm its rounds, time share, measured tokens/s, ms a
 round, catch-up rounds and their time; the switches between arms; the run-length sequence of arms; and per pass the
-tokens/s against `ar`'s.
+tokens/s against `ar`'s. `--summarise FILE` makes the same table from a served model's DDTREE_AUTO_TRACE file
+(ddtree.profiling.ArmTrace; inside Triton the model's process inherits the server's environment), one row per run.
 
     python perf/auto_trace.py --device cuda --dtype bfloat16 --passes 3 --name auto_trace_h100
+    DDTREE_AUTO_TRACE=/tmp/trace python perf/concurrency_sweep.py ... --concurrency 1
+    python perf/auto_trace.py --summarise /tmp/trace/auto_trace_<pid>.jsonl --name auto_trace_triton_c1
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
+from ddtree.profiling import ArmTrace  # noqa: E402
 from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
@@ -53,25 +57,12 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
     return tokens, time.perf_counter() - start
 
 
-def traced(engine: Engine) -> list[tuple[str, int, float, bool]]:
-    """Wrap the engine's arm selector: every record() appended as (arm credited, tokens, seconds, catch-up)."""
-    selector, rows = engine.arm_selector, []
-    record = selector.record
-
-    def logged(num_seqs, arm, tokens, seconds, **kw):
-        catching_up = selector.catching_up
-        ran = record(num_seqs, arm, tokens, seconds, **kw)
-        rows.append((ran.name, tokens, seconds, catching_up))
-        return ran
-
-    selector.record = logged
-    return rows
-
-
-def summary(rows: list[tuple[str, int, float, bool]]) -> dict:
+def summary(rows: list[tuple]) -> dict:
+    """ArmTrace rows (arm, batch size, tokens, seconds, catch-up, time): per arm its rounds, tokens, time and time share,
+    measured tokens/s, ms a round and catch-ups; the switches between arms and the run-length sequence of arms."""
     arms: dict[str, dict] = defaultdict(lambda: {"rounds": 0, "tokens": 0, "seconds": 0.0, "catch_ups": 0,
                                                  "catch_up_seconds": 0.0})
-    for name, tokens, seconds, catching_up in rows:
+    for name, _, tokens, seconds, catching_up, _ in rows:
         a = arms[name]
         a["rounds"] += 1
         a["tokens"] += tokens
@@ -87,6 +78,40 @@ def summary(rows: list[tuple[str, int, float, bool]]) -> dict:
     return {"arms": dict(arms), "switches": len(runs) - 1, "rounds": len(rows), "sequence": runs}
 
 
+def runs_of(path: Path, gap_s: float) -> list[list[tuple]]:
+    """A DDTREE_AUTO_TRACE file's rows, split where the engine idled over gap_s (between a sweep's runs)."""
+    rows = [tuple(row[f] for f in ArmTrace.FIELDS) for row in map(json.loads, path.read_text().splitlines()) if row]
+    runs: list[list[tuple]] = []
+    for row in rows:
+        if not runs or row[5] - runs[-1][-1][5] > gap_s + row[3]:
+            runs.append([])
+        runs[-1].append(row)
+    return runs
+
+
+def summarise(path: Path, gap_s: float, out: Path, name: str) -> dict:
+    runs = [{"batch_sizes": sorted({r[1] for r in rows}), **summary(rows)} for rows in runs_of(path, gap_s)]
+    lines = [f"`auto`'s rounds from `{path.name}` (DDTREE_AUTO_TRACE), split into runs at idle gaps over {gap_s} s:", "",
+             "| run | rounds | batch sizes | switches | catch-ups (ms) | time share by arm (tokens/s it measured, ms a round) |",
+             "|---|---|---|---|---|---|"]
+    for i, run in enumerate(runs, 1):
+        sizes = run["batch_sizes"]
+        lines.append(f"| {i} | {run['rounds']} | {sizes[0]}-{sizes[-1]} | {run['switches']} | {arms_cells(run)} |")
+    result = {"header": header(), "trace": str(path), "gap_s": gap_s, "runs": runs}
+    write_results(out, name, result, "\n".join(lines))
+    return result
+
+
+def arms_cells(run: dict) -> str:
+    """'catch-ups (ms) | time share by arm' of a summary()."""
+    arms = sorted(run["arms"].items(), key=lambda kv: -kv[1]["seconds"])
+    shares = ", ".join(f"{n} {100 * a['time_share']:.0f}% ({a['tokens_per_s']:.0f}, {a['ms_per_round']:.2f})"
+                       for n, a in arms)
+    catch = sum(a["catch_ups"] for a in run["arms"].values())
+    catch_ms = 1e3 * sum(a["catch_up_seconds"] for a in run["arms"].values())
+    return f"{catch} ({catch_ms:.0f}) | {shares}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
@@ -98,7 +123,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tree-budget", type=int, default=64)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="auto_trace_cpu")
+    parser.add_argument("--summarise", metavar="JSONL", help="summarise a DDTREE_AUTO_TRACE file instead (a served "
+                        "model's, e.g. inside Triton during a sweep), one row per run")
+    parser.add_argument("--gap", type=float, default=1.0, help="--summarise: an idle gap over this many seconds "
+                        "starts a new run")
     args = parser.parse_args(argv)
+    if args.summarise:
+        return summarise(Path(args.summarise), args.gap, Path(args.out), args.name)
     config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
                           max_num_seqs=args.concurrency, max_tree_budget=64)
     engine = Engine(config)
@@ -112,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         serve(engine, prompts[:1], params("ar"), 1)   # unmeasured: the first request's one-off work
         tokens, seconds = serve(engine, prompts, params("ar"), args.concurrency)
         ar = tokens / seconds
-        rows = traced(engine)
+        rows = ArmTrace(engine.arm_selector).rows
         passes = []
         for p in range(args.passes):
             first = len(rows)
@@ -128,13 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
              "| pass | tok/s | / ar | switches | catch-ups (ms) | time share by arm (tokens/s it measured, ms a round) |",
              "|---|---|---|---|---|---|"]
     for i, p in enumerate(passes, 1):
-        arms = sorted(p["arms"].items(), key=lambda kv: -kv[1]["seconds"])
-        shares = ", ".join(f"{n} {100 * a['time_share']:.0f}% ({a['tokens_per_s']:.0f}, {a['ms_per_round']:.2f})"
-                           for n, a in arms)
-        catch = sum(a["catch_ups"] for a in p["arms"].values())
-        catch_ms = 1e3 * sum(a["catch_up_seconds"] for a in p["arms"].values())
-        lines.append(f"| {i} | {p['tokens_per_s']:.1f} | {p['over_ar']:.2f} | {p['switches']} | {catch} ({catch_ms:.0f}) "
-                     f"| {shares} |")
+        lines.append(f"| {i} | {p['tokens_per_s']:.1f} | {p['over_ar']:.2f} | {p['switches']} | {arms_cells(p)} |")
     lines += ["", "Arms in the order `auto` ran them (arm x rounds in a row), each pass:", ""]
     for i, p in enumerate(passes, 1):
         lines.append(f"- pass {i}: " + " ".join(f"{n}x{k}" for n, k in p["sequence"]))

@@ -24,3 +24,31 @@ def test_auto_trace_records_every_round_of_auto(tiny_models, tmp_path):
     whole = result["whole"]
     assert whole["rounds"] == sum(p["rounds"] for p in result["passes"])
     assert "| 1 |" in (tmp_path / "t.md").read_text() and "- pass 2: " in (tmp_path / "t.md").read_text()
+
+
+def test_a_served_engines_trace_is_summarised_run_by_run(tiny_models, tmp_path, monkeypatch):
+    """DDTREE_AUTO_TRACE=<dir>: an engine built with it writes every round of `auto` as a JSON line (as the Triton
+    model's would, inheriting the server's environment); --summarise splits the file into runs at idle gaps."""
+    import time
+
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.sampling_params import SamplingParams
+
+    monkeypatch.setenv("DDTREE_AUTO_TRACE", str(tmp_path / "trace"))
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_num_seqs=2))
+    params = SamplingParams(max_tokens=5, ignore_eos=True, mode="auto", tree_budget=8)
+    counted = []
+    for burst in range(2):
+        tokens = 0
+        for prompt in ([1, 2, 3], [4, 5, 6, 7]):
+            tokens += engine.generate_ids(prompt, params).num_output_tokens - 1   # the first token: the prefill's
+        counted.append(tokens)
+        if not burst:
+            time.sleep(3.0)   # idle: the next burst is a new run (a loaded CI machine's prefill may take a second)
+    (path,) = (tmp_path / "trace").iterdir()
+    result = auto_trace.main(["--summarise", str(path), "--gap", "2.0", "--out", str(tmp_path), "--name", "s"])
+    assert [sum(a["tokens"] for a in run["arms"].values()) for run in result["runs"]] == counted == [8, 8]
+    assert all(run["batch_sizes"] == [1] for run in result["runs"])
+    assert "| 2 | " in (tmp_path / "s.md").read_text()
