@@ -5,8 +5,9 @@ PyTorch profiler (host ops and, on CUDA, kernels) and write their summary tables
 Triton the model's process inherits the server's environment, so the same setting profiles the stub and an in-process
 run (perf/serve_overhead.py) side by side.
 
-DDTREE_CPROFILE=<dir>[:<skip>[:<steps>[:<every>]]]: the engine thread's Python functions under cProfile for `steps`
-engine steps (default 200) after `skip` (default 200), again every `every` steps (default 0: once), each window to
+DDTREE_CPROFILE=<dir>[:<skip>[:<steps>[:<every>]]]: the serving loop's Python functions under cProfile for `steps`
+engine steps (default 200) after `skip` (default 200), again every `every` steps (default 0: once; on Python 3.12
+cProfile is built on sys.monitoring and sees every thread's calls, the outbox's and the stub's too), each window to
 <dir>/cprofile_<pid>_<window>.txt, headed by its wall ms a step and the modes of the requests it served (so one server
 that serves `ar`, then `auto`, profiles both: where the stub's host time goes, by function).
 
