@@ -190,7 +190,8 @@ class ArmSelector:
         self._version: dict[int, int] = defaultdict(int)             # bucket -> rounds recorded (caches below)
         self._lost: dict[tuple, tuple[int, set[Arm]]] = {}          # (bucket, arms, margin) -> (version, lost)
         self.last: Arm | None = None                # the last round's arm (any batch size)
-        self.catching_up = False                    # this round's arm drafts after rounds that did not
+        # this round's arm drafts after rounds that did not (a catch-up), or is `ar` after drafting rounds (a re-entry)
+        self.catching_up = False
         self.repeat: tuple[int, Arm] | None = None  # (bucket, arm) to run again, measured, after a catch-up round
 
     @staticmethod
@@ -332,8 +333,12 @@ class ArmSelector:
                 self._settled_choice.pop(b, None)
         self.last_tried[(b, arm)] = self.rounds[b]
         # the drafter has not seen the features of the tokens committed while nobody drafted: the first drafting round
-        # after them ingests them all (a catch-up that steady drafting never pays), so it is not the arm's measure
-        self.catching_up = arm.mode != "ar" and (self.last is None or self.last.mode == "ar")
+        # after them ingests them all (a catch-up that steady drafting never pays), so it is not the arm's measure; and
+        # the first `ar` round after drafting rounds is not `ar`'s (its queued next step, the lookahead, starts again,
+        # and it waits for the drafting round's deferred device work): measured, `ar` probed among drafting rounds was
+        # judged by that round alone, its estimate held down by it while a drafting arm led
+        drafts, drafted = arm.mode != "ar", self.last is not None and self.last.mode != "ar"
+        self.catching_up = drafts != drafted if self.last is not None else drafts
         self.last = arm
         return arm
 
@@ -355,11 +360,12 @@ class ArmSelector:
         clearly losing arm's probes fade out: their share of the time goes to 0 instead of staying at
         1/reprobe_every per arm). A probe's time is its arm's round and the catch-up it causes: a drafting arm probed
         among `ar` rounds first ingests the features committed since it last drafted (its own catch-up round); `ar`
-        probed among drafting rounds makes the leader catch up after it. On 2 CPU cores at one stream, with `ar`
+        probed among drafting rounds makes the leader catch up after it; and each switch into `ar` (the probe's, or the
+        return to an `ar` leader) has its re-entry round. On 2 CPU cores at one stream, with `ar`
         leading, probes with their catch-ups took 12% of `auto`'s time (perf/results/concurrency_cpu_turns_arms.md)."""
         probe = self.round_seconds(bucket, arm)
-        if (arm.mode == "ar") != (best.mode == "ar"):
-            probe += self.catch_up[(bucket, best if arm.mode == "ar" else arm)]
+        if (arm.mode == "ar") != (best.mode == "ar"):   # into the probe and back: each side's switching round
+            probe += self.catch_up[(bucket, arm)] + self.catch_up[(bucket, best)]
         slowdown = max(1.0, probe / max(self.round_seconds(bucket, best), 1e-9))
         return self.reprobe_every * slowdown * self.gap(bucket, arm, best) * 2 ** self.misses[(bucket, arm)]
 
@@ -398,7 +404,7 @@ class ArmSelector:
             del self._settled_choice[b]
         if self.catching_up:   # not its measure: the same arm runs again next round (choose), and that round counts
             self.catching_up, self.repeat = False, key
-            self.catch_up[key] = seconds   # what a probe among `ar` rounds costs on top (reprobe_interval)
+            self.catch_up[key] = seconds   # what switching to this arm costs on top (reprobe_interval)
             return arm
         probed, best_rate = self.probing.pop(b, (None, 0.0))
         if probed == arm and seconds > 0 and tokens / seconds > best_rate:

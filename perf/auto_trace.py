@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
                            "requests": len(prompts), **summary(rows[first:])})
             print(f"auto pass {p + 1}: {tokens / seconds:.1f} tok/s ({tokens / seconds / ar:.2f}x ar)", flush=True)
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "concurrency": args.concurrency,
-              "max_tokens": args.max_tokens, "ar_tokens_per_s": ar, "passes": passes, "whole": summary(rows)}
+              "max_tokens": args.max_tokens, "ar_tokens_per_s": ar, "passes": passes, "whole": summary(rows),
+              # every round: arm, tokens, ms, whether it was a switching round (a catch-up, or `ar`'s re-entry)
+              "rounds": [[name, tokens, round(1e3 * seconds, 3), catch_up] for name, _, tokens, seconds, catch_up, _ in rows]}
     lines = [f"`ar`: {ar:.1f} tok/s ({len(prompts)} prompts, {args.max_tokens} tokens each, {args.concurrency} at a "
              "time). `auto` by pass over the same prompts (one engine, so a pass starts from what the ones before "
              "it measured):", "",

@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from ddtree.budget import Arm, ArmSelector, CostModel, choose_budgets, expected_tokens, parse_arms
+from ddtree.budget import AR, Arm, ArmSelector, CostModel, choose_budgets, expected_tokens, parse_arms
 from ddtree.config import EngineConfig
 from ddtree.engine import POLICY_MIN_CAP, Engine
 from ddtree.sampling_params import SamplingParams
@@ -81,15 +81,18 @@ def test_policy_arm_is_exact(tiny_models, tmp_path, cost):
 
 
 def play(selector: ArmSelector, rates: dict[str, float], num_seqs: int, rounds: int,
-         round_seconds: dict[str, float] | None = None, catch_up_seconds: float = 0.0) -> dict[str, int]:
+         round_seconds: dict[str, float] | None = None, catch_up_seconds: float = 0.0,
+         reentry_seconds: float = 0.0) -> dict[str, int]:
     """Run the selector against arms of fixed true rates (tokens per second) and round times; how often each arm
-    was chosen for one of `rounds` measured rounds (a drafting arm's catch-up round after `ar` rounds is run again, measured, so
-    it is not counted: test_a_drafting_round_after_ar_rounds_is_not_its_measure; it takes catch_up_seconds)."""
+    was chosen for one of `rounds` measured rounds (a drafting arm's catch-up round after `ar` rounds, and `ar`'s
+    re-entry round after drafting rounds, are run again, measured, so they are not counted:
+    test_a_drafting_round_after_ar_rounds_is_not_its_measure, test_an_ar_round_after_drafting_rounds_is_not_its_measure;
+    they take catch_up_seconds and reentry_seconds)."""
     chosen: dict[str, int] = {}
     while sum(chosen.values()) < rounds:
         arm = selector.choose(num_seqs)
-        if selector.catching_up:
-            selector.record(num_seqs, arm, tokens=0, seconds=catch_up_seconds)   # the next round repeats the arm
+        if selector.catching_up:   # the next round repeats the arm
+            selector.record(num_seqs, arm, tokens=0, seconds=reentry_seconds if arm.mode == "ar" else catch_up_seconds)
             continue
         chosen[arm.name] = chosen.get(arm.name, 0) + 1
         seconds = (round_seconds or {}).get(arm.name, 1.0)
@@ -355,7 +358,7 @@ def test_a_drafting_round_after_ar_rounds_is_not_its_measure():
     chosen, last = {"ar": 0, "ddtree-16": 0}, None
     for _ in range(400):
         arm = selector.choose(1)
-        catch_up = arm.mode != "ar" and (last is None or last.mode == "ar")
+        catch_up = (arm.mode != "ar") != (last is not None and last.mode != "ar") if last is not None else arm.mode != "ar"
         assert selector.catching_up == catch_up
         seconds = 5.0 if catch_up else 1.0                  # the catch-up round: 5x a steady round
         selector.record(1, arm, tokens=110 if arm.mode != "ar" else 100, seconds=seconds)
@@ -363,6 +366,31 @@ def test_a_drafting_round_after_ar_rounds_is_not_its_measure():
         last = arm
     assert chosen["ddtree-16"] > 400 - 40, chosen
     assert selector.rate(0, Arm("ddtree", 16)) == pytest.approx(110.0)
+
+
+def test_an_ar_round_after_drafting_rounds_is_not_its_measure():
+    """The first `ar` round after drafting rounds starts the lookahead again and waits for the drafting round's
+    deferred device work: it is not `ar`'s measure either, and `ar` runs again, measured. Charged with that round
+    (here 5x a steady one), an `ar` 10% faster than the tree in steady state, probed among the tree's rounds, would
+    look 4x slower and the tree would keep the lead; not charged, `ar` takes it and keeps it."""
+    selector = ArmSelector(parse_arms("ar,ddtree-16"), min_samples=2, reprobe_every=16)
+    for _ in range(40):   # the tree leads first (the machine changed after: ar is now the faster)
+        arm = selector.choose(1)
+        selector.record(1, arm, tokens=100 if arm.mode == "ar" else 300, seconds=1.0)
+    assert selector.choose(1).mode == "ddtree"
+    selector.record(1, Arm("ddtree", 16), tokens=300, seconds=1.0)
+    chosen, last = {"ar": 0, "ddtree-16": 0}, Arm("ddtree", 16)
+    for _ in range(3000):
+        arm = selector.choose(1)
+        reentry = arm.mode == "ar" and last.mode != "ar"
+        assert selector.catching_up == (reentry or (arm.mode != "ar" and last.mode == "ar"))
+        seconds = 5.0 if reentry else 1.0
+        selector.record(1, arm, tokens=110 if arm.mode == "ar" else 100, seconds=seconds)
+        chosen[arm.name] += 1
+        last = arm
+    assert selector.rate(0, AR) == pytest.approx(110.0, rel=1e-3)   # its re-entry rounds never counted
+    assert chosen["ar"] > 3000 - 300, chosen
+    assert selector.catch_up[(0, AR)] == 5.0                         # but each costs an `ar` probe (reprobe_interval)
 
 
 def test_default_cost_model_follows_device_and_target_dimensions():
@@ -403,13 +431,13 @@ def _policy_share(credit_skipped_rounds: bool) -> float:
 def test_policy_rounds_in_which_nobody_drafted_count_as_ar():
     """The policy is judged by the rounds in which it drafted: its skipped rounds are `ar` rounds. Mixed into its
     rate they let it win although every round in which it drafts loses (the control: the same play without the
-    crediting runs the policy in a fifth of the rounds, with it under 1%)."""
+    crediting runs the policy in ~15% of the rounds, with it under 1%)."""
     selector = ArmSelector(parse_arms("ar,policy"))
     assert selector.record(1, Arm("policy"), tokens=1, seconds=1.0, drafted=False) == Arm("ar")
     assert selector.samples[(0, Arm("ar"))] == 1 and selector.samples[(0, Arm("policy"))] == 0
     assert selector.record(1, Arm("policy"), tokens=1, seconds=1.0, drafted=True) == Arm("policy")
     assert ArmSelector(parse_arms("policy")).record(1, Arm("policy"), 1, 1.0, drafted=False) == Arm("policy")  # no ar arm
-    assert _policy_share(credit_skipped_rounds=False) > 0.15
+    assert _policy_share(credit_skipped_rounds=False) > 0.1
     assert _policy_share(credit_skipped_rounds=True) < 0.05
 
 
