@@ -22,7 +22,8 @@ def test_auto_trace_records_every_round_of_auto(tiny_models, tmp_path):
         assert p["switches"] == len(p["sequence"]) - 1
         assert abs(sum(a["time_share"] for a in arms) - 1.0) < 1e-9
     whole = result["whole"]
-    assert whole["rounds"] == sum(p["rounds"] for p in result["passes"])
+    assert whole["rounds"] == sum(p["rounds"] for p in result["passes"]) == len(result["rounds"])
+    assert sum(row[1] for row in result["rounds"]) == sum(p["tokens"] - p["requests"] for p in result["passes"])
     assert "| 1 |" in (tmp_path / "t.md").read_text() and "- pass 2: " in (tmp_path / "t.md").read_text()
 
 
