@@ -32,17 +32,28 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def window_spec(variable: str, spec: str | None, names: tuple[str, ...], defaults: tuple[int, ...]
+                ) -> tuple[Path | None, tuple[int, ...]]:
+    """A '<dir>[:<n>[:<n>...]]' setting (spec, else the environment's `variable`): its directory (None: unset, or
+    mistyped, which is logged: a diagnostic's typo must not stop the model from loading) and its whole numbers, the
+    defaults where left out."""
+    spec = os.environ.get(variable, "") if spec is None else spec
+    if not spec:
+        return None, defaults
+    parts = spec.split(":")
+    try:
+        numbers = tuple(int(part) for part in parts[1 : 1 + len(defaults)])
+    except ValueError:
+        expected = "<dir>" + "".join(f"[:<{name}>" for name in names) + "]" * len(names)
+        logger.error("%s=%r: expected %s with whole numbers; not profiling", variable, spec, expected)
+        return None, defaults
+    return Path(parts[0]), numbers + defaults[len(numbers):]
+
+
 class StepProfiler:
     def __init__(self, spec: str | None = None) -> None:
-        spec = os.environ.get("DDTREE_PROFILE", "") if spec is None else spec
-        parts = spec.split(":") if spec else []
-        self.directory = Path(parts[0]) if parts else None
-        try:
-            self.skip = int(parts[1]) if len(parts) > 1 else 200
-            self.steps = max(int(parts[2]), 1) if len(parts) > 2 else 50
-        except ValueError:   # a diagnostic's typo must not stop the model from loading
-            logger.error("DDTREE_PROFILE=%r: expected <dir>[:<skip>[:<steps>]] with whole numbers; not profiling", spec)
-            self.directory = None
+        self.directory, (self.skip, steps) = window_spec("DDTREE_PROFILE", spec, ("skip", "steps"), (200, 50))
+        self.steps = max(steps, 1)
         self.count = 0
         self._profile = None
         self._start = 0.0
@@ -127,19 +138,10 @@ class CProfileWindows:
     """DDTREE_CPROFILE's windows (module doc). describe() names what a step served (called after each profiled one)."""
 
     def __init__(self, spec: str | None = None, describe=None) -> None:
-        spec = os.environ.get("DDTREE_CPROFILE", "") if spec is None else spec
-        parts = spec.split(":") if spec else []
-        self.directory = Path(parts[0]) if parts else None
+        self.directory, (self.skip, steps, every) = window_spec("DDTREE_CPROFILE", spec, ("skip", "steps", "every"),
+                                                               (200, 200, 0))
         self.describe = describe
-        self.skip, self.steps, self.every = 200, 200, 0
-        try:
-            self.skip = int(parts[1]) if len(parts) > 1 else 200
-            self.steps = max(int(parts[2]), 1) if len(parts) > 2 else 200
-            self.every = max(int(parts[3]), 0) if len(parts) > 3 else 0
-        except ValueError:   # a diagnostic's typo must not stop the model from loading
-            logger.error("DDTREE_CPROFILE=%r: expected <dir>[:<skip>[:<steps>[:<every>]]] with whole numbers; "
-                         "not profiling", spec)
-            self.directory = None
+        self.steps, self.every = max(steps, 1), max(every, 0)
         if self.every and self.every < self.steps:
             self.every = self.steps   # windows never overlap
         self.count = 0     # engine steps seen

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,30 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.profiling import ArmTrace  # noqa: E402
-from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
+from perf import batch_rounds  # noqa: E402
 from perf.common import ROOT, add_freeze_heap_arg, add_model_args, frozen_heap, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts  # noqa: E402
-
-
-def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> tuple[int, float]:
-    """The prompts through the engine, `concurrency` at a time (each finished one replaced at once); (tokens, s)
-    (each request's first token, from its prefill, counted: no round of `auto` records it)."""
-    pending = list(enumerate(prompts))
-    running: list[Request] = []
-    tokens, start = 0, time.perf_counter()
-    while pending or running:
-        while pending and len(running) < concurrency:
-            i, ids = pending.pop(0)
-            request = Request(request_id=f"p{i}-{time.monotonic_ns()}", prompt_ids=list(ids), params=params)
-            engine.add(request)
-            running.append(request)
-        engine.step()
-        for request in [r for r in running if r.finish_reason is not None]:
-            running.remove(request)
-            tokens += request.num_output_tokens
-    return tokens, time.perf_counter() - start
 
 
 def summary(rows: list[tuple]) -> dict:
@@ -139,15 +119,21 @@ def main(argv: list[str] | None = None) -> dict:
     def params(mode: str) -> SamplingParams:
         return SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, mode=mode, tree_budget=args.tree_budget)
 
+    def serve(mode: str, prompts: list[list[int]]) -> tuple[int, float]:
+        """The prompts, args.concurrency at a time, in order (each finished one replaced at once): (tokens, s), each
+        request's first token (its prefill's: no round of `auto` records it) counted."""
+        done = batch_rounds.run_batch(engine, prompts, params(mode), concurrency=args.concurrency)
+        return done["num_tokens"], done["seconds"]
+
     with frozen_heap(args.freeze_heap):
-        serve(engine, prompts[:1], params("ar"), 1)   # unmeasured: the first request's one-off work
-        tokens, seconds = serve(engine, prompts, params("ar"), args.concurrency)
+        serve("ar", prompts[:1])   # unmeasured: the first request's one-off work
+        tokens, seconds = serve("ar", prompts)
         ar = tokens / seconds
         rows = ArmTrace(engine.arm_selector).rows
         passes = []
         for p in range(args.passes):
             first = len(rows)
-            tokens, seconds = serve(engine, prompts, params("auto"), args.concurrency)
+            tokens, seconds = serve("auto", prompts)
             passes.append({"tokens_per_s": tokens / seconds, "over_ar": tokens / seconds / ar, "tokens": tokens,
                            "requests": len(prompts), **summary(rows[first:])})
             print(f"auto pass {p + 1}: {tokens / seconds:.1f} tok/s ({tokens / seconds / ar:.2f}x ar)", flush=True)

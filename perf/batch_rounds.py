@@ -53,13 +53,14 @@ def spread_cut(index: int, spread: int) -> int:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, profile=None, total: int = 0,
-              spread: int = 0) -> dict:
+              spread: int = 0, concurrency: int = 0) -> dict:
     """All prompts added at once, stepped until every request finishes: tokens/s and the stage deltas. total (more
     than the prompts): as many requests kept running, each one that finished replaced before the next step by the
     next prompt (cycling) until `total` were added, as a closed loop's streams arrive (perf_analyzer's, without the
     client's turnaround): admissions and prefills among the decoding rounds, which requests added at once pay once.
     spread: request i asks max_tokens less 0..spread (random.Random(i), the same every run), so that requests finish,
-    and the next ones arrive, on different rounds, as in a served load (perf/admission_probe.py's spread)."""
+    and the next ones arrive, on different rounds, as in a served load (perf/admission_probe.py's spread).
+    concurrency (fewer than the prompts): that many running at once, the prompts taken in order (perf/auto_trace.py)."""
     requests: list[Request] = []
 
     def add() -> Request:
@@ -71,7 +72,8 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
         engine.add(request)
         return request
 
-    live = [add() for _ in prompts]
+    running = min(concurrency, len(prompts)) if concurrency else len(prompts)
+    live = [add() for _ in range(running)]
     total = max(total, len(prompts))
     before, start = snapshot(engine), time.perf_counter()
     while engine.has_work:
@@ -80,7 +82,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams, 
             profile.step()
         if len(requests) < total:
             live = [r for r in live if r.finish_reason is None]
-            while len(live) < len(prompts) and len(requests) < total:
+            while len(live) < running and len(requests) < total:
                 live.append(add())
     seconds = time.perf_counter() - start
     after = snapshot(engine)
