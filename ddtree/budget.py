@@ -129,6 +129,8 @@ MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-pro
 MAX_GAP = 4.0            # an arm measured at 1/g of the leader's rate waits up to g x longer between re-probes
 SETTLED_FOR = 64         # rounds a bucket's settled choice (the leader, no probe due) is reused before it is recomputed
 IDLE_EXPLORED = 4        # policy rounds of a bucket in which nobody drafted that count as its exploration there
+STALL = 1.5              # a measured round counts at most this many times its arm's mean round (a stall is not the arm's)
+LEAD_MARGIN = 0.05       # the leading arm keeps the lead until another one scores this fraction above it
 
 
 class Arm(NamedTuple):
@@ -306,7 +308,7 @@ class ArmSelector:
         if unexplored:
             arm = unexplored[0]
         elif (settled is not None and settled[0] is arms and self.rounds[b] < settled[1]
-              and self.score(b, settled[2]) > settled[3]):
+              and self._holds(b, settled[2], settled[3])):
             # the last choice still holds: the same eligible arms, its arm still leads (the others' scores change only
             # when they are recorded, which drops this), and no re-probe falls due before settled[1]. The common
             # round, made O(1): the full choice and its record took 7-15 us a round on the 2-core CPU, part of what
@@ -315,6 +317,9 @@ class ArmSelector:
         else:
             self.settled.setdefault(b, pruned)
             best = max(arms, key=lambda a: self.score(b, a))
+            held = self.leader.get(b, (None,))[0]
+            if held is not None and held != best and held in arms and self._holds(b, held, self.score(b, best)):
+                best = held   # within LEAD_MARGIN: estimates that swap on noise would switch arms, and each switch costs
             self._log_leader(b, best, arms)
             # an interval is at least reprobe_every rounds; an arm is due once that many rounds passed since it ran
             wait = {a: max(self.reprobe_every, self.reprobe_interval(b, a, best)) for a in arms if a != best}
@@ -341,6 +346,15 @@ class ArmSelector:
         self.catching_up = drafts != drafted if self.last is not None else drafts
         self.last = arm
         return arm
+
+    def _holds(self, b: int, leader: Arm, others: float) -> bool:
+        """Whether the leading arm keeps the lead against the others' best score: unless that is LEAD_MARGIN above its
+        own. Switching between `ar` and a drafting arm costs a catch-up or re-entry round each way (3-18 ms at one
+        stream on the H100, against `ar`'s 0.9 ms), and each new leader re-times the re-probes of the others: on the
+        H100 in process a `ddtree-4` estimate 2% below `ar`'s (984 against 1050 tok/s, from 12 rounds of one prompt)
+        took the lead after a slow `ar` round, and its re-probes of dflash, ddtree-8 and policy that followed cost
+        10% of the pass (auto_trace_h100_reentry.md, pass 2)."""
+        return self.score(b, leader) * (1.0 + LEAD_MARGIN) >= others
 
     def _log_leader(self, b: int, best: Arm, arms: tuple[Arm, ...]) -> None:
         """Log when a batch size's leading arm changes and holds the lead for LOG_AFTER choices (arms of near-equal
@@ -406,8 +420,16 @@ class ArmSelector:
             self.catching_up, self.repeat = False, key
             self.catch_up[key] = seconds   # what switching to this arm costs on top (reprobe_interval)
             return arm
+        mean = self.seconds[key] / self.weight[key] if self.weight[key] > 0 else 0.0
+        if mean > 0 and arm.mode != "policy" and seconds > STALL * mean:
+            # a stall (the host, another process, a burst of requests' work) is not the arm's: counted in full, six
+            # rounds of 2-13 ms among `ar`'s 0.9 ms took its decayed estimate from 1105 to 254 tok/s, below a tree's
+            # stale 296, and the tree ran 76% of a turn at half `ar`'s speed until `ar` was re-probed (through Triton
+            # on the H100 at one stream, concurrency_h100_reentry.md, turn 3). A lasting slowdown still moves the mean,
+            # by up to (STALL - 1) x (1 - decay) a round. The policy's rounds vary with its trees: never clipped
+            seconds = STALL * mean
         probed, best_rate = self.probing.pop(b, (None, 0.0))
-        if probed == arm and seconds > 0 and tokens / seconds > best_rate:
+        if probed == arm and seconds > 0 and tokens / seconds > best_rate * (1.0 + LEAD_MARGIN):
             # a re-probe beat the leader: try it again at once until its estimate (old rounds decayed) leads or a
             # round of it loses, instead of waiting out a backed-off interval with a stale estimate
             self.misses[key], self.last_tried[key] = 0, -(1 << 30)

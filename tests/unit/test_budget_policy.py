@@ -120,13 +120,14 @@ def test_slow_arms_are_reprobed_less_often_and_losing_probes_back_off():
 
 def test_arms_far_below_the_leader_are_reprobed_less_often():
     """Of two arms with rounds as long as the leader's, the one at a quarter of its rate is probed about 4x less often
-    than the one at 95% (MAX_GAP caps the factor: an arm at a tenth waits no longer than one at a quarter)."""
+    than the one at 95% once both backoffs are at their cap, ~3x over the run (MAX_GAP caps the factor: an arm at a
+    tenth waits no longer than one at a quarter)."""
     def probes(rate: float) -> int:
         selector = ArmSelector(parse_arms("ar,dflash"), min_samples=2, reprobe_every=8)
         return play(selector, {"ar": 100.0, "dflash": rate}, num_seqs=1, rounds=6000)["dflash"] - 2
 
     close, far, farther = probes(95.0), probes(25.0), probes(10.0)
-    assert 3 * far <= close <= 5 * far and farther == far, (close, far, farther)
+    assert 2.5 * far <= close <= 5 * far and farther == far, (close, far, farther)
 
 
 def test_a_probe_s_catch_up_counts_in_its_cost():
@@ -527,3 +528,50 @@ def test_a_policy_that_drafts_for_nobody_is_explored_and_then_only_re_probed():
     later = chosen[first + IDLE_EXPLORED:]
     assert 0 < later.count(Arm("policy")) < 0.01 * len(later)   # re-probed, rarely
     assert ArmSelector(parse_arms("ar,policy")).score(b, Arm("policy")) == float("inf")   # never tried: try it
+
+
+def _lead_then(selector: ArmSelector, tree_rate: float) -> None:
+    """Explore ar (1000 tok/s: 1 token in 1 ms rounds) and ddtree-4 (tree_rate: 3 tokens a round) at one stream, then
+    run until ar leads and its estimate is steady."""
+    for _ in range(120):
+        arm = selector.choose(1)
+        tokens = 1 if arm.mode == "ar" else 3
+        selector.record(1, arm, tokens=tokens, seconds=tokens / (1000.0 if arm.mode == "ar" else tree_rate))
+    assert selector.choose(1) == AR
+    selector.record(1, AR, tokens=1, seconds=0.001)
+
+
+def test_a_stall_of_a_few_rounds_does_not_hand_the_lead_to_a_slower_arm():
+    """Six `ar` rounds 2-13x as long as its others (a stall of the host: through Triton on the H100 at one stream,
+    concurrency_h100_reentry.md) count at most STALL x its mean round each: `ar` keeps the lead over a tree at half its
+    rate. Counted in full, its estimate fell below the tree's and the tree ran for hundreds of rounds (mutation:
+    STALL = inf, the tree takes the lead within the stall)."""
+    selector = ArmSelector(parse_arms("ar,ddtree-4"), min_samples=2, reprobe_every=256)
+    _lead_then(selector, tree_rate=500.0)
+    for seconds in (0.0093, 0.0113, 0.0047, 0.0035, 0.0022, 0.0132):   # the trace's stall, ar's rounds
+        assert selector.choose(1) == AR
+        selector.record(1, AR, tokens=1, seconds=seconds)
+    assert selector.rate(0, AR) > 600
+    chosen = play(selector, {"ar": 1000.0, "ddtree-4": 500.0}, num_seqs=1, rounds=300,
+                  round_seconds={"ar": 0.001, "ddtree-4": 0.003})
+    assert chosen.get("ddtree-4", 0) <= 4, chosen
+    # a lasting slowdown still moves the estimate: ar at a fifth of its speed from now on loses the lead
+    chosen = play(selector, {"ar": 200.0, "ddtree-4": 500.0}, num_seqs=1, rounds=400,
+                  round_seconds={"ar": 0.005, "ddtree-4": 0.003})
+    assert chosen["ddtree-4"] > 300, chosen
+
+
+def test_the_leader_keeps_the_lead_within_the_margin():
+    """A tree estimated 2% below `ar` (a few lucky rounds) does not take the lead when one slow `ar` round (1.4x,
+    within STALL) drops `ar`'s estimate by ~4%: switching would cost a catch-up round and re-time every re-probe
+    (on the H100 in process, such a swap and the probes after it cost 10% of a pass: auto_trace_h100_reentry.md).
+    Mutation: LEAD_MARGIN = 0, the tree runs next."""
+    selector = ArmSelector(parse_arms("ar,ddtree-4"), min_samples=2, reprobe_every=256)
+    _lead_then(selector, tree_rate=910.0)
+    before = selector.score(0, AR)
+    assert 0.97 * before < selector.score(0, Arm("ddtree", 4)) < before
+    assert selector.choose(1) == AR
+    selector.record(1, AR, tokens=1, seconds=0.0014)
+    tree = Arm("ddtree", 4)
+    assert selector.score(0, AR) < selector.score(0, tree) < before   # the raw scores swapped
+    assert selector.choose(1) == AR
