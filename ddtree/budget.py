@@ -436,6 +436,12 @@ class ArmSelector:
         self.tokens[key] = self.decay * self.tokens[key] + tokens
         self.seconds[key] = self.decay * self.seconds[key] + seconds
         self.weight[key] = self.decay * self.weight[key] + 1.0
+        if arm.mode != "policy" and self.seconds[key] > STALL * seconds * self.weight[key]:
+            # and the other way: its mean round at most STALL x this one, the rounds before were the stall. The first
+            # round of a cold engine took 5.4 ms of `ar`'s 0.6-1: its two exploration rounds measured 346 tok/s, a
+            # tree's lucky first prompt 1155, and the tree ran 92% of the first pass at half `ar`'s speed until `ar`'s
+            # re-probe (in process on the H100, auto_trace_h100_stall.md, pass 1: 0.50 of `ar`)
+            self.seconds[key] = STALL * seconds * self.weight[key]
         self.samples[key] += 1
         return arm
 
