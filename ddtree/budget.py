@@ -166,7 +166,11 @@ def parse_arms(spec: str) -> tuple[Arm, ...]:
 
 
 class ArmSelector:
-    """Per batch-size bucket (1, 2, 3-4, 5-8, ...): decayed sums of committed tokens and round seconds per arm."""
+    """Per batch-size bucket (1, 2, 3-4, 5-8, ...): decayed sums of committed tokens per running request and of round
+    seconds, per arm. Per request: a bucket spans batch sizes up to 2x apart, and `ar`, always measured now, would be
+    judged at the batch size of the moment against arms measured at another (as a batch drains from 16 to 9 requests
+    `ar`'s tokens a round fall by 44%, its round time by far less, and a drafting arm's estimate from 16 requests would
+    lead); per request, the arms' rates move together with the batch size, by the round time alone."""
 
     def __init__(self, arms: tuple[Arm, ...], min_samples: int = MIN_SAMPLES, reprobe_every: int = REPROBE_EVERY,
                  decay: float = DECAY, chain_nodes: int = 15) -> None:
@@ -201,7 +205,7 @@ class ArmSelector:
         return max(1, num_seqs - 1).bit_length() if num_seqs > 1 else 0
 
     def rate(self, bucket: int, arm: Arm) -> float:
-        """Measured committed tokens per second (0 before any sample)."""
+        """Measured committed tokens per second per running request (0 before any sample)."""
         seconds = self.seconds[(bucket, arm)]
         return self.tokens[(bucket, arm)] / seconds if seconds > 0 else 0.0
 
@@ -364,7 +368,7 @@ class ArmSelector:
             self.leader[b] = (best, self.rounds[b], False)
         elif not logged and self.rounds[b] - since >= LOG_AFTER:
             self.leader[b] = (arm, since, True)
-            logger.info("auto: batch size %s runs %s (score: measured tokens/s, the less measured the more optimistic; "
+            logger.info("auto: batch size %s runs %s (score: measured tokens/s a request, the less measured the more optimistic; "
                         "%s)", self.label(b), arm.name, ", ".join(f"{a.name} {self.rate(b, a):.1f}" for a in arms))
 
     def reprobe_interval(self, bucket: int, arm: Arm, best: Arm) -> float:
@@ -429,6 +433,7 @@ class ArmSelector:
             # by up to (STALL - 1) x (1 - decay) a round. The policy's rounds vary with its trees: never clipped
             seconds = STALL * mean
         probed, best_rate = self.probing.pop(b, (None, 0.0))
+        tokens = tokens / max(num_seqs, 1)   # per running request (the class's doc)
         if probed == arm and seconds > 0 and tokens / seconds > best_rate * (1.0 + LEAD_MARGIN):
             # a re-probe beat the leader: try it again at once until its estimate (old rounds decayed) leads or a
             # round of it loses, instead of waiting out a backed-off interval with a stale estimate
@@ -446,7 +451,7 @@ class ArmSelector:
         return arm
 
     def table(self) -> dict[str, dict[str, float]]:
-        """{bucket label: {arm: tokens/s}} of what has been measured (for logs and benchmarks)."""
+        """{bucket label: {arm: tokens/s a request}} of what has been measured (for logs and benchmarks)."""
         out: dict[str, dict[str, float]] = {}
         for (b, arm), n in sorted(self.samples.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
             if n:

@@ -230,10 +230,10 @@ def test_selector_keeps_batch_sizes_apart_and_follows_a_change(caplog):
         chosen = play(selector, {"ar": 10.0, "ddtree-16": 5.0}, num_seqs=1, rounds=200)
     assert chosen["ar"] > 150
     changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto: batch size")]
-    assert changes[:2] == ["auto: batch size 1 runs ddtree-16 (score: measured tokens/s, the less measured the more "
-                           "optimistic; ar 10.0, ddtree-16 30.0)",
-                           "auto: batch size 9-16 runs ar (score: measured tokens/s, the less measured the more "
-                           "optimistic; ar 100.0, ddtree-16 60.0)"]
+    assert changes[:2] == ["auto: batch size 1 runs ddtree-16 (score: measured tokens/s a request, the less measured the "
+                           "more optimistic; ar 10.0, ddtree-16 30.0)",
+                           "auto: batch size 9-16 runs ar (score: measured tokens/s a request, the less measured the "
+                           "more optimistic; ar 6.3, ddtree-16 3.8)"]   # 100 and 60 tokens/s over 16 requests
     assert len(changes) == 3 and changes[2].startswith("auto: batch size 1 runs ar ")   # the slowdown, once
 
 
@@ -598,3 +598,25 @@ def test_a_slow_first_round_does_not_hold_an_arm_s_estimate_down():
         selector.record(1, arm, tokens=tokens, seconds=seconds)
     assert chosen["ddtree-4"] < 60, chosen
     assert selector.rate(0, AR) > 900
+
+
+def test_a_draining_batch_is_judged_per_request():
+    """Bucket 9-16: `ar` (1 token a request, rounds of 1 + 0.03 n ms) and a tree (1.5 tokens a request, 3 ms rounds)
+    measured at 16 requests, `ar` ahead. As the batch drains to 9, `ar`'s tokens a round fall by 44%, its rounds by
+    far less: in tokens/s it would fall below the tree's estimate from 16 requests, and the tree would run; per request
+    both move with the round time alone, and `ar` keeps the lead (mutation: not per request, the tree runs in the
+    drain)."""
+    selector = ArmSelector(parse_arms("ar,ddtree-32"), min_samples=2, reprobe_every=256)
+
+    def round_of(n: int) -> str:
+        arm = selector.choose(n)
+        tokens, seconds = (n, (1.0 + 0.03 * n) / 1e3) if arm.mode == "ar" else (round(1.5 * n), 0.003)
+        selector.record(n, arm, tokens=tokens, seconds=seconds)
+        return arm.name
+
+    for _ in range(60):
+        round_of(16)
+    assert selector.choose(16) == AR
+    selector.record(16, AR, tokens=16, seconds=0.00148)
+    drain = [round_of(n) for n in range(15, 8, -1) for _ in range(8)]
+    assert drain == ["ar"] * len(drain), drain
