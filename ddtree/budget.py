@@ -128,6 +128,7 @@ LOG_AFTER = 16           # a bucket's new leading arm is logged once it has led 
 MAX_BACKOFF = 5          # a re-probe that does not win doubles the arm's re-probe interval, up to 2**MAX_BACKOFF x
 MAX_GAP = 4.0            # an arm measured at 1/g of the leader's rate waits up to g x longer between re-probes
 SETTLED_FOR = 64         # rounds a bucket's settled choice (the leader, no probe due) is reused before it is recomputed
+TRANSIENT = 64           # rounds a batch size below the largest of these rounds counts as passing (see choose)
 IDLE_EXPLORED = 4        # policy rounds of a bucket in which nobody drafted that count as its exploration there
 STALL = 1.5              # a measured round counts at most this many times its arm's mean round (a stall is not the arm's)
 LEAD_MARGIN = 0.05       # the leading arm keeps the lead until another one scores this fraction above it
@@ -199,6 +200,8 @@ class ArmSelector:
         # this round's arm drafts after rounds that did not (a catch-up), or is `ar` after drafting rounds (a re-entry)
         self.catching_up = False
         self.repeat: tuple[int, Arm] | None = None  # (bucket, arm) to run again, measured, after a catch-up round
+        self.total = 0                  # rounds of every bucket
+        self.peak = (0, 0)              # (the largest bucket of the last TRANSIENT rounds, the round it was last seen)
 
     @staticmethod
     def bucket(num_seqs: int) -> int:
@@ -283,6 +286,11 @@ class ArmSelector:
         """This round's arm for `num_seqs` running requests; ddtree arms above max_budget (the auto requests'
         largest tree_budget) are left out, they would build the same trees as smaller ones."""
         b = self.bucket(num_seqs)
+        self.total += 1
+        peak, seen = self.peak
+        passing = b < peak and self.total - seen <= TRANSIENT
+        if not passing:
+            self.peak = (b, self.total)
         repeat, self.repeat = self.repeat, None
         if repeat is not None and repeat[0] == b:   # the measured round of an arm whose last round caught up
             self._settled_choice.pop(b, None)
@@ -294,6 +302,18 @@ class ArmSelector:
         if arms is None:
             arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
             arms = self._capped[max_budget] = arms or self.arms
+        if passing and self.last in arms:
+            # a batch size passed through, below the largest of the last TRANSIENT rounds: the drain and refill between
+            # waves of requests (through Triton at 16 streams, each wave's 16 requests end within a few rounds and the
+            # next arrive over a few more: rounds of 1-5 requests among rounds of 12-16). Its rounds keep the last
+            # arm, measured, but do not explore or re-probe there: on the H100 they explored every drafting arm at 1-3
+            # requests, one catch-up (up to 145 ms) after another, in 1.3% of the rounds and ~10% of a turn's time
+            # (concurrency_h100_perrequest_high.md, auto_trace_h100_perrequest_c16.md). A batch size that lasts
+            # (the load fell) is explored once TRANSIENT rounds pass without the larger one
+            self.rounds[b] += 1
+            self.last_tried[(b, self.last)] = self.rounds[b]
+            self.catching_up = False
+            return self.last
         cached = self._eligible.get((b, arms))
         if cached is None or self.rounds[b] >= cached[0] or not cached[3]:
             # once exploration is done, which arms are ruled out changes slowly (it compares decayed rates): it is

@@ -222,11 +222,17 @@ def test_selector_keeps_batch_sizes_apart_and_follows_a_change(caplog):
     """What wins at 16 streams is learned separately from 1 stream; when the best arm gets slow (another load on
     the machine), the re-probes and the decayed estimate move the choice; each change of a batch size's leading
     arm is logged once, with the rates it was chosen on."""
+    from ddtree.budget import TRANSIENT
+
     selector = ArmSelector(parse_arms("ar,ddtree-16"), min_samples=2, reprobe_every=8)
     with caplog.at_level(logging.INFO, logger="ddtree.budget"):
         play(selector, {"ar": 10.0, "ddtree-16": 30.0}, num_seqs=1, rounds=50)
         play(selector, {"ar": 100.0, "ddtree-16": 60.0}, num_seqs=16, rounds=50)
-        assert selector.choose(1).name == "ddtree-16" and selector.choose(16).name == "ar"
+        assert selector.choose(16).name == "ar"
+        # 1 stream again: passing through first (the last arm, test_a_batch_size_passed_through_keeps_the_last_arm),
+        # then its own leader once it lasts
+        chosen = play(selector, {"ar": 10.0, "ddtree-16": 30.0}, num_seqs=1, rounds=TRANSIENT + 10)
+        assert chosen["ddtree-16"] >= 8 and selector.choose(1).name == "ddtree-16"
         chosen = play(selector, {"ar": 10.0, "ddtree-16": 5.0}, num_seqs=1, rounds=200)
     assert chosen["ar"] > 150
     changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto: batch size")]
@@ -620,3 +626,27 @@ def test_a_draining_batch_is_judged_per_request():
     selector.record(16, AR, tokens=16, seconds=0.00148)
     drain = [round_of(n) for n in range(15, 8, -1) for _ in range(8)]
     assert drain == ["ar"] * len(drain), drain
+
+
+def test_a_batch_size_passed_through_keeps_the_last_arm():
+    """Waves of 16 requests through Triton: each wave ends within a few rounds and the next arrives over a few more,
+    so rounds of 1-5 requests come between rounds of 12-16. Those batch sizes are passed through: their rounds keep the
+    last arm (`ar`, the leader at 16) and explore nothing, where each exploring round of a drafting arm cost a catch-up
+    (on the H100: auto_trace_h100_perrequest_c16.md). When the load stays at 2 streams for longer than TRANSIENT
+    rounds, that batch size is explored and its own leader (a tree, there) runs. Mutation: no passing through, the
+    drains explore every drafting arm."""
+    from ddtree.budget import TRANSIENT
+
+    selector = ArmSelector(parse_arms("ar,dflash,ddtree-8"), min_samples=2, reprobe_every=256)
+    rates = {"ar": 1000.0, "dflash": 600.0, "ddtree-8": 700.0}   # at 16 requests (tokens/s a request x 16 below)
+    small = {"ar": 1000.0, "dflash": 1500.0, "ddtree-8": 1800.0}   # at 1-3 requests the trees pay
+    play(selector, {a: 16 * r for a, r in rates.items()}, num_seqs=16, rounds=60)   # explored at 16: ar leads
+    drains = []
+    for _ in range(20):   # waves: 57 rounds of 16, the drain 15, 14, 12, then the refill 1, 3
+        play(selector, {a: 16 * r for a, r in rates.items()}, num_seqs=16, rounds=57)
+        for n in (15, 14, 12, 1, 3):
+            drains.append(selector.choose(n).name)
+            selector.record(n, Arm.parse(drains[-1]), tokens=n, seconds=0.001)
+    assert drains == ["ar"] * len(drains), drains
+    chosen = play(selector, {a: 2 * r for a, r in small.items()}, num_seqs=2, rounds=TRANSIENT + 200)
+    assert chosen["ddtree-8"] > 150, chosen
