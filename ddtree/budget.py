@@ -307,7 +307,7 @@ class ArmSelector:
             # waves of requests (through Triton at 16 streams, each wave's 16 requests end within a few rounds and the
             # next arrive over a few more: rounds of 1-5 requests among rounds of 12-16). Its rounds keep the last
             # arm, measured, but do not explore or re-probe there: on the H100 they explored every drafting arm at 1-3
-            # requests, one catch-up (up to 145 ms) after another, in 1.3% of the rounds and ~10% of a turn's time
+            # requests, one catch-up (up to 145 ms) after another: 0.8% of the rounds and 6.8% of the time of a warm-up and turn
             # (concurrency_h100_perrequest_high.md, auto_trace_h100_perrequest_c16.md). A batch size that lasts
             # (the load fell) is explored once TRANSIENT rounds pass without the larger one
             self.rounds[b] += 1

@@ -10,15 +10,23 @@ over the prompts, and records every `ArmSelector.record` call: per arm its round
 round, catch-up rounds and their time; the switches between arms; the run-length sequence of arms; and per pass the
 tokens/s against `ar`'s. `--summarise FILE` makes the same table from a served model's DDTREE_AUTO_TRACE file
 (ddtree.profiling.ArmTrace; inside Triton the model's process inherits the server's environment), one row per run.
+`--replay FILE --rounds A:B` runs the trace's rounds through a fresh ArmSelector (this checkout's) and prints rounds A
+to B: each round's batch size, arm, tokens, ms and the gap before it, then every measured arm's rate in that batch
+size's bucket after it (tokens/s a request) and the arms whose re-probes back off; a round where the replay chose
+another arm than the trace (a different selector, or a round that made programs, which the trace does not mark) is
+marked, and the trace's arm is recorded. With the selector the trace was made with, the estimates are those the served
+engine chose on (perf/results/traces/ holds the traces, gzipped: either form is read).
 
     python perf/auto_trace.py --device cuda --dtype bfloat16 --passes 3 --name auto_trace_h100
     DDTREE_AUTO_TRACE=/tmp/trace python perf/concurrency_sweep.py ... --concurrency 1
     python perf/auto_trace.py --summarise /tmp/trace/auto_trace_<pid>.jsonl --name auto_trace_triton_c1
+    python perf/auto_trace.py --replay perf/results/traces/auto_trace_h100_reentry_triton.jsonl.gz --rounds 9360:9380
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import sys
@@ -27,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddtree.budget import AR, DEFAULT_ARMS, Arm, ArmSelector, parse_arms  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
 from ddtree.profiling import ArmTrace  # noqa: E402
@@ -58,9 +67,47 @@ def summary(rows: list[tuple]) -> dict:
     return {"arms": dict(arms), "switches": len(runs) - 1, "rounds": len(rows), "sequence": runs}
 
 
+def read_trace(path: Path) -> list[tuple]:
+    """A DDTREE_AUTO_TRACE file's rows (ArmTrace.FIELDS), plain or gzipped."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [tuple(row[f] for f in ArmTrace.FIELDS) for row in map(json.loads, text.splitlines()) if row]
+
+
+def replay(rows: list[tuple], arms: str = DEFAULT_ARMS, chain_nodes: int = 15,
+           max_budget: int | None = None) -> list[dict]:
+    """The trace's rounds through a fresh ArmSelector: per round the replay's choice, whether it was the trace's (if
+    not, the trace's arm is recorded in its place), and after the record the bucket's rates and back-offs."""
+    selector = ArmSelector(parse_arms(arms), chain_nodes=chain_nodes)
+    out = []
+    for name, num_seqs, tokens, seconds, catch_up, when in rows:
+        chose, traced = selector.choose(num_seqs, max_budget), Arm.parse(name)
+        idle_policy = chose.mode == "policy" and traced == AR   # a policy round that drafted for nobody: credited to ar
+        matched = chose == traced or idle_policy
+        if not matched:
+            selector.last, selector.catching_up, chose = traced, catch_up, traced
+        selector.record(num_seqs, chose, tokens, seconds, drafted=not idle_policy)
+        b = selector.bucket(num_seqs)
+        out.append({"arm": name, "num_seqs": num_seqs, "tokens": tokens, "ms": 1e3 * seconds, "catch_up": catch_up,
+                    "time": when, "matched": matched,
+                    "rates": {a.name: round(selector.rate(b, a)) for a in selector.arms if selector.samples[(b, a)]},
+                    "backoff": {a.name: selector.misses[(b, a)] for a in selector.arms if selector.misses[(b, a)]}})
+    return out
+
+
+def print_replay(rounds: list[dict], first: int, last: int) -> None:
+    print(f"{sum(not r['matched'] for r in rounds)} of {len(rounds)} rounds chosen otherwise by this selector")
+    for i in range(max(first, 0), min(last, len(rounds))):
+        r = rounds[i]
+        gap = 1e3 * (r["time"] - r["ms"] / 1e3 - rounds[i - 1]["time"]) if i else 0.0
+        print(f"{i:6d} {r['num_seqs']:3d} {r['arm']:>9} {r['tokens']:3d} {r['ms']:8.2f} ms"
+              + (f" (after {gap:.1f} ms idle)" if gap > 5 else "") + (" catch-up" if r["catch_up"] else "")
+              + ("" if r["matched"] else " REPLAY CHOSE OTHERWISE")
+              + f"  rates {r['rates']}" + (f" backoff {r['backoff']}" if r["backoff"] else ""))
+
+
 def runs_of(path: Path, gap_s: float) -> list[list[tuple]]:
     """A DDTREE_AUTO_TRACE file's rows, split where the engine idled over gap_s (between a sweep's runs)."""
-    rows = [tuple(row[f] for f in ArmTrace.FIELDS) for row in map(json.loads, path.read_text().splitlines()) if row]
+    rows = read_trace(path)
     runs: list[list[tuple]] = []
     for row in rows:
         if not runs or row[5] - runs[-1][-1][5] > gap_s + row[3]:
@@ -107,9 +154,19 @@ def main(argv: list[str] | None = None) -> dict:
                         "model's, e.g. inside Triton during a sweep), one row per run")
     parser.add_argument("--gap", type=float, default=1.0, help="--summarise: an idle gap over this many seconds "
                         "starts a new run")
+    parser.add_argument("--replay", metavar="JSONL", help="replay a DDTREE_AUTO_TRACE file through this checkout's "
+                        "ArmSelector and print --rounds")
+    parser.add_argument("--rounds", default="0:50", metavar="A:B", help="--replay: the rounds to print")
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help="--replay: the served model's auto_arms")
+    parser.add_argument("--max-budget", type=int, default=None, help="--replay: the auto requests' largest tree_budget")
     args = parser.parse_args(argv)
     if args.summarise:
         return summarise(Path(args.summarise), args.gap, Path(args.out), args.name)
+    if args.replay:
+        first, last = (int(x) for x in args.rounds.split(":"))
+        rounds = replay(read_trace(Path(args.replay)), args.arms, max_budget=args.max_budget)
+        print_replay(rounds, first, last)
+        return {"rounds": rounds}
     config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
                           max_num_seqs=args.concurrency, max_tree_budget=64)
     engine = Engine(config)

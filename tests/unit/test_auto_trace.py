@@ -53,3 +53,13 @@ def test_a_served_engines_trace_is_summarised_run_by_run(tiny_models, tmp_path, 
     assert [sum(a["tokens"] for a in run["arms"].values()) for run in result["runs"]] == counted == [8, 8]
     assert all(run["batch_sizes"] == [1] for run in result["runs"])
     assert "| 2 | " in (tmp_path / "s.md").read_text()
+    # --replay: the same selector, fed the trace's rounds, chooses every arm the engine chose (so its estimates, printed
+    # round by round, are those the engine chose on); a gzipped copy reads the same
+    import gzip
+
+    replayed = auto_trace.main(["--replay", str(path), "--rounds", "0:3", "--max-budget", "8"])["rounds"]
+    assert len(replayed) == sum(run["rounds"] for run in result["runs"]) and all(r["matched"] for r in replayed)
+    assert all(r["rates"] for r in replayed) and sum(r["tokens"] for r in replayed) == 16
+    packed = tmp_path / "trace.jsonl.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert auto_trace.main(["--replay", str(packed), "--max-budget", "8"])["rounds"] == replayed
