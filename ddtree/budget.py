@@ -444,7 +444,7 @@ class ArmSelector:
             self.catching_up, self.repeat = False, key
             self.catch_up[key] = seconds   # what switching to this arm costs on top (reprobe_interval)
             return arm
-        mean = self.seconds[key] / self.weight[key] if self.weight[key] > 0 else 0.0
+        mean = self.round_seconds(b, arm)
         if mean > 0 and arm.mode != "policy" and seconds > STALL * mean:
             # a stall (the host, another process, a burst of requests' work) is not the arm's: counted in full, six
             # rounds of 2-13 ms among `ar`'s 0.9 ms took its decayed estimate from 1105 to 254 tok/s, below a tree's
@@ -461,7 +461,7 @@ class ArmSelector:
         self.tokens[key] = self.decay * self.tokens[key] + tokens
         self.seconds[key] = self.decay * self.seconds[key] + seconds
         self.weight[key] = self.decay * self.weight[key] + 1.0
-        if arm.mode != "policy" and self.seconds[key] > STALL * seconds * self.weight[key]:
+        if arm.mode != "policy" and self.round_seconds(b, arm) > STALL * seconds:
             # and the other way: its mean round at most STALL x this one, the rounds before were the stall. The first
             # round of a cold engine took 5.4 ms of `ar`'s 0.6-1: its two exploration rounds measured 346 tok/s, a
             # tree's lucky first prompt 1155, and the tree ran 92% of the first pass at half `ar`'s speed until `ar`'s
