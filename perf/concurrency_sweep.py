@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -234,6 +235,28 @@ def median_run(entries: list[dict]) -> dict:
             "runs": entries}
 
 
+# two-sided 95% quantiles of Student's t by degrees of freedom (turns - 1); between two keys the smaller key's (wider)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+
+
+def turn_interval(ratios: list[float]) -> dict | None:
+    """What a point's turns say about a ratio itself: the geometric mean of the per-turn ratios and its 95% interval
+    (Student's t on their logs: the turns as independent samples of one ratio), where the median and the worst turn
+    say how they spread. An interval that holds 1.0 cannot tell the two methods apart at this many turns; the A/A
+    control's interval is how wide that is for two identical methods. None below 2 turns."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if len(logs) < 2:
+        return None
+    n, mean = len(logs), statistics.fmean(logs)
+    half = T95[max(k for k in T95 if k <= n - 1)] * statistics.stdev(logs) / math.sqrt(n)
+    return {"mean": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half), "turns": n}
+
+
+def interval_cell(interval: dict | None) -> str:
+    return f"{interval['mean']:.3f} [{interval['low']:.3f}, {interval['high']:.3f}]" if interval else "-"
+
+
 def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") -> dict[str, dict]:
     """Per concurrency: `candidate`'s throughput over the best other method's, run by run (run i of every method was
     measured in the same turn), and over `ar`'s; the median and the worst of those ratios. The A/A control (CONTROL)
@@ -253,7 +276,13 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
                "over_best": ratios, "over_best_median": statistics.median(ratios), "over_best_min": min(ratios)}
         if "ar" in series:
             over_ar = [m / a for m, a in zip(mine, series["ar"])]
-            row.update(over_ar=over_ar, over_ar_median=statistics.median(over_ar), over_ar_min=min(over_ar))
+            row.update(over_ar=over_ar, over_ar_median=statistics.median(over_ar), over_ar_min=min(over_ar),
+                       over_ar_interval=turn_interval(over_ar))
+            again = methods.get(CONTROL, {}).get(level, {}).get("runs_tokens_per_s")
+            if candidate != CONTROL and again is not None and len(again) == len(mine):
+                # against both `ar` runs of its turn (their geometric mean): two samples of `ar` a turn, less noise
+                pooled = [m / math.sqrt(a * g) for m, a, g in zip(mine, series["ar"], again)]
+                row.update(over_both_ar=pooled, over_both_ar_interval=turn_interval(pooled))
         out[level] = row
     return out
 
@@ -393,6 +422,20 @@ def write(result: dict, levels: list[int], args) -> None:
                      + " | ".join(f"{r['over_ar_median']:.2f}" if r else "-" for r in control.values()) + " |",
                      f"| {CONTROL} / ar, worst turn | "
                      + " | ".join(f"{r['over_ar_min']:.2f}" if r else "-" for r in control.values()) + " |"]
+        if any(r and r.get("over_ar_interval") for r in cells.values()):
+            rows += ["", "The same turns as intervals (turn_interval: the geometric mean of the per-turn ratios and its 95% "
+                     "interval, Student's t on their logs; an interval holding 1.000 cannot tell the two apart at this "
+                     "many turns, and the A/A control's is how wide that is for two identical methods):", "",
+                     "| ratio | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels),
+                     "| auto / ar | " + " | ".join(interval_cell(r.get("over_ar_interval") if r else None)
+                                                 for r in cells.values()) + " |"]
+            if any(r and r.get("over_both_ar_interval") for r in cells.values()):
+                rows.append(f"| auto / both `ar` runs of its turn (ar, {CONTROL}) | "
+                            + " | ".join(interval_cell(r.get("over_both_ar_interval") if r else None)
+                                         for r in cells.values()) + " |")
+            if any(control.values()):
+                rows.append(f"| {CONTROL} / ar | " + " | ".join(interval_cell(r.get("over_ar_interval") if r else None)
+                                                              for r in control.values()) + " |")
     if result.get("repeats", 1) > 1:
         rows += ["", "Every run's tokens/s, turn by turn:", "",
                  "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]

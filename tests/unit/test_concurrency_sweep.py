@@ -90,3 +90,55 @@ def test_a_runs_stalls_and_garbage_collection_read_as_counts_and_ms():
     assert stalls_cell({"tokens_per_s": 1.0}) == "-"   # a run of a server without the counters
     run["stalls"]["dynamic"] = 3.0
     assert stalls_cell(run) == "2 / 1300; gc 950 / 1; dynamic 3"
+
+
+def test_turns_give_an_interval_of_the_ratio_that_holds_one_only_where_they_cannot_tell_the_methods_apart():
+    import math
+
+    from perf.concurrency_sweep import turn_interval
+
+    assert turn_interval([1.0]) is None   # one turn: no spread to judge by
+    same = turn_interval([0.9, 1.1, 1.0])
+    assert same["mean"] == pytest.approx((0.9 * 1.1) ** (1 / 3)) and same["low"] < 1.0 < same["high"]
+    slower = turn_interval([0.90, 0.91, 0.89, 0.90])   # four turns 10% slower, little spread: told apart
+    assert slower["high"] < 1.0 and slower["turns"] == 4
+    # Student's t on the logs: 3 degrees of freedom, 3.182
+    logs = [math.log(r) for r in (0.90, 0.91, 0.89, 0.90)]
+    mean = sum(logs) / 4
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 3)
+    assert slower["low"] == pytest.approx(math.exp(mean - 3.182 * sd / 2))
+    # between two tabled degrees of freedom the smaller one's (wider) quantile: 13 turns take 12's
+    from perf.concurrency_sweep import T95
+    ratios = [0.95, 1.05] * 6 + [1.0]
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 13
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 12)
+    assert turn_interval(ratios)["high"] == pytest.approx(math.exp(mean + T95[12] * sd / math.sqrt(13)))
+
+
+def test_with_the_control_auto_is_also_compared_with_both_ar_runs_of_its_turn():
+    from perf.concurrency_sweep import CONTROL
+
+    methods = {"ar": {"4": runs(100.0, 200.0)}, CONTROL: {"4": runs(400.0, 50.0)}, "auto": {"4": runs(200.0, 100.0)}}
+    row = paired_ratios(methods)["4"]
+    assert row["over_both_ar"] == pytest.approx([1.0, 1.0])   # auto / sqrt(ar x ar-again), turn by turn
+    assert row["over_ar"] == pytest.approx([2.0, 0.5])
+    assert row["over_both_ar_interval"]["mean"] == pytest.approx(1.0)
+    control = paired_ratios({n: methods[n] for n in ("ar", CONTROL)}, CONTROL)["4"]
+    assert "over_both_ar" not in control and control["over_ar_interval"]["mean"] == pytest.approx(1.0)   # 4 and 1/4
+    without = paired_ratios({"ar": methods["ar"], "auto": methods["auto"]})["4"]
+    assert "over_both_ar" not in without and without["over_ar_interval"]["mean"] == pytest.approx(1.0)
+
+
+def test_turn_intervals_reads_sweeps_already_run(tmp_path):
+    from perf.concurrency_sweep import CONTROL
+    from perf.turn_intervals import intervals
+
+    sweep = {"methods": {"ar": {"8": runs(100.0, 110.0, 90.0)}, CONTROL: {"8": runs(101.0, 108.0, 93.0)},
+                         "auto": {"8": runs(99.0, 111.0, 88.0)}, "dflash": {"8": runs(50.0, 55.0, 45.0)}}}
+    row = intervals(sweep)["8"]
+    assert row["turns"] == 3
+    assert row["auto_over_ar"]["mean"] == pytest.approx((0.99 * 111 / 110 * 88 / 90) ** (1 / 3))
+    assert row["control_over_ar"]["mean"] == pytest.approx((1.01 * 108 / 110 * 93 / 90) ** (1 / 3))
+    assert row["auto_over_both_ar"]["low"] < 1.0 < row["auto_over_both_ar"]["high"]
+    assert intervals({"methods": {"ar": {"1": runs(1.0, 2.0)}, "auto": {"1": runs(1.0, 2.0)}}})["1"]["control_over_ar"] is None

@@ -1,0 +1,67 @@
+"""`auto` against `ar` as intervals, from concurrency sweeps already run (their JSON): per file and concurrency, the
+geometric mean of the per-turn ratios and its 95% interval (perf/concurrency_sweep.py's turn_interval) for `auto` / `ar`,
+`auto` / both `ar` runs of its turn where the sweep ran the A/A control, and the control / `ar`. A sweep's markdown gives
+the median and the worst turn; this asks what its turns say about the ratio itself, and whether they can tell `auto`
+from `ar` at all. Each file's own commit and machine are listed beside its rows.
+
+    python perf/turn_intervals.py perf/results/concurrency_h100_robust.json perf/results/concurrency_h100_robust_high.json \\
+        --name turn_intervals_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.concurrency_sweep import CONTROL, interval_cell, paired_ratios  # noqa: E402
+
+
+def intervals(sweep: dict) -> dict[str, dict]:
+    """Per concurrency of one sweep's result: its turns, and the intervals of auto / ar, auto / both ar runs and the
+    control / ar (those it measured)."""
+    methods = sweep["methods"]
+    paired = paired_ratios(methods)
+    control = paired_ratios({n: methods[n] for n in ("ar", CONTROL)}, CONTROL) if CONTROL in methods and "ar" in methods else {}
+    out = {}
+    for level in sorted(set(paired) | set(control), key=int):
+        row, ctl = paired.get(level, {}), control.get(level, {})
+        out[level] = {"turns": len(row.get("over_ar", ctl.get("over_ar", []))),
+                      "auto_over_ar": row.get("over_ar_interval"),
+                      "auto_over_both_ar": row.get("over_both_ar_interval"),
+                      "control_over_ar": ctl.get("over_ar_interval")}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweeps", nargs="+", help="concurrency_sweep.py result JSON files")
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="turn_intervals")
+    args = parser.parse_args()
+    result = {"header": header(), "sweeps": {}}
+    rows = ["Per sweep and concurrency: the geometric mean of the per-turn ratios [its 95% interval] (an interval holding "
+            "1.000 cannot tell the two apart at that many turns; the A/A control's is how wide that is for two identical "
+            "methods).", "",
+            "| sweep (commit, GPU) | c | turns | auto / ar | auto / both ar runs | ar-again / ar |",
+            "|---|---|---|---|---|---|"]
+    for path in args.sweeps:
+        sweep = json.loads(Path(path).read_text())
+        meta = sweep.get("header", {})
+        name = Path(path).stem
+        gpu = meta.get("machine", {}).get("gpu", "CPU")
+        levels = intervals(sweep)
+        result["sweeps"][name] = {"commit": meta.get("commit"), "machine": meta.get("machine"), "levels": levels}
+        for level, row in levels.items():
+            rows.append(f"| {name} ({meta.get('commit', '?')}, {gpu}) | {level} | {row['turns']} | "
+                        f"{interval_cell(row['auto_over_ar'])} | {interval_cell(row['auto_over_both_ar'])} | "
+                        f"{interval_cell(row['control_over_ar'])} |")
+    write_results(Path(args.out), args.name, result, "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
