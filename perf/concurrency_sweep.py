@@ -273,7 +273,8 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
         best = [max(s[i] for s in series.values()) for i in range(len(mine))]
         ratios = [m / b for m, b in zip(mine, best)]
         row = {"best_per_run": [max(series, key=lambda name: series[name][i]) for i in range(len(mine))],
-               "over_best": ratios, "over_best_median": statistics.median(ratios), "over_best_min": min(ratios)}
+               "over_best": ratios, "over_best_median": statistics.median(ratios), "over_best_min": min(ratios),
+               "over_best_interval": turn_interval(ratios)}
         if "ar" in series:
             over_ar = [m / a for m, a in zip(mine, series["ar"])]
             row.update(over_ar=over_ar, over_ar_median=statistics.median(over_ar), over_ar_min=min(over_ar),
@@ -427,6 +428,8 @@ def write(result: dict, levels: list[int], args) -> None:
                      "interval, Student's t on their logs; an interval holding 1.000 cannot tell the two apart at this "
                      "many turns, and the A/A control's is how wide that is for two identical methods):", "",
                      "| ratio | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels),
+                     "| auto / best other | " + " | ".join(interval_cell(r.get("over_best_interval") if r else None)
+                                                         for r in cells.values()) + " |",
                      "| auto / ar | " + " | ".join(interval_cell(r.get("over_ar_interval") if r else None)
                                                  for r in cells.values()) + " |"]
             if any(r and r.get("over_both_ar_interval") for r in cells.values()):

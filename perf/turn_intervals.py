@@ -1,8 +1,9 @@
-"""`auto` against `ar` as intervals, from concurrency sweeps already run (their JSON): per file and concurrency, the
-geometric mean of the per-turn ratios and its 95% interval (perf/concurrency_sweep.py's turn_interval) for `auto` / `ar`,
-`auto` / both `ar` runs of its turn where the sweep ran the A/A control, and the control / `ar`. A sweep's markdown gives
-the median and the worst turn; this asks what its turns say about the ratio itself, and whether they can tell `auto`
-from `ar` at all. Each file's own commit and machine are listed beside its rows.
+"""`auto` against the fixed methods as intervals, from concurrency sweeps already run (their JSON): per file and
+concurrency, the geometric mean of the per-turn ratios and its 95% interval (perf/concurrency_sweep.py's turn_interval)
+for `auto` / the best other method of each turn (the A/A control is none), `auto` / `ar`, `auto` / both `ar` runs of
+its turn where the sweep ran the A/A control, and the control / `ar`. A sweep's markdown gives the median and the worst
+turn; this asks what its turns say about the ratio itself, and whether they can tell `auto` from `ar` at all. Each
+file's own commit and machine are listed beside its rows.
 
     python perf/turn_intervals.py perf/results/concurrency_h100_robust.json perf/results/concurrency_h100_robust_high.json \\
         --name turn_intervals_h100
@@ -31,6 +32,7 @@ def intervals(sweep: dict) -> dict[str, dict]:
     for level in sorted(set(paired) | set(control), key=int):
         row, ctl = paired.get(level, {}), control.get(level, {})
         out[level] = {"turns": len(row.get("over_ar", ctl.get("over_ar", []))),
+                      "auto_over_best": row.get("over_best_interval"), "best": sorted(set(row.get("best_per_run", []))),
                       "auto_over_ar": row.get("over_ar_interval"),
                       "auto_over_both_ar": row.get("over_both_ar_interval"),
                       "control_over_ar": ctl.get("over_ar_interval")}
@@ -47,8 +49,8 @@ def main() -> None:
     rows = ["Per sweep and concurrency: the geometric mean of the per-turn ratios [its 95% interval] (an interval holding "
             "1.000 cannot tell the two apart at that many turns; the A/A control's is how wide that is for two identical "
             "methods).", "",
-            "| sweep (commit, GPU) | c | turns | auto / ar | auto / both ar runs | ar-again / ar |",
-            "|---|---|---|---|---|---|"]
+            "| sweep (commit, GPU) | c | turns | auto / best other (which) | auto / ar | auto / both ar runs | ar-again / ar |",
+            "|---|---|---|---|---|---|---|"]
     for path in args.sweeps:
         sweep = json.loads(Path(path).read_text())
         meta = sweep.get("header", {})
@@ -58,6 +60,7 @@ def main() -> None:
         result["sweeps"][name] = {"commit": meta.get("commit"), "machine": meta.get("machine"), "levels": levels}
         for level, row in levels.items():
             rows.append(f"| {name} ({meta.get('commit', '?')}, {gpu}) | {level} | {row['turns']} | "
+                        f"{interval_cell(row['auto_over_best'])} ({', '.join(row['best']) or '-'}) | "
                         f"{interval_cell(row['auto_over_ar'])} | {interval_cell(row['auto_over_both_ar'])} | "
                         f"{interval_cell(row['control_over_ar'])} |")
     write_results(Path(args.out), args.name, result, "\n".join(rows))

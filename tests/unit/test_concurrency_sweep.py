@@ -142,3 +142,5 @@ def test_turn_intervals_reads_sweeps_already_run(tmp_path):
     assert row["control_over_ar"]["mean"] == pytest.approx((1.01 * 108 / 110 * 93 / 90) ** (1 / 3))
     assert row["auto_over_both_ar"]["low"] < 1.0 < row["auto_over_both_ar"]["high"]
     assert intervals({"methods": {"ar": {"1": runs(1.0, 2.0)}, "auto": {"1": runs(1.0, 2.0)}}})["1"]["control_over_ar"] is None
+    best = intervals(sweep)["8"]
+    assert best["best"] == ["ar"] and best["auto_over_best"]["mean"] == pytest.approx(best["auto_over_ar"]["mean"])
