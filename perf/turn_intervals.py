@@ -23,8 +23,8 @@ from perf.concurrency_sweep import CONTROL, interval_cell, paired_ratios  # noqa
 
 
 def intervals(sweep: dict) -> dict[str, dict]:
-    """Per concurrency of one sweep's result: its turns, and the intervals of auto / ar, auto / both ar runs and the
-    control / ar (those it measured)."""
+    """Per concurrency of one sweep's result: its turns, and the intervals of auto / the best other method of each turn
+    (and which methods those were), auto / ar, auto / both ar runs and the control / ar (those it measured)."""
     methods = sweep["methods"]
     paired = paired_ratios(methods)
     control = paired_ratios({n: methods[n] for n in ("ar", CONTROL)}, CONTROL) if CONTROL in methods and "ar" in methods else {}
