@@ -149,7 +149,7 @@ def main() -> None:
                     result["methods"][name][str(level)] = median_run(runs[name][str(level)])
                 result["paired"] = paired_ratios(result["methods"])
                 if CONTROL in result["methods"] and "ar" in result["methods"]:
-                    result["control"] = paired_ratios({n: result["methods"][n] for n in ("ar", CONTROL)}, CONTROL)
+                    result["control"] = control_ratios(result["methods"])
                 write(result, sorted(earlier + [c for c in levels if str(c) in runs[methods[0][2]]]), args)
                 # after each point: a cut-off run keeps what it measured
 
@@ -286,6 +286,14 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
                 row.update(over_both_ar=pooled, over_both_ar_interval=turn_interval(pooled))
         out[level] = row
     return out
+
+
+def control_ratios(methods: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """The A/A control's paired_ratios against `ar` (empty unless both were measured): what a ratio between two
+    identical methods looks like at each point."""
+    if CONTROL not in methods or "ar" not in methods:
+        return {}
+    return paired_ratios({name: methods[name] for name in ("ar", CONTROL)}, CONTROL)
 
 
 IDLE_SHARE = 0.9   # a run whose engine held fewer of the streams on average had streams idle outside the engine

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import ROOT, header, write_results  # noqa: E402
-from perf.concurrency_sweep import CONTROL, interval_cell, paired_ratios  # noqa: E402
+from perf.concurrency_sweep import control_ratios, interval_cell, paired_ratios  # noqa: E402
 
 
 def intervals(sweep: dict) -> dict[str, dict]:
@@ -27,7 +27,7 @@ def intervals(sweep: dict) -> dict[str, dict]:
     (and which methods those were), auto / ar, auto / both ar runs and the control / ar (those it measured)."""
     methods = sweep["methods"]
     paired = paired_ratios(methods)
-    control = paired_ratios({n: methods[n] for n in ("ar", CONTROL)}, CONTROL) if CONTROL in methods and "ar" in methods else {}
+    control = control_ratios(methods)
     out = {}
     for level in sorted(set(paired) | set(control), key=int):
         row, ctl = paired.get(level, {}), control.get(level, {})
