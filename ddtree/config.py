@@ -103,6 +103,12 @@ class EngineConfig:
     # at SmolLM2 dims on the H200, against 1.5 ms an `ar` round at 16 streams: concurrency_h200_split.md). 0: none
     # made at warm-up
     static_batch_memory: int = 2048
+    # the Triton model runs the engine and its GenerationService in a child process of its own (ddtree.engine_process),
+    # started with a plain Python interpreter of the same version, instead of on a thread of the Python backend's stub:
+    # the stub embeds the shared libpython (the probe's pure-Python loop 1.2-1.5x slower there than in process) and
+    # its request parsing, sends and metrics share the GIL with the engine thread; the child's responses cross a pipe to
+    # the stub, which sends them on. Only the Triton model reads it
+    engine_process: bool = False
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 

@@ -299,10 +299,12 @@ class GenerationService:
     def is_healthy(self) -> bool:
         return self.fatal_error is None
 
-    def submit(self, request_id: str, request: api.GenerateRequest, sink: ResponseSink) -> None:
-        """Queue a request; answers at once with UNAVAILABLE when the queue is full or the engine has failed."""
+    def submit(self, request_id: str, request: api.GenerateRequest, sink: ResponseSink,
+               arrival_s: float | None = None) -> None:
+        """Queue a request; answers at once with UNAVAILABLE when the queue is full or the engine has failed.
+        arrival_s: when it arrived (time.perf_counter; another process's on Linux, where it is CLOCK_MONOTONIC)."""
         key = uuid.uuid4().hex
-        job = Job(request_id, request, sink, time.perf_counter(), key)
+        job = Job(request_id, request, sink, time.perf_counter() if arrival_s is None else arrival_s, key)
         if self.fatal_error is None and not self._worker.is_alive() and not self._stopping:
             self._fail_fatal(EngineUnavailable("the engine thread is not running"), "engine thread died")
         with self._lock:   # the job is queued under the lock: _fail_fatal drains every job queued before it

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from ddtree import api  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
+from ddtree.engine_process import EngineProcess  # noqa: E402
 from ddtree.errors import InvalidRequest  # noqa: E402
 from ddtree.serving import GenerationService, freeze_heap  # noqa: E402
 from ddtree.stop_registry import StopRegistry, default_directory  # noqa: E402
@@ -69,15 +70,23 @@ class TritonPythonModel:
         self.config = EngineConfig.from_dict(params, base_dir=project_root(args))
         self.config = dataclasses.replace(self.config, device=instance_device(args, self.config.device))
         package_logger.info("%s engine config: %s", args["model_instance_name"], self.config)
-        engine = Engine(self.config)
-        engine.warm_up()   # CUDA: compiles and captures the static programs before the model reports ready
-        freeze_heap()      # what loading and warm-up left: never walked by a full collection again
-        self.metrics = TritonMetrics(pb_utils, IPC_LOCK, {"model": args["model_name"], "instance": args["model_instance_name"]},
-                                     keys={field: [arm.name for arm in engine.arm_selector.arms]
-                                           for field in ("auto_arm_rounds", "auto_arm_seconds")})
-        self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        if self.config.engine_process:   # the engine in a child process (ddtree.engine_process); this one relays
+            self.service = EngineProcess(self.config, tokenizer_path=self.config.target_path,
                                          max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
-                                         stop_registry=StopRegistry(default_directory(args["model_name"])))
+                                         stop_directory=default_directory(args["model_name"]))
+            self.metrics = TritonMetrics(pb_utils, IPC_LOCK, labels, keys={
+                field: self.service.arm_names for field in ("auto_arm_rounds", "auto_arm_seconds")})
+            self.service.start(self.metrics.update)
+        else:
+            engine = Engine(self.config)
+            engine.warm_up()   # CUDA: compiles and captures the static programs before the model reports ready
+            freeze_heap()      # what loading and warm-up left: never walked by a full collection again
+            self.metrics = TritonMetrics(pb_utils, IPC_LOCK, labels, keys={
+                field: [arm.name for arm in engine.arm_selector.arms] for field in ("auto_arm_rounds", "auto_arm_seconds")})
+            self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
+                                             max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
+                                             stop_registry=StopRegistry(default_directory(args["model_name"])))
         self.num_requests = 0
 
     def execute(self, requests):

@@ -1,0 +1,154 @@
+"""The engine in a child process (ddtree.engine_process), driven as the Triton model drives it, without a server:
+the same responses as the GenerationService on a thread, cancellation and stop relayed to the child, a load failure
+reported with the child's traceback, and a dead child failing its requests and refusing later ones."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+import pytest
+
+from ddtree import api
+from ddtree.config import EngineConfig
+from ddtree.engine import Engine
+from ddtree.engine_process import EngineProcess, find_python
+from ddtree.sampling_params import SamplingParams
+from ddtree.serving import GenerationService
+from ddtree.tokenizer import Tokenizer
+from tests.server.conftest import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+PROMPT = [1, 504, 3458, 314, 253, 1345, 30, 2]
+
+
+class Sink:
+    """A ResponseSink recording what it is sent; is_cancelled turns true once `cancel` is set."""
+
+    def __init__(self) -> None:
+        self.events: queue.Queue = queue.Queue()
+        self.cancel = False
+        self.asked = 0
+
+    def is_cancelled(self) -> bool:
+        self.asked += 1
+        return self.cancel
+
+    def send(self, outputs, final):
+        self.events.put(("out", outputs, final))
+
+    def send_error(self, message, kind, final=True):
+        self.events.put((kind, message, final))
+
+    def until_final(self, timeout_s: float = 120) -> list:
+        got = []
+        while not got or not got[-1][2]:
+            got.append(self.events.get(timeout=timeout_s))
+        return got
+
+
+def config(**changes) -> EngineConfig:
+    return EngineConfig(**{"target_path": str(DEFAULT_TARGET), "drafter_path": str(DEFAULT_DRAFTER), "max_num_seqs": 2,
+                           "max_model_len": 512, "max_tokens_limit": 400, "max_tree_budget": 16, **changes})
+
+
+def request(stream: bool, mode: str, max_tokens: int = 24, ignore_eos: bool = False) -> api.GenerateRequest:
+    return api.GenerateRequest(prompt_ids=PROMPT, stream=stream, echo_text=None,
+                               params=SamplingParams(max_tokens=max_tokens, mode=mode, tree_budget=8, ignore_eos=ignore_eos),
+                               return_flags={name: True for name in api.RETURN_FLAGS})
+
+
+def without_key(events: list) -> list:
+    return [(kind, {k: v for k, v in outputs.items() if k != api.REQUEST_KEY} if kind == "out" else outputs, final)
+            for kind, outputs, final in events]
+
+
+@pytest.fixture(scope="module")
+def child():
+    stats: list = []
+    process = EngineProcess(config(), tokenizer_path=str(DEFAULT_TARGET), max_queue_size=4)
+    process.start(stats.append)
+    process.stats = stats
+    yield process
+    process.shutdown()
+    assert process._child.poll() is not None, "the child should have exited"
+
+
+def test_a_plain_interpreter_of_this_version_is_found():
+    out = os.popen(f"{find_python()} -c 'import sys; print(sys.version_info[:2])'").read().strip()
+    assert out == str(tuple(__import__("sys").version_info[:2]))
+
+
+def test_child_responses_equal_the_in_thread_service(child):
+    """Every response (ids window, text offsets, finish reason, counts, acceptance) of streamed and whole requests in
+    ar, dflash and ddtree: the same from the child as from a GenerationService in this process."""
+    assert child.pid != os.getpid() and child.arm_names
+    local = GenerationService(Engine(config()), Tokenizer(str(DEFAULT_TARGET)), max_queue_size=4)
+    try:
+        for mode in ("ar", "dflash", "ddtree"):
+            for stream in (True, False):
+                here, there = Sink(), Sink()
+                local.submit("local", request(stream, mode), here)
+                child.submit("child", request(stream, mode), there)
+                expected, got = without_key(here.until_final()), without_key(there.until_final())
+                assert got == expected, (mode, stream)
+                assert got[-1][1][api.FINISH_REASON] in ("stop", "length") and (len(got) > 2) == stream
+    finally:
+        local.shutdown()
+
+
+def test_cancelled_client_stops_the_request_in_the_child(child):
+    sink = Sink()
+    child.submit("cancel-me", request(True, "ar", max_tokens=400, ignore_eos=True), sink)
+    assert sink.events.get(timeout=120)[0] == "out"
+    sink.cancel = True
+    events = sink.until_final()
+    assert events[-1][:1] == ("cancelled",) and events[-1][2], events[-1]
+    assert sum(1 for e in events if e[0] == "out") < 400
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (child.stats[-1].num_active or not child.stats[-1].num_cancelled):
+        time.sleep(0.05)
+    last = child.stats[-1]
+    assert last.num_cancelled >= 1 and last.num_active == 0 and last.num_held_slots == 0
+
+
+def test_stop_by_request_key_reaches_the_child(child):
+    """The ensemble's postprocessing relays a client's cancellation as a stop request naming the request key."""
+    sink = Sink()
+    child.submit("stop-me", request(True, "ddtree", max_tokens=400, ignore_eos=True), sink)
+    kind, outputs, _ = sink.events.get(timeout=120)
+    assert kind == "out"
+    assert child.stop(outputs[api.REQUEST_KEY]) is True
+    assert sink.until_final()[-1][0] == "cancelled"
+    assert child.stop("no-such-key") is False
+
+
+def test_load_failure_names_the_childs_error(tmp_path):
+    with pytest.raises(RuntimeError, match=r"failed to load the engine:[\s\S]*Error"):
+        EngineProcess(config(target_path=str(tmp_path / "missing")), tokenizer_path=str(DEFAULT_TARGET),
+                      max_queue_size=4)
+
+
+def test_a_dead_child_fails_its_requests_and_refuses_new_ones():
+    stats: list = []
+    process = EngineProcess(config(), tokenizer_path=str(DEFAULT_TARGET), max_queue_size=4)
+    process.start(stats.append)
+    try:
+        running, waiting = Sink(), Sink()
+        process.submit("running", request(True, "ar", max_tokens=400, ignore_eos=True), running)
+        assert running.events.get(timeout=120)[0] == "out"
+        process.submit("queued", request(True, "ar"), waiting)
+        os.kill(process.pid, signal.SIGKILL)
+        for sink in (running, waiting):
+            kind, message, final = sink.until_final(30)[-1]
+            assert kind == "unavailable" and final and "engine process" in message and "exited" in message, message
+        assert not process.is_healthy
+        later = Sink()
+        start = time.monotonic()
+        process.submit("later", request(True, "ar"), later)
+        kind, message, final = later.until_final(5)[-1]
+        assert kind == "unavailable" and "model unavailable" in message and time.monotonic() - start < 1
+        assert stats[-1].engine_healthy == 0 and stats[-1].num_active == 0 and stats[-1].num_held_slots == 0
+    finally:
+        process.shutdown(5)
