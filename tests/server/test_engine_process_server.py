@@ -1,7 +1,7 @@
-"""engine_process=true in a real tritonserver: the generation model's engine runs in a child process of its stub
-(ddtree.engine_process). Served greedy ids equal the in-process engine's, the ensemble's streamed text equals them
-decoded, a client's cancellation reaches the child, and a killed child fails its stream and every later request at
-once while the server goes on serving."""
+"""engine_process in a real tritonserver. true (the default): the generation model's engine runs in a child process of
+its stub (ddtree.engine_process); served greedy ids equal the in-process engine's, the ensemble's streamed text equals
+them decoded, a client's cancellation reaches the child, and a killed child fails its stream and every later request
+at once while the server goes on serving. false: the engine on a thread of the stub serves the same ids."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from tests.server.test_health import (
     CHAT,
     LONG,
     OneStream,
+    children,
     ddtree_stub,
     direct_inputs,
     gauge,
@@ -38,18 +39,7 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a
 
 def engine_children(stub: int) -> list[int]:
     """Processes whose parent is the stub and whose command line runs ddtree.engine_process."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == stub and b"ddtree.engine_process" in argv:
-            found.append(int(entry))
-    return found
+    return [pid for pid, argv in children(stub) if b"ddtree.engine_process" in argv]
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +51,8 @@ def server(tmp_path_factory):
         yield running
 
 
-def test_the_engine_runs_in_a_child_of_the_stub(server):
-    children = engine_children(ddtree_stub(server))
-    assert len(children) == 1, children
-    log = Path(server.log_path).read_text(errors="replace")
-    assert f"engine process {children[0]} started" in log
-    assert f"engine process {children[0]} serving" in log   # the child's own log records reach the server's log
-
-
-def test_served_greedy_ids_equal_the_in_process_engine(server):
+def serve_greedy_ids_and_text(server) -> None:
+    """Each mode's served greedy ids == the in-process engine's, and the ensemble's streamed text == them decoded."""
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_TARGET)
     engine = Engine(EngineConfig(target_path=str(DEFAULT_TARGET), drafter_path=str(DEFAULT_DRAFTER)))
     prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -79,6 +62,26 @@ def test_served_greedy_ids_equal_the_in_process_engine(server):
         assert generate_ids_direct(server, prompt_ids, sampling) == local, mode
         pieces = [text for text, _ in stream_chat(server.grpc_url, "ensemble", build_inputs(MESSAGES, sampling))]
         assert len(pieces) > 2 and "".join(pieces) == decode(tokenizer, local), mode
+
+
+def test_on_a_thread_of_the_stub_the_same_ids(tmp_path):
+    repo = make_repository(tmp_path)
+    set_parameter(repo / "ddtree" / "config.pbtxt", "engine_process", "false")
+    with TritonServer(str(repo), log_path=str(tmp_path / "server.log"), exit_timeout_s=5) as server:
+        assert engine_children(ddtree_stub(server)) == []
+        serve_greedy_ids_and_text(server)
+
+
+def test_the_engine_runs_in_a_child_of_the_stub(server):
+    children = engine_children(ddtree_stub(server))
+    assert len(children) == 1, children
+    log = Path(server.log_path).read_text(errors="replace")
+    assert f"engine process {children[0]} started" in log
+    assert f"engine process {children[0]} serving" in log   # the child's own log records reach the server's log
+
+
+def test_served_greedy_ids_equal_the_in_process_engine(server):
+    serve_greedy_ids_and_text(server)
 
 
 def test_a_cancelled_ensemble_stream_stops_in_the_child(server):

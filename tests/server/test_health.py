@@ -285,8 +285,8 @@ def test_fatal_engine_error_fails_streams_and_refuses_new_requests(tmp_path):
     assert "[after-fault-ddtree] rejected: engine unavailable" in log
 
 
-def ddtree_stub(server: TritonServer) -> int:
-    """The pid of the ddtree model's triton_python_backend_stub (a child of the server)."""
+def children(parent: int) -> list[tuple[int, list[bytes]]]:
+    """(pid, argv) of each process whose parent is `parent`."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -296,9 +296,15 @@ def ddtree_stub(server: TritonServer) -> int:
             ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == server.process.pid and argv[0].endswith(b"triton_python_backend_stub") \
-                and len(argv) > 1 and argv[1].endswith(b"/ddtree/1/model.py"):
-            found.append(int(entry))
+        if ppid == parent:
+            found.append((int(entry), argv))
+    return found
+
+
+def ddtree_stub(server: TritonServer) -> int:
+    """The pid of the ddtree model's triton_python_backend_stub (a child of the server)."""
+    found = [pid for pid, argv in children(server.process.pid) if argv[0].endswith(b"triton_python_backend_stub")
+             and len(argv) > 1 and argv[1].endswith(b"/ddtree/1/model.py")]
     assert len(found) == 1, found
     return found[0]
 
