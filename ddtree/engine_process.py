@@ -13,7 +13,8 @@ ddtree.engine_process FD``): each request's sink is a ``_PipeSink``; its cancell
 
 If the child dies, every request it held gets a final UNAVAILABLE error, later requests get one at once, and the
 ddtree_engine_healthy gauge drops to 0, as after a fatal engine error in process; the server goes on serving its other
-models. If the parent dies, the child sees its pipe close and exits.
+models. If the parent dies, the child sees its pipe close and exits (while loading: within a second of being
+reparented).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -76,6 +78,22 @@ def find_python(explicit: str = "") -> str:
                        + "; ".join(tried))
 
 
+def child_pythonpath() -> str:
+    """The child imports what this process imports: this search path (the project root, the site-packages Triton's
+    PYTHONPATH named, the model's own directory), less this interpreter's standard library, which the child's own
+    interpreter brings (another installation's would shadow it)."""
+    stdlib = [sysconfig.get_path(name) for name in ("stdlib", "platstdlib")]
+
+    def is_stdlib(path: str) -> bool:
+        if path.endswith(".zip"):
+            return True
+        if "site-packages" in path or "dist-packages" in path:
+            return False
+        return any(path == root or path.startswith(root + os.sep) for root in stdlib if root)
+
+    return os.pathsep.join(dict.fromkeys(os.path.abspath(p) for p in sys.path if p and not is_stdlib(p)))
+
+
 @dataclass
 class _Entry:
     request_id: str
@@ -102,11 +120,9 @@ class EngineProcess:
         self._last_stats = None
         parent_end, child_end = socket.socketpair()
         env = dict(os.environ)
-        # the child imports what this process imports: the same search path (the project root, the site-packages
-        # Triton's PYTHONPATH named, the model's own directory)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONPATH"] = child_pythonpath()
         executable = find_python(python)
-        self._child = subprocess.Popen([executable, "-m", "ddtree.engine_process", str(child_end.fileno())],
+        self._child = subprocess.Popen([executable, "-m", "ddtree.engine_process", str(child_end.fileno()), str(os.getpid())],
                                        pass_fds=[child_end.fileno()], env=env, stdin=subprocess.DEVNULL)
         child_end.close()
         self._link = _Link(Connection(parent_end.detach()))
@@ -327,7 +343,17 @@ class _PipeLogHandler(logging.Handler):
             pass
 
 
-def _child_main(fd: int) -> int:
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """A stub killed while this child loads (a 27B warm-up takes minutes) leaves no reader of the pipe until the load
+    ends: exit as soon as the parent is gone (this process reparented; `parent` is the pid it was started by, so a
+    parent gone before this runs counts too), whatever the main thread is doing."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
+
+
+def _child_main(fd: int, parent: int) -> int:
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="ddtree-parent-watch", daemon=True).start()
     link = _Link(Connection(fd))
     package_logger = logging.getLogger("ddtree")
     package_logger.setLevel(logging.INFO)
@@ -395,6 +421,6 @@ def _child_main(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    code = _child_main(int(sys.argv[1]))
+    code = _child_main(int(sys.argv[1]), int(sys.argv[2]))
     sys.stdout.flush()
     os._exit(code)   # no interpreter teardown: the engine's threads and device state go with the process

@@ -7,14 +7,20 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
+import sys
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
+import ddtree
 from ddtree import api
 from ddtree.config import EngineConfig
 from ddtree.engine import Engine
-from ddtree.engine_process import EngineProcess, find_python
+from ddtree.engine_process import EngineProcess, child_pythonpath, find_python
 from ddtree.sampling_params import SamplingParams
 from ddtree.serving import GenerationService
 from ddtree.tokenizer import Tokenizer
@@ -78,6 +84,14 @@ def child():
 def test_a_plain_interpreter_of_this_version_is_found():
     out = os.popen(f"{find_python()} -c 'import sys; print(sys.version_info[:2])'").read().strip()
     assert out == str(tuple(__import__("sys").version_info[:2]))
+
+
+def test_the_childs_search_path_is_this_ones_less_the_standard_library():
+    parts = child_pythonpath().split(os.pathsep)
+    assert sysconfig.get_path("stdlib") not in parts and not any(p.endswith(".zip") for p in parts)
+    assert str(Path(ddtree.__file__).resolve().parents[1]) in parts   # the project
+    assert str(Path(torch.__file__).resolve().parents[1]) in parts    # the environment's packages
+    assert all(os.path.isabs(p) for p in parts)
 
 
 def test_child_responses_equal_the_in_thread_service(child):
@@ -152,3 +166,25 @@ def test_a_dead_child_fails_its_requests_and_refuses_new_ones():
         assert stats[-1].engine_healthy == 0 and stats[-1].num_active == 0 and stats[-1].num_held_slots == 0
     finally:
         process.shutdown(5)
+
+
+def test_an_orphaned_child_exits_even_while_busy():
+    """The child's watch thread: once its parent is gone (a stub killed while the engine loads, when nothing reads the
+    pipe), the child exits, whatever its main thread is doing (here: sleeping for an hour)."""
+    code = ("import os, sys, threading, time; from ddtree.engine_process import _exit_with_parent; "
+            "threading.Thread(target=_exit_with_parent, args=(int(sys.argv[1]), 0.05), daemon=True).start(); "
+            "time.sleep(3600)")
+    shell = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{code}" $$ > /dev/null 2>&1 & echo $!'],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": child_pythonpath()})
+    orphan = int(shell.stdout.strip())   # its parent, the shell, has exited
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and process_state(orphan) not in ("gone", "Z"):
+        time.sleep(0.1)
+    assert process_state(orphan) in ("gone", "Z")
+
+
+def process_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
