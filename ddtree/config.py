@@ -107,8 +107,11 @@ class EngineConfig:
     # started with a plain Python interpreter of the same version, instead of on a thread of the Python backend's stub:
     # the stub embeds the shared libpython (the probe's pure-Python loop 1.2-1.5x slower there than in process) and
     # its request parsing, sends and metrics share the GIL with the engine thread; the child's responses cross a pipe to
-    # the stub, which sends them on. Only the Triton model reads it
-    engine_process: bool = False
+    # the stub, which sends them on. None ("auto"): on where the device is CUDA (on an H100 Triton / in process 0.92 /
+    # 0.85 / 0.90 / 0.92 for ar / dflash / ddtree-16 / ddtree-64 against 0.77 / 0.83 / 0.82 / 0.86 on the thread:
+    # perf/results/humaneval_h100_{process,thread}.md), off elsewhere (the 2-core CPU's compute-bound rounds gain
+    # nothing: perf/results/concurrency_cpu_engine_process_*.md). Only the Triton model reads it
+    engine_process: bool | None = None
     seed: int = 0                      # seed for requests that give none
     extra: dict = field(default_factory=dict)
 

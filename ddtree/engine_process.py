@@ -57,6 +57,11 @@ class _Link:
             self.conn.send(message)
 
 
+def wanted(config: EngineConfig) -> bool:
+    """engine_process resolved: as set, or ("auto") on where the engine's device is CUDA."""
+    return config.engine_process if config.engine_process is not None else config.device.startswith("cuda")
+
+
 def find_python(explicit: str = "") -> str:
     """A plain interpreter of this Python's version: DDTREE_ENGINE_PYTHON, else pythonX.Y or python3 on PATH whose
     version is ours, else sys.executable (under Triton's stub that may be the stub itself: checked)."""

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree import api
+from ddtree import api, engine_process
 from ddtree.config import EngineConfig
 from ddtree.engine import Engine
 from ddtree.engine_process import EngineProcess, child_pythonpath, find_python
@@ -84,6 +84,13 @@ def child():
 def test_a_plain_interpreter_of_this_version_is_found():
     out = os.popen(f"{find_python()} -c 'import sys; print(sys.version_info[:2])'").read().strip()
     assert out == str(tuple(__import__("sys").version_info[:2]))
+
+
+def test_auto_runs_the_engine_in_a_process_where_the_device_is_cuda():
+    assert engine_process.wanted(config(device="cuda")) and engine_process.wanted(config(device="cuda:1"))
+    assert not engine_process.wanted(config())   # the CPU
+    assert engine_process.wanted(config(engine_process=True)) and not engine_process.wanted(config(device="cuda", engine_process=False))
+    assert EngineConfig.from_dict({"target_path": "t", "drafter_path": "d", "engine_process": "auto"}).engine_process is None
 
 
 def test_the_childs_search_path_is_this_ones_less_the_standard_library():

@@ -10,10 +10,12 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from ddtree import api  # noqa: E402
+from ddtree import (
+    api,  # noqa: E402
+    engine_process,  # noqa: E402
+)
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
-from ddtree.engine_process import EngineProcess  # noqa: E402
 from ddtree.errors import InvalidRequest  # noqa: E402
 from ddtree.serving import GenerationService, freeze_heap  # noqa: E402
 from ddtree.stop_registry import StopRegistry, default_directory  # noqa: E402
@@ -71,10 +73,11 @@ class TritonPythonModel:
         self.config = dataclasses.replace(self.config, device=instance_device(args, self.config.device))
         package_logger.info("%s engine config: %s", args["model_instance_name"], self.config)
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
-        if self.config.engine_process:   # the engine in a child process (ddtree.engine_process); this one relays
-            self.service = EngineProcess(self.config, tokenizer_path=self.config.target_path,
-                                         max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
-                                         stop_directory=default_directory(args["model_name"]))
+        if engine_process.wanted(self.config):   # the engine in a child process (ddtree.engine_process); this one relays
+            self.service = engine_process.EngineProcess(self.config, tokenizer_path=self.config.target_path,
+                                                        max_queue_size=self.config.max_queue_size,
+                                                        fault_injection=fault_injection,
+                                                        stop_directory=default_directory(args["model_name"]))
             self.metrics = TritonMetrics(pb_utils, IPC_LOCK, labels, keys={
                 field: self.service.arm_names for field in ("auto_arm_rounds", "auto_arm_seconds")})
             self.service.start(self.metrics.update)
