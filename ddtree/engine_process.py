@@ -33,6 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from types import SimpleNamespace
 from typing import Any
 
 from ddtree import api
@@ -257,10 +258,10 @@ class EngineProcess:
             entry = self._live.pop(pid, None) if final else self._live.get(pid)
             if entry is not None:
                 entry.sink.send_error(text, error_kind, final=final)
-        elif kind == "stats":
+        elif kind == "stats":   # a ServiceStats as a dict: this process need not import ddtree.serving (and torch)
             self._last_stats = message[1]
             if self.on_stats is not None:
-                self.on_stats(message[1])
+                self.on_stats(SimpleNamespace(**message[1]))
         elif kind == "log":
             self._log(*message[1:])
         elif kind == "stopped":
@@ -297,14 +298,12 @@ class EngineProcess:
                                       "unavailable")
             except Exception:
                 logger.exception("[%s] could not send its final error", entry.request_id)
-        if self.on_stats is not None:
-            from ddtree.serving import ServiceStats
-
+        if self.on_stats is not None and self._last_stats is not None:
             try:   # the gauges fall: nothing active, nothing held, unhealthy (the counters keep their last values)
-                self.on_stats(dataclasses.replace(self._last_stats or ServiceStats(), num_active=0, num_waiting=0,
-                                                  num_held_slots=0, engine_healthy=0, ttft_seconds=[],
-                                                  latency_seconds=[], queue_seconds=[], prefill_seconds=[],
-                                                  take_seconds=[]))
+                self.on_stats(SimpleNamespace(**{**self._last_stats, "num_active": 0, "num_waiting": 0,
+                                                 "num_held_slots": 0, "engine_healthy": 0, "ttft_seconds": [],
+                                                 "latency_seconds": [], "queue_seconds": [], "prefill_seconds": [],
+                                                 "take_seconds": []}))
             except Exception:
                 logger.exception("could not report the metrics after the engine process exited")
 
@@ -393,7 +392,7 @@ def _child_main(fd: int, parent: int) -> int:
     sinks: dict[int, _PipeSink] = {}
 
     def publish(stats) -> None:
-        link.send(("stats", stats))
+        link.send(("stats", dataclasses.asdict(stats)))
 
     service = GenerationService(engine, tokenizer, publish, max_queue_size=settings["max_queue_size"],
                                 fault_injection=settings["fault_injection"], stop_registry=registry)

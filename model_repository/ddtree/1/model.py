@@ -15,9 +15,7 @@ from ddtree import (
     engine_process,  # noqa: E402
 )
 from ddtree.config import EngineConfig  # noqa: E402
-from ddtree.engine import Engine  # noqa: E402
 from ddtree.errors import InvalidRequest  # noqa: E402
-from ddtree.serving import GenerationService, freeze_heap  # noqa: E402
 from ddtree.stop_registry import StopRegistry, default_directory  # noqa: E402
 from ddtree.triton_common import (  # noqa: E402
     TritonLogHandler,
@@ -81,7 +79,10 @@ class TritonPythonModel:
             self.metrics = TritonMetrics(pb_utils, IPC_LOCK, labels, keys={
                 field: self.service.arm_names for field in ("auto_arm_rounds", "auto_arm_seconds")})
             self.service.start(self.metrics.update)
-        else:
+        else:   # only here does this process import the engine (torch): the child above keeps it out of the stub
+            from ddtree.engine import Engine
+            from ddtree.serving import GenerationService, freeze_heap
+
             engine = Engine(self.config)
             engine.warm_up()   # CUDA: compiles and captures the static programs before the model reports ready
             freeze_heap()      # what loading and warm-up left: never walked by a full collection again
