@@ -7,8 +7,8 @@ of the same Python version; the child loads the engine and runs the GenerationSe
 carries requests in and responses, errors, metrics and log records out.
 
 Parent (the stub): ``EngineProcess`` has the GenerationService's interface (submit, stop, shutdown, is_healthy); a
-relay thread sends each response on through the request's real sink, asks the client about cancellation (after a
-response, and for every request not asked within CANCEL_CHECK_S) and tells the child. Child (``python -m
+relay thread sends each response on through the request's real sink, asks the client about cancellation (every
+request not asked within CANCEL_CHECK_S, between the child's messages) and tells the child. Child (``python -m
 ddtree.engine_process FD``): each request's sink is a ``_PipeSink``; its cancellation is a flag the parent sets.
 
 If the child dies, every request it held gets a final UNAVAILABLE error, later requests get one at once, and the
@@ -249,10 +249,6 @@ class EngineProcess:
                 logger.exception("[%s] could not send a response; dropping the request", entry.request_id)
                 self._live.pop(pid, None)
                 self._cancel(pid, entry)
-                return
-            now = time.monotonic()
-            if not final and now - entry.checked_s >= CANCEL_CHECK_S:
-                self._check(pid, entry, now)
         elif kind == "error":
             _, pid, text, error_kind, final = message
             entry = self._live.pop(pid, None) if final else self._live.get(pid)

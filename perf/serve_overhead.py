@@ -1,7 +1,7 @@
 """Where the serving path's overhead comes from, one suspect at a time, in one run.
 
 Triton's Python backend runs model.py in a stub process that embeds the shared libpython, on an engine thread beside an
-outbox thread (responses, metrics); with engine_process (the model's default since 2026-12-06) the engine and its
+outbox thread (responses, metrics); with engine_process (the model's default on CUDA since 2026-12-06) the engine and its
 outbox run in a child process of the stub under a plain interpreter (ddtree/engine_process.py). Through Triton the
 engine's stages ran slower than in process on the stub's thread (perf/humaneval.py's stage table; on the H200 even the
 verify's GPU timeline, a sign of host-bound rounds). This separates the suspects
@@ -132,7 +132,7 @@ def server_processes(session: int) -> dict[int, str]:
             continue
         name = Path(argv[0].decode(errors="replace")).name
         model = next((Path(a.decode(errors="replace")).parent.parent.name for a in argv if a.endswith(b"model.py")), "")
-        # the generation model's engine in a child of its stub (engine_process, the default)
+        # the generation model's engine in a child of its stub (engine_process, the default on CUDA)
         found[int(entry.name)] = ("engine process" if b"ddtree.engine_process" in argv else
                                   f"stub {model}" if model else name)
     return found
@@ -169,7 +169,7 @@ def triton_pass(server, texts: list[str], method: Method, max_tokens: int, strea
     client.chat.ChatStream, as a perf_analyzer worker keeps; None: a connection per request), one at a time: tokens/s, the
     engine's stage times from the model's metrics, the CPU seconds of the server's processes and this client per
     request, and the busiest threads of the process that runs the engine (its own child of the stub under
-    engine_process, the default; else the generation stub)."""
+    engine_process, the default on CUDA; else the generation stub)."""
     from perf.humaneval import stream_one
     from perf.triton_bench import triton_stages, wait_stages
 

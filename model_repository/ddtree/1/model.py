@@ -70,15 +70,13 @@ class TritonPythonModel:
         self.config = EngineConfig.from_dict(params, base_dir=project_root(args))
         self.config = dataclasses.replace(self.config, device=instance_device(args, self.config.device))
         package_logger.info("%s engine config: %s", args["model_instance_name"], self.config)
-        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
-        if engine_process.wanted(self.config):   # the engine in a child process (ddtree.engine_process); this one relays
+        wanted = engine_process.wanted(self.config)
+        if wanted:   # the engine in a child process (ddtree.engine_process); this one relays
             self.service = engine_process.EngineProcess(self.config, tokenizer_path=self.config.target_path,
                                                         max_queue_size=self.config.max_queue_size,
                                                         fault_injection=fault_injection,
                                                         stop_directory=default_directory(args["model_name"]))
-            self.metrics = TritonMetrics(pb_utils, IPC_LOCK, labels, keys={
-                field: self.service.arm_names for field in ("auto_arm_rounds", "auto_arm_seconds")})
-            self.service.start(self.metrics.update)
+            arm_names = self.service.arm_names
         else:   # only here does this process import the engine (torch): the child above keeps it out of the stub
             from ddtree.engine import Engine
             from ddtree.serving import GenerationService, freeze_heap
@@ -86,8 +84,12 @@ class TritonPythonModel:
             engine = Engine(self.config)
             engine.warm_up()   # CUDA: compiles and captures the static programs before the model reports ready
             freeze_heap()      # what loading and warm-up left: never walked by a full collection again
-            self.metrics = TritonMetrics(pb_utils, IPC_LOCK, labels, keys={
-                field: [arm.name for arm in engine.arm_selector.arms] for field in ("auto_arm_rounds", "auto_arm_seconds")})
+            arm_names = [arm.name for arm in engine.arm_selector.arms]
+        self.metrics = TritonMetrics(pb_utils, IPC_LOCK, {"model": args["model_name"], "instance": args["model_instance_name"]},
+                                     keys={field: arm_names for field in ("auto_arm_rounds", "auto_arm_seconds")})
+        if wanted:
+            self.service.start(self.metrics.update)
+        else:
             self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
                                              max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
                                              stop_registry=StopRegistry(default_directory(args["model_name"])))
