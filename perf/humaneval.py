@@ -215,15 +215,31 @@ def with_engine_args(config: EngineConfig, items: list[str]) -> tuple[EngineConf
     return config.replace(**{key: getattr(parsed, key) for key in engine_args}), engine_args
 
 
+@contextmanager
+def environment(env: dict[str, str]):
+    """os.environ with `env` set while the block runs (a server started in it, and its models' processes, inherit it)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
-                 max_new_tokens: int, seed: int, engine_args: dict[str, str] | None = None) -> tuple[dict, dict]:
+                 max_new_tokens: int, seed: int, engine_args: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None) -> tuple[dict, dict]:
     """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver; engine_args:
-    more of the model's parameters (--engine)."""
+    more of the model's parameters (--engine); env: the server's extra environment (a --triton-variant)."""
     from client.chat import ChatStream
-    from perf.triton_bench import TritonServer, make_repository, triton_stages, wait_stages
+    from perf.triton_bench import TritonServer, make_repository, request_split, request_sums, triton_stages, wait_stages
 
     results, texts = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, environment(env or {}):
         # the model serves the in-process engine's own config: the same cache sizes give the same static shapes (key
         # buckets, slots), so the same numerics and, in bf16, the same texts and rounds on both sides
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
@@ -235,7 +251,7 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
                 key = temperature_key(temperature)
                 results[key], texts[key] = {}, {}
                 for method in methods:
-                    stages = triton_stages(server.metrics_url)
+                    stages, sums = triton_stages(server.metrics_url), request_sums(server.metrics_url)
                     runs = [stream_one(server.grpc_url, p, sampling_parameters(method, temperature, max_new_tokens, seed + i),
                                        chat=chat)
                             for i, p in enumerate(tqdm(prompts, desc=f"triton {method.name} T={key}", leave=False))]
@@ -244,7 +260,8 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
                                                  "num_tokens": tokens, "seconds": seconds,
                                                  "ttft_s": [r["ttft_s"] for r in runs],
                                                  "num_input_tokens": [r["num_input_tokens"] for r in runs],
-                                                 "stages": per_round_ms(stages, wait_stages(server.metrics_url, stages))}
+                                                 "stages": per_round_ms(stages, wait_stages(server.metrics_url, stages)),
+                                                 "server": request_split(sums, request_sums(server.metrics_url))}
                     texts[key][method.name] = [r["text"] for r in runs]
     return results, texts
 
@@ -307,7 +324,56 @@ def table(result: dict) -> str:
               f"(mismatching prompts: {result['greedy_mismatches']}).",
               f"Phase seconds: {json.dumps({k: round(v, 1) for k, v in result['phase_seconds'].items()})}; "
               f"load average after each: {json.dumps({k: round(v, 2) for k, v in result['load_average'].items()})}",
-              "", stage_table(result), "", ttft_table(result), "", histogram_table(result)]
+              "", stage_table(result), "", ttft_table(result), "", request_table(result)]
+    if result.get("triton_variants"):
+        lines += ["", variants_table(result)]
+    lines += ["", histogram_table(result)]
+    return "\n".join(lines)
+
+
+def request_table(result: dict) -> str:
+    """Where a request's time goes through Triton (the first server's run), as means per request: the client's view
+    against the generation model's own histograms (from the request's arrival in the model's process)."""
+    lines = ["A request through Triton (ms, means over the speed prompts): the client's time against the generation "
+             "model's (from the request's arrival in its process to its first / final response queued; queue: to "
+             "the prefill's start, take: to the engine thread taking it), and in process:", "",
+             "| method | T | request, in process | request, client | request, model | outside the model | "
+             "first token, in process | first token, client | first token, model | queue | take | prefill |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, name in _rows(result):
+        triton = result.get("triton", {}).get(key, {}).get(name)
+        if not triton or not triton.get("server"):
+            continue
+        local = result.get("in_process", {}).get(key, {}).get(name, {})
+        server, n = triton["server"], len(triton["ttft_s"])
+        client_ms = 1e3 * triton["seconds"] / n
+        local_ms = 1e3 * local["seconds"] / len(local["ttft_s"]) if local.get("ttft_s") else None
+        outside = client_ms - server["latency_ms"] if server.get("latency_ms") is not None else None
+        mean = lambda values: 1e3 * statistics.fmean(values) if values else None  # noqa: E731
+        lines.append(f"| {name} | {key} | {_fmt(local_ms, '.2f')} | {_fmt(client_ms, '.2f')} | "
+                     f"{_fmt(server.get('latency_ms'), '.2f')} | {_fmt(outside, '.2f')} | "
+                     f"{_fmt(mean(local.get('ttft_s')), '.2f')} | {_fmt(mean(triton['ttft_s']), '.2f')} | "
+                     f"{_fmt(server.get('ttft_ms'), '.2f')} | {_fmt(server.get('queue_ms'), '.2f')} | "
+                     f"{_fmt(server.get('take_ms'), '.2f')} | {_fmt(server.get('prefill_ms'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def variants_table(result: dict) -> str:
+    """Triton / in process per server variant (--triton-variant), turn by turn, and the median of the turns."""
+    variants = result["triton_variants"]
+    lines = ["Triton / in process by server variant, in turns (" + "; ".join(
+        f"{name}: {' '.join(f'{k}={v}' for k, v in v['env'].items()) or 'as configured'}" for name, v in variants.items())
+        + "):", "", "| method | T | " + " | ".join(f"{name}: turns | {name}: median" for name in variants) + " |",
+        "|---|---|" + "---|---|" * len(variants)]
+    for key, name in _rows(result):
+        local = _speed(result, "in_process", key, name)[0]
+        cells = []
+        for variant in variants.values():
+            speeds = [turn.get(key, {}).get(name, {}).get("tokens_per_s") for turn in variant["turns"]]
+            ratios = [s / local for s in speeds if s and local]
+            cells += [" / ".join(_fmt(r, ".3f") for r in ratios) or "-",
+                      _fmt(statistics.median(ratios) if ratios else None, ".3f")]
+        lines.append(f"| {name} | {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -419,17 +485,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an engine parameter (config.pbtxt's names and values, e.g. static_prefill=256) set on both "
                              "sides: the in-process engine and the Triton model; repeatable")
+    parser.add_argument("--triton-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="another server for the Triton phase, with this environment (e.g. "
+                             "inline:DDTREE_INLINE_SENDS=1); the base server and each variant run in turns; repeatable")
+    parser.add_argument("--triton-turns", type=int, default=1, help="how many times the Triton phase runs the base "
+                        "server and each --triton-variant, in turns")
     add_freeze_heap_arg(parser)   # for the in-process speed phase
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="humaneval_cpu")
     args = parser.parse_args(argv)
     args.target, args.drafter = str(Path(args.target).resolve()), str(Path(args.drafter).resolve())
+    args.triton_variants = [parse_variant(v) for v in args.triton_variant]
     args.budgets = [int(b) for b in args.budgets.split(",")]
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.speed_budgets = args.budgets if args.speed_budgets is None else [int(b) for b in args.speed_budgets.split(",")]
     args.speed_temperatures = (args.temperatures if args.speed_temperatures is None
                                else [float(t) for t in args.speed_temperatures.split(",")])
     return args
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """NAME:KEY=VALUE[,KEY=VALUE] -> (NAME, {KEY: VALUE})."""
+    name, _, items = text.partition(":")
+    if not name or name == "base" or not items:
+        raise SystemExit(f"--triton-variant {text!r}: want NAME:KEY=VALUE[,KEY=VALUE] (NAME not 'base')")
+    env = {}
+    for item in items.split(","):
+        key, eq, value = item.partition("=")
+        if not key or not eq:
+            raise SystemExit(f"--triton-variant {text!r}: {item!r} is not KEY=VALUE")
+        env[key] = value
+    return name, env
 
 
 def merge_results(paths: list[str]) -> dict:
@@ -520,9 +606,18 @@ def main(argv: list[str] | None = None) -> dict:
     del engine
     gc.collect()
     if not args.skip_triton:
+        variants = [("base", {})] + args.triton_variants
         with phase(result, "triton_speed"):
-            result["triton"], texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
-                                                   args.max_new_tokens, args.seed, engine_args)
+            for turn in range(args.triton_turns):
+                for name, env in variants:   # in turns: each variant's server after the other's, turn after turn
+                    measured, measured_texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
+                                                            args.max_new_tokens, args.seed, engine_args, env)
+                    if turn == 0 and name == "base":
+                        result["triton"], texts = measured, measured_texts
+                    if len(variants) > 1 or args.triton_turns > 1:
+                        result.setdefault("triton_variants", {}).setdefault(name, {"env": env, "turns": []})
+                        result["triton_variants"][name]["turns"].append(measured)
+                        write_results(out_dir, args.name, result, table(result))
         compare_triton(result, tokenizer, in_process_ids, texts, speed_ids)
     result["plots"] = plot(result, out_dir, args.name)
     write_results(out_dir, args.name, result, table(result))

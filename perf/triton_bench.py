@@ -70,6 +70,30 @@ STAGE_METRICS = {"batch_rounds": "ddtree_batch_rounds_total", "rounds": "ddtree_
                  "verify_gpu": "ddtree_verify_gpu_seconds_total", "draft_gpu": "ddtree_draft_gpu_seconds_total"}
 
 
+# the generation model's per-request histograms (seconds, from the request's arrival in the model's process): their
+# _sum and _count give the means of a window (request_split)
+REQUEST_HISTOGRAMS = {"ttft": "ddtree_time_to_first_token_seconds", "queue": "ddtree_request_queue_seconds",
+                      "take": "ddtree_request_take_seconds", "prefill": "ddtree_request_prefill_seconds",
+                      "latency": "ddtree_request_latency_seconds"}
+
+
+def request_sums(metrics_url: str) -> dict[str, float]:
+    """The per-request histograms' sums and counts (summed over instances), for request_split."""
+    names = {f"{name}_{part}" for name in REQUEST_HISTOGRAMS.values() for part in ("sum", "count")}
+    return scrape_metrics(metrics_url, names)
+
+
+def request_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean ms per request between two readings of request_sums: ttft (arrival in the model -> first response
+    queued), queue (-> prefill start), take (-> the engine thread took it), prefill, latency (-> final response queued)."""
+    split = {}
+    for key, name in REQUEST_HISTOGRAMS.items():
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+        split[f"{key}_ms"] = 1e3 * total / count if count else None
+    return split
+
+
 def scrape_metrics(metrics_url: str, names) -> dict[str, float]:
     """Counters and gauges from Triton's /metrics, each summed over its label sets (models, instances); a name that
     is not exported is absent."""

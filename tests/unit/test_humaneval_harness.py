@@ -4,6 +4,7 @@ across methods and to batch-1 decoding) and the report it writes."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -130,3 +131,25 @@ def test_engine_args_set_the_config_as_the_model_parses_them():
     assert items == {"static_prefill": "256", "ar_lookahead": "auto"}
     with pytest.raises(ValueError, match="unknown engine parameter"):
         humaneval.with_engine_args(config, ["no_such=1"])
+
+
+def test_triton_variants_parse_and_their_environment_is_undone():
+    assert humaneval.parse_variant("inline:DDTREE_INLINE_SENDS=1,DDTREE_OUTBOX_GATE=0") == (
+        "inline", {"DDTREE_INLINE_SENDS": "1", "DDTREE_OUTBOX_GATE": "0"})
+    for bad in ("inline", "base:A=1", "x:A", ":A=1"):
+        with pytest.raises(SystemExit):
+            humaneval.parse_variant(bad)
+    os.environ.pop("DDTREE_TEST_ONLY_VAR", None)
+    with humaneval.environment({"DDTREE_TEST_ONLY_VAR": "1"}):
+        assert os.environ["DDTREE_TEST_ONLY_VAR"] == "1"
+    assert "DDTREE_TEST_ONLY_VAR" not in os.environ
+
+
+def test_request_split_takes_the_means_of_a_window():
+    from perf.triton_bench import request_split
+    before = {"ddtree_time_to_first_token_seconds_sum": 1.0, "ddtree_time_to_first_token_seconds_count": 10}
+    after = {"ddtree_time_to_first_token_seconds_sum": 1.05, "ddtree_time_to_first_token_seconds_count": 15,
+             "ddtree_request_latency_seconds_sum": 0.5, "ddtree_request_latency_seconds_count": 5}
+    split = request_split(before, after)
+    assert split["ttft_ms"] == pytest.approx(10.0) and split["latency_ms"] == pytest.approx(100.0)
+    assert split["queue_ms"] is None   # nothing counted in the window
