@@ -1,0 +1,252 @@
+"""Where the serving loop's rounds lose to the engine's own loop, in one process, with no server.
+
+Through Triton the engine's drafting rounds took longer than in process (perf/humaneval.py's stage table: on the H100
+at b0678b3 `dflash`'s draft 0.23 against 0.18 ms a round, host 0.17 against 0.14, plus 0.05 of serve), and the same
+showed in process with the GenerationService on its thread and no IPC at all (serve_overhead_h200.md: `service`
+against `alone`). This runs the same requests, one at a time, on one engine, in turns, each side after the other:
+
+- `alone`: Engine.generate on the main thread, as the in-process benchmarks run it;
+- `thread`: the same on a thread of its own (is it the thread?);
+- `service`: a GenerationService (engine thread, outbox thread, the device-wait gate on CUDA) with sinks that keep
+  nothing (its own loop's cost, no IPC);
+- `pipe`: the same with the engine process's sinks (ddtree.engine_process._PipeSink) writing every response into a
+  socket pair that another process drains (the child's sends, without the stub);
+- `pipe-inline`, `pipe-nogate`: `pipe` with DDTREE_INLINE_SENDS=1 (sends on the engine thread), DDTREE_OUTBOX_GATE=0
+  (the outbox's calls not held for the engine's device waits).
+
+Per side and method: tokens/s and ms a round of each stage (draft, verify, host, and the serving loop's own work:
+serve), the median over the turns, and each side's tokens/s against `alone` turn by turn.
+
+    python perf/service_probe.py --device cuda --dtype bfloat16 --name service_probe_h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddtree import api  # noqa: E402
+from ddtree.config import EngineConfig  # noqa: E402
+from ddtree.engine import Engine  # noqa: E402
+from ddtree.request import Request  # noqa: E402
+from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.serving import GenerationService, freeze_heap  # noqa: E402
+from ddtree.tokenizer import Tokenizer  # noqa: E402
+from ddtree.triton_common import load_tokenizer  # noqa: E402
+from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
+from perf.humaneval import encode_prompts, load_problems  # noqa: E402
+
+SIDES = ("alone", "thread", "service", "pipe", "pipe-inline", "pipe-nogate")
+SIDE_ENV = {"pipe-inline": {"DDTREE_INLINE_SENDS": "1"}, "pipe-nogate": {"DDTREE_OUTBOX_GATE": "0"}}
+FLAGS = {flag: True for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                                 "return_acceptance_stats")}
+STAGES = ("draft", "verify", "host")
+
+
+def params_for(method: str, max_tokens: int) -> SamplingParams:
+    mode, _, budget = method.partition("-")
+    return SamplingParams(max_tokens=max_tokens, mode=mode, tree_budget=int(budget or 16), temperature=0.0)
+
+
+class _KeepNothing:
+    """A ResponseSink that keeps nothing: the service's own cost, no IPC."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def send(self, outputs, final: bool) -> None:
+        if final:
+            self.done.set()
+
+    def send_error(self, message: str, kind: str, final: bool = True) -> None:
+        self.done.set()
+
+
+class _Drained:
+    """One end of a socket pair whose other end a forked process reads and drops (the engine process's parent)."""
+
+    def __init__(self) -> None:
+        from multiprocessing.connection import Connection
+
+        from ddtree.engine_process import _Link
+
+        ours, theirs = socket.socketpair()
+        self.pid = os.fork()
+        if self.pid == 0:   # the reader: nothing of the engine's runs here
+            ours.close()
+            conn = Connection(theirs.detach())
+            while True:
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    os._exit(0)
+        theirs.close()
+        self.link = _Link(Connection(ours.detach()))
+
+    def close(self) -> None:
+        self.link.conn.close()
+        os.waitpid(self.pid, 0)
+
+
+class _PipeDone:
+    """A _PipeSink that also says when its final response went out."""
+
+    def __init__(self, link, pid: int) -> None:
+        from ddtree.engine_process import _PipeSink
+
+        self.done = threading.Event()
+        self.sink = _PipeSink(link, pid, {})
+
+    def is_cancelled(self) -> bool:
+        return self.sink.is_cancelled()
+
+    def send(self, outputs, final: bool) -> None:
+        self.sink.send(outputs, final)
+        if final:
+            self.done.set()
+
+    def send_error(self, message: str, kind: str, final: bool = True) -> None:
+        self.sink.send_error(message, kind, final)
+        if final:
+            self.done.set()
+
+
+def snapshot(engine: Engine, service: GenerationService | None) -> dict[str, float]:
+    t = engine.stage_times
+    return {"batch_rounds": t.batch_rounds, "draft": t.draft, "verify": t.verify, "host": t.host,
+            "serve": service.stats.serve_seconds if service is not None else 0.0}
+
+
+def run_side(side: str, engine: Engine, tokenizer, prompts: list[list[int]], params: SamplingParams,
+             drained: _Drained) -> dict[str, float]:
+    """One side's pass over the prompts: tokens/s (each request from submit to its final response) and ms a round."""
+    tokens, seconds, service = 0, 0.0, None
+    if side in ("alone", "thread"):
+        def generate() -> None:
+            nonlocal tokens, seconds
+            for i, ids in enumerate(prompts):
+                request = Request(f"{side}-{i}-{time.monotonic_ns()}", list(ids), params)
+                start = time.perf_counter()
+                for _ in engine.generate(request):
+                    pass
+                seconds += time.perf_counter() - start
+                tokens += request.num_output_tokens
+
+        before = snapshot(engine, None)
+        if side == "alone":
+            generate()
+        else:
+            worker = threading.Thread(target=generate, name="probe-thread")
+            worker.start()
+            worker.join()
+        after = snapshot(engine, None)
+    else:
+        saved = {key: os.environ.get(key) for key in ("DDTREE_INLINE_SENDS", "DDTREE_OUTBOX_GATE")}
+        for key in saved:
+            os.environ.pop(key, None)
+        os.environ.update(SIDE_ENV.get(side, {}))
+        try:
+            service = GenerationService(engine, tokenizer, on_stats=lambda stats: None)
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        before = snapshot(engine, service)
+        for i, ids in enumerate(prompts):
+            sink = _KeepNothing() if side == "service" else _PipeDone(drained.link, i)
+            request = api.GenerateRequest(list(ids), params, True, None, FLAGS)
+            start = time.perf_counter()
+            service.submit(f"{side}-{i}", request, sink)
+            if not sink.done.wait(300):
+                raise RuntimeError(f"{side}: request {i} did not finish")
+            seconds += time.perf_counter() - start
+        after = snapshot(engine, service)
+        tokens = service.stats.num_output_tokens
+        service.shutdown()
+        engine.wait_gate = None
+    rounds = after["batch_rounds"] - before["batch_rounds"]
+    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "rounds": rounds,
+            **{f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in (*STAGES, "serve")}}
+
+
+def table(result: dict) -> str:
+    lines = ["Medians over the turns (ms a round; tok/s each request from its submit to its final response; "
+             "vs alone: the median of the turns' ratios):", "",
+             "| method | side | tok/s | vs alone | draft | verify | host | serve |", "|---|---|---|---|---|---|---|---|"]
+    for method, sides in result["summary"].items():
+        for side, s in sides.items():
+            lines.append(f"| {method} | {side} | {s['tokens_per_s']:.1f} | {s['vs_alone']:.3f} | {s['draft_ms']:.3f} | "
+                         f"{s['verify_ms']:.3f} | {s['host_ms']:.3f} | {s['serve_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--methods", default="ar,dflash,ddtree-16")
+    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--prompts", type=int, default=10, help="HumanEval prompts a pass")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="service_probe_cpu")
+    args = parser.parse_args(argv)
+    sides, methods = args.sides.split(","), args.methods.split(",")
+    unknown = set(sides) - set(SIDES)
+    if unknown:
+        parser.error(f"unknown sides {sorted(unknown)}; known: {', '.join(SIDES)}")
+    tokenizer = Tokenizer(args.target)
+    prompts = encode_prompts(tokenizer, load_problems(None)[: args.prompts])
+    config = EngineConfig(target_path=args.target, drafter_path=args.drafter, device=args.device, dtype=args.dtype,
+                          max_num_seqs=4, max_model_len=max(map(len, prompts)) + args.max_tokens + 1)
+    engine = Engine(config)
+    engine.warm_up()
+    freeze_heap()   # as the served engine, after its warm-up
+    served_tokenizer = load_tokenizer(args.target)
+    drained = _Drained() if any(side.startswith("pipe") for side in sides) else None
+    result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
+              "dtype": args.dtype, "methods": methods, "sides": sides, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "turns": [], "summary": {}}
+    try:
+        for method in methods:   # warm: each side once, unmeasured
+            for side in sides:
+                run_side(side, engine, served_tokenizer, prompts[:1], params_for(method, 16), drained)
+        for turn in tqdm(range(args.turns), desc="turns"):
+            measured = {}
+            for method in methods:
+                order = sides[turn % len(sides):] + sides[: turn % len(sides)]   # rotated: no side always first
+                measured[method] = {side: run_side(side, engine, served_tokenizer, prompts,
+                                                   params_for(method, args.max_tokens), drained) for side in order}
+            result["turns"].append(measured)
+    finally:
+        if drained is not None:
+            drained.close()
+    for method in methods:
+        result["summary"][method] = {}
+        for side in sides:
+            runs = [turn[method][side] for turn in result["turns"]]
+            ratios = [turn[method][side]["tokens_per_s"] / turn[method]["alone"]["tokens_per_s"]
+                      for turn in result["turns"]] if "alone" in sides else [float("nan")]
+            result["summary"][method][side] = {
+                **{key: statistics.median(run[key] for run in runs)
+                   for key in ("tokens_per_s", *(f"{k}_ms" for k in (*STAGES, "serve")))},
+                "vs_alone": statistics.median(ratios), "vs_alone_turns": ratios}
+    write_results(Path(args.out), args.name, result, table(result))
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
