@@ -394,7 +394,11 @@ class Engine:
         are read after that round (_resolve_firsts)."""
         outputs, self._firsts = [], []   # (a step that failed left its groups: their requests were aborted)
         if self._ahead is not None and not (self._lookahead_ok(self.running) and self._ahead.matches(self.running)):
+            t_settle = time.perf_counter()
             outputs += self._settle_ahead()   # a request arrives (or the batch changes): the queued steps are a round
+            # a round of its own, outside _round: its time is a decoding round's too, else the host time (decode less
+            # draft and verify) went down by it, and a counter of it (ddtree_host_seconds_total) cannot
+            self.stage_times.decode += time.perf_counter() - t_settle
         ahead = self._draft_ahead
         if ahead is not None and (ahead.seq.request.finish_reason is not None or not any(s is ahead.seq for s in self.running)):
             self._draft_ahead = None   # its request ended or was aborted: its slot's context is reset by the next prefill

@@ -204,6 +204,8 @@ class TritonMetrics:
                 if kind == pb_utils.MetricFamily.GAUGE:
                     metric.set(value)
                 elif kind == pb_utils.MetricFamily.COUNTER:
+                    if value < (last or 0):   # a counter never goes down (Triton refuses it, and the fields after it
+                        continue              # went unpublished): counted on from its highest value once past it
                     metric.increment(value - (last or 0))
                 elif isinstance(value, list):   # a histogram of samples: those observed since the last snapshot
                     for sample in value:

@@ -6,6 +6,8 @@ step is queued (its prefill runs behind it, then the two decode together)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -276,3 +278,32 @@ def test_features_waiting_for_a_draft_are_folded_into_the_drafters_context(famil
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert folding.stage_times.folded_rows > 0 and plain.stage_times.folded_rows == 0
     assert f_waiting <= 6 < waiting, (f_waiting, waiting)
+
+
+def test_the_host_time_never_goes_down_when_a_queued_step_is_settled(tiny_models, hybrid):
+    """A queued step settled as a round of its own (an arrival) counts its time as a decoding round's: the host time
+    (decode less draft and verify) was lowered by it, and the metric that publishes it, a counter, then refused the
+    update (and the fields after it went unpublished)."""
+    _, ahead = engines("qwen3", tiny_models, hybrid, max_num_seqs=4)
+    ahead.add(Request("first", prompt(5), SamplingParams(mode="ar", max_tokens=30, ignore_eos=True)))
+    settled, real, advance = [], ahead._settle_ahead, ahead._advance_steps
+
+    def settle():   # a settle that waits on the device as a GPU's does (its read and commit inside its timed window)
+        settled.append(1)
+        ahead._advance_steps = lambda *a: time.sleep(0.02) or advance(*a)
+        try:
+            return real()
+        finally:
+            ahead._advance_steps = advance
+
+    ahead._settle_ahead = settle
+    hosts, arrivals = [], iter(range(6))
+    while ahead.has_work:
+        if len(hosts) % 3 == 2 and (i := next(arrivals, None)) is not None:   # an arrival every third step
+            ahead.add(Request(f"arrival-{i}", prompt(10 + i, 9), SamplingParams(mode="ar", max_tokens=4, ignore_eos=True)))
+        ahead.step()
+        times = ahead.stage_times
+        hosts.append(times.host)
+        assert times.decode >= times.draft + times.verify - 1e-9
+    assert settled, "no queued step was settled outside a round: the test did not test it"
+    assert all(b >= a - 1e-9 for a, b in zip(hosts, hosts[1:])), hosts
