@@ -134,7 +134,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         repo = make_repository(config, workdir, {"max_num_seqs": str(max(levels)), "max_queue_size": "1024", **engine}, gpus)
-        with TritonServer(str(repo), log_path=str(workdir / "server.log")) as server:
+        # the server's log beside the results (a run cut off by a time limit keeps it: what the server did meanwhile)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with TritonServer(str(repo), log_path=str(Path(args.out) / f"{args.name}_server.log")) as server:
+            print(f"{time.strftime('%H:%M:%S')} server ready", flush=True)
             for level in levels:
                 count = max(args.requests_per_stream * level, 4)
                 if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size
@@ -144,7 +147,8 @@ def main() -> None:
                     for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
                         entry = measure(server, workdir, prompts, method, args, count, level)
                         runs[method[2]].setdefault(str(level), []).append(entry)
-                        print(f"{method[2]} c={level} run {repeat + 1}/{args.repeats}: {entry}", flush=True)
+                        print(f"{time.strftime('%H:%M:%S')} {method[2]} c={level} run {repeat + 1}/{args.repeats}: {entry}",
+                              flush=True)
                 for _, _, name in methods:
                     result["methods"][name][str(level)] = median_run(runs[name][str(level)])
                 result["paired"] = paired_ratios(result["methods"])
