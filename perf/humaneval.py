@@ -232,9 +232,10 @@ def environment(env: dict[str, str]):
 
 def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
                  max_new_tokens: int, seed: int, engine_args: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None) -> tuple[dict, dict]:
+                 env: dict[str, str] | None = None, log_path: Path | None = None) -> tuple[dict, dict]:
     """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver; engine_args:
-    more of the model's parameters (--engine); env: the server's extra environment (a --triton-variant)."""
+    more of the model's parameters (--engine); env: the server's extra environment (a --triton-variant); log_path:
+    where the server's log goes (default: a temporary directory, gone after)."""
     from client.chat import ChatStream
     from perf.triton_bench import TritonServer, make_repository, request_split, request_sums, triton_stages, wait_stages
 
@@ -244,7 +245,8 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
         # buckets, slots), so the same numerics and, in bf16, the same texts and rounds on both sides
         repo = make_repository(config, Path(tmp), extra={"max_model_len": str(config.max_model_len),
                                                          "max_num_seqs": str(config.max_num_seqs), **(engine_args or {})})
-        with TritonServer(str(repo), log_path=str(Path(tmp) / "server.log")) as server, ChatStream(server.grpc_url) as chat:
+        with TritonServer(str(repo), log_path=str(log_path or Path(tmp) / "server.log")) as server, \
+                ChatStream(server.grpc_url) as chat:
             for method in methods:
                 stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed), chat=chat)
             for temperature in temperatures:
@@ -610,8 +612,11 @@ def main(argv: list[str] | None = None) -> dict:
         with phase(result, "triton_speed"):
             for turn in range(args.triton_turns):
                 for name, env in variants:   # in turns: each variant's server after the other's, turn after turn
+                    # each server's log beside the results (its warm-up, its requests): a run cut off keeps them
+                    log_path = out_dir / f"{args.name}_server_{name}_{turn + 1}.log"
+                    out_dir.mkdir(parents=True, exist_ok=True)
                     measured, measured_texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
-                                                            args.max_new_tokens, args.seed, engine_args, env)
+                                                            args.max_new_tokens, args.seed, engine_args, env, log_path)
                     if turn == 0 and name == "base":
                         result["triton"], texts = measured, measured_texts
                     if len(variants) > 1 or args.triton_turns > 1:
