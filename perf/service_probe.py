@@ -15,7 +15,11 @@ against `alone`). This runs the same requests, one at a time, on one engine, in 
   (the outbox's calls not held for the engine's device waits).
 
 Per side and method: tokens/s and ms a round of each stage (draft, verify, host, and the serving loop's own work:
-serve), the median over the turns, and each side's tokens/s against `alone` turn by turn.
+serve), the median over the turns, and each side's tokens/s against `alone` turn by turn. With --parts, the serving
+sides' loops are timed part by part (the response's text and outputs, Stream.add; the outbox's put; the metrics'
+_report; _take_jobs; _claim_relayed_stops): us a round of each, where the serve time goes. (On the 2-core CPU, with a
+stand-in engine whose "device waits" are sleeps, each part took ~5x inside the loop what it takes called in a tight
+loop: Python right after a thread's wait runs cold.)
 
     python perf/service_probe.py --device cuda --dtype bfloat16 --name service_probe_h100
 """
@@ -124,6 +128,50 @@ class _PipeDone:
             self.done.set()
 
 
+PARTS = ("_report", "_take_jobs", "_claim_relayed_stops")   # GenerationService methods timed with --parts
+
+
+class PartTimer:
+    """Wall time of the serving loop's parts on the engine thread (--parts): each wrapped method's seconds and calls."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, name: str, function):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return timed
+
+    def attach(self, service: GenerationService) -> None:
+        from ddtree import serving
+
+        for name in PARTS:
+            setattr(service, name, self.wrap(name, getattr(service, name)))
+        service._outbox.put = self.wrap("outbox.put", service._outbox.put)
+        if not hasattr(serving._Stream.add, "__wrapped_by_probe__"):
+            original = serving._Stream.add
+            timer = self
+
+            def add(stream, *args, **kwargs):
+                return timer.wrap("Stream.add", original)(stream, *args, **kwargs)
+            add.__wrapped_by_probe__ = original
+            serving._Stream.add = add
+
+    @staticmethod
+    def detach() -> None:
+        from ddtree import serving
+
+        original = getattr(serving._Stream.add, "__wrapped_by_probe__", None)
+        if original is not None:
+            serving._Stream.add = original
+
+
 def snapshot(engine: Engine, service: GenerationService | None) -> dict[str, float]:
     t = engine.stage_times
     return {"batch_rounds": t.batch_rounds, "draft": t.draft, "verify": t.verify, "host": t.host,
@@ -131,7 +179,7 @@ def snapshot(engine: Engine, service: GenerationService | None) -> dict[str, flo
 
 
 def run_side(side: str, engine: Engine, tokenizer, prompts: list[list[int]], params: SamplingParams,
-             drained: _Drained) -> dict[str, float]:
+             drained: _Drained, parts: bool = False) -> dict[str, float]:
     """One side's pass over the prompts: tokens/s (each request from submit to its final response) and ms a round."""
     tokens, seconds, service = 0, 0.0, None
     if side in ("alone", "thread"):
@@ -163,6 +211,9 @@ def run_side(side: str, engine: Engine, tokenizer, prompts: list[list[int]], par
         finally:
             for key, value in saved.items():
                 os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        timer = PartTimer() if parts else None
+        if timer is not None:
+            timer.attach(service)
         before = snapshot(engine, service)
         for i, ids in enumerate(prompts):
             sink = _KeepNothing() if side == "service" else _PipeDone(drained.link, i)
@@ -176,9 +227,14 @@ def run_side(side: str, engine: Engine, tokenizer, prompts: list[list[int]], par
         tokens = service.stats.num_output_tokens
         service.shutdown()
         engine.wait_gate = None
+        PartTimer.detach()
     rounds = after["batch_rounds"] - before["batch_rounds"]
-    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "rounds": rounds,
-            **{f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in (*STAGES, "serve")}}
+    measured = {"tokens_per_s": tokens / seconds, "tokens": tokens, "rounds": rounds,
+                **{f"{k}_ms": 1e3 * (after[k] - before[k]) / max(rounds, 1) for k in (*STAGES, "serve")}}
+    if service is not None and timer is not None:   # us a round of each part, and its calls a round
+        measured["parts_us"] = {name: 1e6 * t / max(rounds, 1) for name, t in timer.seconds.items()}
+        measured["parts_calls"] = {name: n / max(rounds, 1) for name, n in timer.calls.items()}
+    return measured
 
 
 def table(result: dict) -> str:
@@ -189,6 +245,14 @@ def table(result: dict) -> str:
         for side, s in sides.items():
             lines.append(f"| {method} | {side} | {s['tokens_per_s']:.1f} | {s['vs_alone']:.3f} | {s['draft_ms']:.3f} | "
                          f"{s['verify_ms']:.3f} | {s['host_ms']:.3f} | {s['serve_ms']:.3f} |")
+    parts = [(method, side, s["parts_us"]) for method, sides in result["summary"].items()
+             for side, s in sides.items() if s.get("parts_us")]
+    if parts:
+        names = sorted({name for _, _, p in parts for name in p})
+        lines += ["", "The serving loop's parts on the engine thread (us a round, median of the turns; --parts):", "",
+                  "| method | side | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for method, side, p in parts:
+            lines.append(f"| {method} | {side} | " + " | ".join(f"{p.get(name, 0.0):.1f}" for name in names) + " |")
     return "\n".join(lines)
 
 
@@ -200,6 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompts", type=int, default=10, help="HumanEval prompts a pass")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--parts", action="store_true", help="time the serving loop's parts on the engine thread "
+                        "(adds a timer's cost to the serving sides)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="service_probe_cpu")
     args = parser.parse_args(argv)
@@ -228,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
             for method in methods:
                 order = sides[turn % len(sides):] + sides[: turn % len(sides)]   # rotated: no side always first
                 measured[method] = {side: run_side(side, engine, served_tokenizer, prompts,
-                                                   params_for(method, args.max_tokens), drained) for side in order}
+                                                   params_for(method, args.max_tokens), drained, args.parts)
+                                    for side in order}
             result["turns"].append(measured)
     finally:
         if drained is not None:
@@ -243,6 +310,9 @@ def main(argv: list[str] | None = None) -> dict:
                 **{key: statistics.median(run[key] for run in runs)
                    for key in ("tokens_per_s", *(f"{k}_ms" for k in (*STAGES, "serve")))},
                 "vs_alone": statistics.median(ratios), "vs_alone_turns": ratios}
+            if all(run.get("parts_us") for run in runs):
+                result["summary"][method][side]["parts_us"] = {
+                    name: statistics.median(run["parts_us"].get(name, 0.0) for run in runs) for name in runs[0]["parts_us"]}
     write_results(Path(args.out), args.name, result, table(result))
     print(table(result))
     return result
