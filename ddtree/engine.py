@@ -397,7 +397,7 @@ class Engine:
             t_settle = time.perf_counter()
             outputs += self._settle_ahead()   # a request arrives (or the batch changes): the queued steps are a round
             # a round of its own, outside _round: its time is a decoding round's too, else the host time (decode less
-            # draft and verify) went down by it, and a counter of it (ddtree_host_seconds_total) cannot
+            # draft and verify) went down by it, which its counter (ddtree_host_seconds_total) cannot
             self.stage_times.decode += time.perf_counter() - t_settle
         ahead = self._draft_ahead
         if ahead is not None and (ahead.seq.request.finish_reason is not None or not any(s is ahead.seq for s in self.running)):
