@@ -28,11 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree.config import EngineConfig  # noqa: E402
 from perf.common import ROOT, add_model_args, header, per_round_ms, write_results  # noqa: E402
 from perf.triton_bench import (  # noqa: E402
+    REQUEST_HISTOGRAMS,
     TritonServer,
     auto_arms,
     input_data,
     make_repository,
     model_stats,
+    request_split,
+    request_sums,
     run_perf_analyzer,
     scrape_metrics,
     triton_stages,
@@ -170,7 +173,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     pre = model_stats(server.http_url, "preprocessing")
     arms = auto_arms(server.metrics_url)
     counters = scrape_metrics(server.metrics_url, {LATE, *STALLS.values()})
-    ttft = scrape_metrics(server.metrics_url, set(TTFT + QUEUE + PREFILL + TAKE))
+    sums = request_sums(server.metrics_url)
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
     # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing step (one
@@ -196,11 +199,10 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     # the engine's share of the time to first token: from a request's arrival at the generation model to its first
     # token, mean over the run's requests; of which the wait for the prefill that admits it, and that prefill
     # (ddtree_request_{queue,prefill}_seconds: published with the TTFT's samples)
-    now = wait_count(server.metrics_url, TTFT[1], ttft.get(TTFT[1], 0.0) + entry["num_requests"])
-    for key, (total, count) in (("engine_ttft_ms", TTFT), ("engine_queue_ms", QUEUE), ("engine_prefill_ms", PREFILL),
-                                ("engine_take_ms", TAKE)):
-        n = now.get(count, 0.0) - ttft.get(count, 0.0)
-        entry[key] = 1e3 * (now.get(total, 0.0) - ttft.get(total, 0.0)) / n if n else None
+    counted = REQUEST_HISTOGRAMS["ttft"] + "_count"
+    split = request_split(sums, wait_count(server.metrics_url, counted, sums.get(counted, 0.0) + entry["num_requests"]))
+    for key in ("ttft", "queue", "prefill", "take"):   # the take: of the queue, to the engine thread's taking it
+        entry[f"engine_{key}_ms"] = split[f"{key}_ms"]
     # the preprocessing step: one execution per request (chat template, tokenizer), part of its time to first token
     entry["preprocessing"] = per_execution(pre, model_stats(server.http_url, "preprocessing"))
     return entry
@@ -214,18 +216,12 @@ def per_execution(before: dict, after: dict) -> dict:
             "compute_ms": (after["compute_ns"] - before["compute_ns"]) / max(executions, 1) / 1e6}
 
 
-TTFT = ("ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count")
-QUEUE = ("ddtree_request_queue_seconds_sum", "ddtree_request_queue_seconds_count")
-PREFILL = ("ddtree_request_prefill_seconds_sum", "ddtree_request_prefill_seconds_count")
-TAKE = ("ddtree_request_take_seconds_sum", "ddtree_request_take_seconds_count")   # of the queue: to the engine's take
-
-
 def wait_count(metrics_url: str, name: str, at_least: float, timeout_s: float = 5.0) -> dict[str, float]:
-    """The TTFT, queue and prefill histograms' sums and counts once `name` reaches at_least (metrics trail the
+    """The per-request histograms' sums and counts (request_sums) once `name` reaches at_least (metrics trail the
     responses) or the time is up."""
     deadline = time.monotonic() + timeout_s
     while True:
-        values = scrape_metrics(metrics_url, set(TTFT + QUEUE + PREFILL + TAKE))
+        values = request_sums(metrics_url)
         if values.get(name, 0.0) >= at_least or time.monotonic() > deadline:
             return values
         time.sleep(0.1)

@@ -614,7 +614,6 @@ def main(argv: list[str] | None = None) -> dict:
                 for name, env in variants:   # in turns: each variant's server after the other's, turn after turn
                     # each server's log beside the results (its warm-up, its requests): a run cut off keeps them
                     log_path = out_dir / f"{args.name}_server_{name}_{turn + 1}.log"
-                    out_dir.mkdir(parents=True, exist_ok=True)
                     measured, measured_texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
                                                             args.max_new_tokens, args.seed, engine_args, env, log_path)
                     if turn == 0 and name == "base":

@@ -48,7 +48,7 @@ from ddtree.serving import GenerationService, freeze_heap  # noqa: E402
 from ddtree.tokenizer import Tokenizer  # noqa: E402
 from ddtree.triton_common import load_tokenizer  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
-from perf.humaneval import encode_prompts, load_problems  # noqa: E402
+from perf.humaneval import encode_prompts, environment, load_problems  # noqa: E402
 
 SIDES = ("alone", "thread", "service", "pipe", "pipe-inline", "pipe-nogate")
 SIDE_ENV = {"pipe-inline": {"DDTREE_INLINE_SENDS": "1"}, "pipe-nogate": {"DDTREE_OUTBOX_GATE": "0"}}
@@ -202,15 +202,9 @@ def run_side(side: str, engine: Engine, tokenizer, prompts: list[list[int]], par
             worker.join()
         after = snapshot(engine, None)
     else:
-        saved = {key: os.environ.get(key) for key in ("DDTREE_INLINE_SENDS", "DDTREE_OUTBOX_GATE")}
-        for key in saved:
-            os.environ.pop(key, None)
-        os.environ.update(SIDE_ENV.get(side, {}))
-        try:
+        # the service reads these when it starts: each side's, the others at their defaults
+        with environment({"DDTREE_INLINE_SENDS": "0", "DDTREE_OUTBOX_GATE": "", **SIDE_ENV.get(side, {})}):
             service = GenerationService(engine, tokenizer, on_stats=lambda stats: None)
-        finally:
-            for key, value in saved.items():
-                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
         timer = PartTimer() if parts else None
         if timer is not None:
             timer.attach(service)

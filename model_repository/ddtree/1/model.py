@@ -10,10 +10,7 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from ddtree import (
-    api,  # noqa: E402
-    engine_process,  # noqa: E402
-)
+from ddtree import api, engine_process  # noqa: E402
 from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.errors import InvalidRequest  # noqa: E402
 from ddtree.stop_registry import StopRegistry, default_directory  # noqa: E402
