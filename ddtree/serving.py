@@ -6,6 +6,7 @@ tests can use any object with the same three methods.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -48,6 +49,7 @@ class Job:
     check_queued: bool = False  # a cancellation check is waiting in the outbox
     engine_request: Request | None = None
     stream: "_Stream | None" = None
+    text_on_outbox: bool = False  # its responses are built on the outbox (no stop strings: its end never waits on text)
     first_token: bool = False   # its first token was generated (time to first token observed)
     taken_s: float = 0.0        # when the engine thread took it from the queue (_start; time.perf_counter)
 
@@ -209,11 +211,19 @@ class Outbox:
     device, not while it prepares and launches a round. Every torch call releases the GIL, so a second thread that
     wants it gets it at each of the engine thread's launches and holds it for its own Python; on the H200 through
     Triton the stub's draft stage took 0.65-0.70 ms of host time a round against 0.28-0.41 in process
-    (humaneval_h200_treeprog)."""
+    (humaneval_h200_treeprog).
 
-    def __init__(self, inline: bool = False, gate: threading.Event | None = None) -> None:
+    defer (with a gate; DDTREE_OUTBOX_WAKE=round): the owner thread's (the engine's) calls are held in a list and handed
+    over when the gate opens (DeviceWaitGate.on_open: the engine's next device wait, or its idle wait), one wake-up
+    of the outbox thread a round; otherwise every put wakes it, and the thread takes the GIL at the engine thread's
+    next launch only to find the gate closed and wait again. Calls from other threads go at once."""
+
+    def __init__(self, inline: bool = False, gate: threading.Event | None = None, defer: bool = False) -> None:
         self.inline = inline
         self.gate = gate
+        self.defer = defer and gate is not None and not inline
+        self.owner: int | None = None     # the thread whose calls are deferred (the engine thread, once it runs)
+        self._pending: collections.deque = collections.deque()
         self._closing = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ddtree-outbox", daemon=True)
@@ -223,8 +233,26 @@ class Outbox:
     def put(self, call, *args) -> None:
         if self.inline:
             self._call(call, args)
+        elif self.defer and threading.get_ident() == self.owner:
+            self._pending.append((time.monotonic(), call, args))
         else:
             self._queue.put((time.monotonic(), call, args))
+
+    def flush(self) -> None:
+        """The deferred calls to the outbox thread, in order, with one wake-up."""
+        batch = []
+        while self._pending:
+            try:
+                batch.append(self._pending.popleft())
+            except IndexError:
+                break
+        if batch:
+            self._queue.put(batch)
+
+    def flush_late(self) -> None:
+        """Once a loop: deferred calls that have waited GATE_WAIT_S for a device wait go anyway (steps that never wait)."""
+        if self._pending and time.monotonic() - self._pending[0][0] > GATE_WAIT_S:
+            self.flush()
 
     @staticmethod
     def _call(call, args) -> None:
@@ -236,19 +264,34 @@ class Outbox:
     def _run(self) -> None:
         name_native_thread("ddtree-outbox")
         while (item := self._queue.get()) is not None:
-            queued_s, call, args = item
-            if self.gate is not None and not self._closing:
-                wait_s = queued_s + GATE_WAIT_S - time.monotonic()
-                if wait_s > 0:
-                    self.gate.wait(wait_s)
-            self._call(call, args)
+            for queued_s, call, args in item if isinstance(item, list) else (item,):
+                if self.gate is not None and not self._closing:
+                    wait_s = queued_s + GATE_WAIT_S - time.monotonic()
+                    if wait_s > 0:
+                        self.gate.wait(wait_s)
+                self._call(call, args)
 
     def close(self, timeout_s: float) -> None:
         """Send what is queued (without waiting for the gate), then stop."""
         if not self.inline:
+            self.flush()
             self._closing = True
             self._queue.put(None)
             self._thread.join(timeout_s)
+
+
+class DeviceWaitGate(threading.Event):
+    """Open while the engine thread waits on the device (Engine.wait_gate) or for requests; opening it first calls
+    on_open (the outbox's flush)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_open = None
+
+    def set(self) -> None:
+        if self.on_open is not None:
+            self.on_open()
+        super().set()
 
 
 class GenerationService:
@@ -284,12 +327,18 @@ class GenerationService:
         # (a diagnostic) turns that off, =1 on whatever the device
         gate = os.environ.get("DDTREE_OUTBOX_GATE", "")
         gated = gate == "1" or (gate != "0" and getattr(getattr(engine, "device", None), "type", None) == "cuda")
-        self._gate = threading.Event() if gated else None
+        self._gate = DeviceWaitGate() if gated else None
         interval = os.environ.get("DDTREE_SWITCH_INTERVAL_MS", "")   # a diagnostic: how long a thread may keep the GIL
         if interval:
             sys.setswitchinterval(float(interval) / 1e3)
         engine.wait_gate = self._gate
-        self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"), gate=self._gate)
+        self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"), gate=self._gate,
+                              defer=os.environ.get("DDTREE_OUTBOX_WAKE", "put") == "round")
+        if self._gate is not None:
+            self._gate.on_open = self._outbox.flush
+        # a request without stop strings has its responses built on the outbox (detokenized there, in the engine
+        # thread's device waits where gated); DDTREE_OUTBOX_TEXT=0 builds every response on the engine thread
+        self._text_on_outbox = os.environ.get("DDTREE_OUTBOX_TEXT", "0") not in ("", "0")
         if on_stats is not None:
             on_stats(self.stats)            # gauges start at their values (engine_healthy 1) before any request
         self._worker = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)
@@ -397,6 +446,7 @@ class GenerationService:
 
     def _loop(self) -> None:
         name_native_thread("ddtree-engine")
+        self._outbox.owner = threading.get_ident()
         try:
             while not self._stopping and self.fatal_error is None:
                 idle = not self.engine.has_work
@@ -418,11 +468,15 @@ class GenerationService:
                     if self._stalls.is_stall(self._step_seconds):
                         self._stall(gc_before, late_before, dynamic_before)
                     self._report()
+                    self._outbox.flush_late()
                     self.stats.serve_seconds += time.perf_counter() - start - self._step_seconds
                 else:
                     self._report()
         except BaseException as e:  # the thread itself failed (not one step): nothing would serve the queue
             self._fail_fatal(e, "engine thread died")
+        finally:
+            self._outbox.owner = None
+            self._outbox.flush()
 
     def _stall(self, gc_before: tuple[float, int], late_before: int, dynamic_before: int) -> None:
         engine = self.engine
@@ -494,6 +548,7 @@ class GenerationService:
                     rid, len(req.prompt_ids), params.mode, params.tree_budget, params.max_tokens, params.temperature)
         job.engine_request = Request(request_id=job.key, prompt_ids=req.prompt_ids, params=params)
         job.stream = _Stream(self.tokenizer, req)
+        job.text_on_outbox = self._text_on_outbox and not params.stop
         with self._lock:
             self._num_queued -= 1
         try:
@@ -556,15 +611,19 @@ class GenerationService:
                     self.engine.abort(job.key)
                     self._finish(job, "failed")
                     continue
-                chunk = job.stream.add(output, now, min_gap_s)
-                if chunk is not None:
-                    chunk[api.REQUEST_KEY] = job.key
-                    self.stats.num_responses += 1
-                    self._outbox.put(self._send, job, chunk, job.stream.finish_reason is not None)
-            except Exception:  # a failure here concerns this request only
+                if job.text_on_outbox:
+                    job.stream.finish_reason = output.finish_reason
+                    self._outbox.put(self._build_and_send, job, output, now, min_gap_s)
+                else:
+                    chunk = job.stream.add(output, now, min_gap_s)
+                    if chunk is not None:
+                        chunk[api.REQUEST_KEY] = job.key
+                        self.stats.num_responses += 1
+                        self._outbox.put(self._send, job, chunk, job.stream.finish_reason is not None)
+            except Exception as e:  # a failure here concerns this request only
                 logger.exception("[%s] could not build a response; dropping the request", job.request_id)
                 self.engine.abort(job.key)
-                self._finish(job, "failed")
+                self._finish(job, "internal", f"could not build a response: {type(e).__name__}: {e}")
                 continue
             if job.stream.finish_reason is not None:
                 self._end(job, job.stream.finish_reason)
@@ -594,6 +653,23 @@ class GenerationService:
         except Exception:
             logger.exception("[%s] could not send a response; dropping the request", job.request_id)
             job.send_failed = True
+
+    def _build_and_send(self, job: Job, output: RequestOutput, now: float, min_gap_s: float) -> None:
+        """On the outbox thread: a request's response built from its round (text_on_outbox) and sent. A failure ends
+        the client's stream with an error and drops the request at the engine's next round."""
+        if job.send_failed:
+            return
+        try:
+            chunk = job.stream.add(output, now, min_gap_s)
+        except Exception as e:
+            logger.exception("[%s] could not build a response; dropping the request", job.request_id)
+            job.send_failed = True
+            self._send_error(job, f"could not build a response: {type(e).__name__}: {e}", "internal")
+            return
+        if chunk is not None:
+            chunk[api.REQUEST_KEY] = job.key
+            self.stats.num_responses += 1
+            self._send(job, chunk, output.is_finished)
 
     @staticmethod
     def _send_error(job: Job, message: str, kind: str) -> None:

@@ -1,0 +1,135 @@
+"""The outbox's deferred hand-over (DDTREE_OUTBOX_WAKE=round) and responses built on the outbox (DDTREE_OUTBOX_TEXT=1):
+the engine thread's calls reach the outbox thread only when the gate opens (one wake-up a round), and a request
+without stop strings has its text made there; the streams are the same, and a response that cannot be built ends its
+stream with an error whichever thread built it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ddtree import api, serving
+from ddtree.detokenize import decode
+from ddtree.sampling_params import SamplingParams
+from ddtree.serving import DeviceWaitGate, GenerationService, Outbox
+from tests.unit.test_outbox_gate import wait_for
+from tests.unit.test_stop_strings import MAX_TOKENS, PROMPT, engine, pick_stop, serve, tokenizer  # noqa: F401
+
+SERVICE_ENV = {"DDTREE_OUTBOX_GATE": "1", "DDTREE_INLINE_SENDS": "0"}
+
+
+def deferring_outbox() -> tuple[Outbox, DeviceWaitGate]:
+    gate = DeviceWaitGate()
+    outbox = Outbox(gate=gate, defer=True)
+    outbox.owner = threading.get_ident()
+    gate.on_open = outbox.flush
+    return outbox, gate
+
+
+def test_deferred_calls_go_when_the_gate_opens(monkeypatch):
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 0.01)
+    outbox, gate = deferring_outbox()
+    done: list[int] = []
+    outbox.put(done.append, 1)
+    outbox.put(done.append, 2)
+    time.sleep(0.2)
+    assert done == [], "a deferred call ran before the gate opened (held GATE_WAIT_S at most when queued at once)"
+    gate.set()
+    assert wait_for(lambda: done == [1, 2])
+    gate.clear()
+    other = threading.Thread(target=outbox.put, args=(done.append, 3))   # another thread's call is not deferred
+    other.start()
+    other.join()
+    assert wait_for(lambda: done == [1, 2, 3])
+    outbox.put(done.append, 4)
+    outbox.close(5.0)                                                     # closing hands over what is held
+    assert done == [1, 2, 3, 4]
+
+
+def test_deferred_calls_go_late_when_no_device_wait_comes(monkeypatch):
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 0.05)
+    outbox, _ = deferring_outbox()
+    done: list[int] = []
+    outbox.put(done.append, 1)
+    outbox.flush_late()
+    time.sleep(0.1)
+    assert done == []
+    outbox.flush_late()          # the loop's check once it has waited GATE_WAIT_S: handed over, then the gate's wait
+    assert wait_for(lambda: done == [1])
+    outbox.close(5.0)
+
+
+def test_service_builds_text_on_the_outbox_and_streams_the_same(engine, tokenizer, monkeypatch):  # noqa: F811
+    """Several requests at once, each mode, streamed and not, one with a stop string (its text stays on the engine
+    thread: its end waits on it): every text is the request's free-running greedy text."""
+    for key, value in {**SERVICE_ENV, "DDTREE_OUTBOX_WAKE": "round", "DDTREE_OUTBOX_TEXT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    built_on: dict[str, set[str]] = {}
+    add = serving._Stream.add
+
+    def recording_add(stream, output, *args):
+        built_on.setdefault(output.request_id, set()).add(threading.current_thread().name)
+        return add(stream, output, *args)
+
+    monkeypatch.setattr(serving._Stream, "add", recording_add)
+    results: dict[str, object] = {}
+    cases = {f"{mode}-{stream}": ({"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": mode, "tree_budget": 8}, stream)
+             for mode in ("ar", "dflash", "ddtree") for stream in (True, False)}
+    free = {mode: engine.generate_ids(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, mode=mode,
+                                                             tree_budget=8)).output_ids
+            for mode in ("ar", "dflash", "ddtree")}
+    stop = pick_stop(tokenizer, free["ddtree"])
+    cases["stop"] = ({"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": "ddtree", "tree_budget": 8, "stop": stop},
+                     True)
+    service = GenerationService(engine, tokenizer, max_queue_size=8)   # after the free runs: one thread steps the engine
+    assert service._outbox.defer and engine.wait_gate is service._outbox.gate
+    try:
+        threads = [threading.Thread(target=lambda name=name, case=case: results.__setitem__(
+            name, serve(service, tokenizer, *case))) for name, case in cases.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        service.shutdown()
+    for name, (sampling, stream) in cases.items():
+        sink = results[name]
+        text = decode(tokenizer, free[sampling["mode"]])
+        expected = text[: text.find(stop)] if name == "stop" else text
+        assert "".join(sink.texts) == expected, name
+        assert sink.outputs[-1][api.FINISH_REASON] == ("stop" if name == "stop" else "length"), name
+        assert sum(o[api.NUM_OUTPUT_TOKENS] for o in sink.outputs) <= MAX_TOKENS
+        assert (len(sink.texts) > 2) is stream, name
+    # the stop-string request's text on the engine thread, every other one's on the outbox
+    assert sorted(sorted(names) for names in built_on.values()) == [["ddtree-engine"]] + [["ddtree-outbox"]] * 6
+    assert service.stats.num_responses == sum(len(sink.outputs) for sink in results.values())
+
+
+@pytest.mark.parametrize("on_outbox", [False, True])
+def test_a_response_that_cannot_be_built_ends_its_stream_with_an_error(engine, tokenizer, monkeypatch,  # noqa: F811
+                                                                     on_outbox):
+    for key, value in {**SERVICE_ENV, "DDTREE_OUTBOX_WAKE": "round", "DDTREE_OUTBOX_TEXT": "1" if on_outbox else "0"}.items():
+        monkeypatch.setenv(key, value)
+    add = serving._Stream.add
+    calls = [0]
+
+    def failing_add(stream, output, *args):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ValueError("simulated")
+        return add(stream, output, *args)
+
+    monkeypatch.setattr(serving._Stream, "add", failing_add)
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    sampling = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": "ddtree", "tree_budget": 8}
+    try:
+        broken = serve(service, tokenizer, sampling, True)
+        assert "could not build a response: ValueError: simulated" in broken.outputs[-1]["error"]
+        assert wait_for(lambda: not engine.has_work), "the request was not dropped"
+        whole = serve(service, tokenizer, sampling, False)   # the service goes on serving
+    finally:
+        service.shutdown()
+    assert whole.outputs[-1][api.FINISH_REASON] == "length" and len(whole.texts) == 1
+    assert service.stats.num_failed == 1 and service.stats.num_finished == 1
