@@ -213,10 +213,11 @@ class Outbox:
     Triton the stub's draft stage took 0.65-0.70 ms of host time a round against 0.28-0.41 in process
     (humaneval_h200_treeprog).
 
-    defer (with a gate; DDTREE_OUTBOX_WAKE=round): the owner thread's (the engine's) calls are held in a list and handed
-    over when the gate opens (DeviceWaitGate.on_open: the engine's next device wait, or its idle wait), one wake-up
-    of the outbox thread a round; otherwise every put wakes it, and the thread takes the GIL at the engine thread's
-    next launch only to find the gate closed and wait again. Calls from other threads go at once."""
+    defer (with a gate; the GenerationService's default, DDTREE_OUTBOX_WAKE=put turns it off): the owner thread's (the
+    engine's) calls are held in a list and handed over when the gate opens (DeviceWaitGate.on_open: the engine's next
+    device wait, or its idle wait), one wake-up of the outbox thread a round; otherwise every put wakes it, and the
+    thread takes the GIL at the engine thread's next launch only to find the gate closed and wait again. Calls from
+    other threads go at once."""
 
     def __init__(self, inline: bool = False, gate: threading.Event | None = None, defer: bool = False) -> None:
         self.inline = inline
@@ -332,13 +333,17 @@ class GenerationService:
         if interval:
             sys.setswitchinterval(float(interval) / 1e3)
         engine.wait_gate = self._gate
+        # where gated, the engine thread's outbox calls are handed over at its device waits (DDTREE_OUTBOX_WAKE=put, a
+        # diagnostic: each put wakes the outbox), and a request without stop strings has its responses built on the
+        # outbox, in those waits (DDTREE_OUTBOX_TEXT=0: on the engine thread; =1: on the outbox even ungated). On the
+        # H100 through Triton, with the engine in its child process, the two together took the serving loop's own
+        # time from ~0.065 to ~0.02 ms a round (perf/results/service_probe_h100_defer.md, humaneval_h100_outbox.md).
         self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"), gate=self._gate,
-                              defer=os.environ.get("DDTREE_OUTBOX_WAKE", "put") == "round")
+                              defer=os.environ.get("DDTREE_OUTBOX_WAKE", "round") != "put")
         if self._gate is not None:
             self._gate.on_open = self._outbox.flush
-        # a request without stop strings has its responses built on the outbox (detokenized there, in the engine
-        # thread's device waits where gated); DDTREE_OUTBOX_TEXT=0 builds every response on the engine thread
-        self._text_on_outbox = os.environ.get("DDTREE_OUTBOX_TEXT", "0") not in ("", "0")
+        text = os.environ.get("DDTREE_OUTBOX_TEXT", "")
+        self._text_on_outbox = text not in ("", "0") or (text == "" and self._gate is not None)
         if on_stats is not None:
             on_stats(self.stats)            # gauges start at their values (engine_healthy 1) before any request
         self._worker = threading.Thread(target=self._loop, name="ddtree-engine", daemon=True)

@@ -13,17 +13,18 @@ against `alone`). This runs the same requests, one at a time, on one engine, in 
   socket pair that another process drains (the child's sends, without the stub);
 - `pipe-inline`, `pipe-nogate`: `pipe` with DDTREE_INLINE_SENDS=1 (sends on the engine thread), DDTREE_OUTBOX_GATE=0
   (the outbox's calls not held for the engine's device waits);
-- `pipe-round`, `pipe-text`, `pipe-both`: `pipe` with DDTREE_OUTBOX_WAKE=round (the engine thread's calls handed to the
-  outbox at its device waits, one wake-up a round), DDTREE_OUTBOX_TEXT=1 (responses of requests without stop strings
-  built on the outbox), both.
+- `pipe-wake-put`, `pipe-text-engine`, `pipe-before`: `pipe` with DDTREE_OUTBOX_WAKE=put (every outbox call wakes the
+  outbox thread, rather than the engine thread's calls handed over at its device waits, one wake-up a round),
+  DDTREE_OUTBOX_TEXT=0 (every response built on the engine thread, rather than those of requests without stop strings
+  on the outbox), both (the serving loop before 0941207, whose service_probe_h100_defer.md measured these as options).
 
 Per side and method: tokens/s and ms a round of each stage (draft, verify, host, and the serving loop's own work:
 serve), the median over the turns, and each side's tokens/s against `alone` turn by turn. With --parts, the serving
 sides' loops are timed part by part (the response's text and outputs, Stream.add; the outbox's put; the metrics'
-_report; _take_jobs; _claim_relayed_stops): us a round of each, where the serve time goes (on the `-text` sides
-Stream.add runs on the outbox thread, in the engine's device waits). (On the 2-core CPU, with a stand-in engine whose
-"device waits" are sleeps, each part took ~5x inside the loop what it takes called in a tight loop: Python right after
-a thread's wait runs cold.)
+_report; _take_jobs; _claim_relayed_stops): us a round of each, where the serve time goes (on a gated side
+Stream.add runs on the outbox thread, in the engine's device waits, unless DDTREE_OUTBOX_TEXT=0). (On the 2-core CPU,
+with a stand-in engine whose "device waits" are sleeps, each part took ~5x inside the loop what it takes called in a
+tight loop: Python right after a thread's wait runs cold.)
 
     python perf/service_probe.py --device cuda --dtype bfloat16 --name service_probe_h100
 """
@@ -54,10 +55,11 @@ from ddtree.triton_common import load_tokenizer  # noqa: E402
 from perf.common import ROOT, add_model_args, header, write_results  # noqa: E402
 from perf.humaneval import encode_prompts, environment, load_problems  # noqa: E402
 
-SIDES = ("alone", "thread", "service", "pipe", "pipe-inline", "pipe-nogate", "pipe-round", "pipe-text", "pipe-both")
+SIDES = ("alone", "thread", "service", "pipe", "pipe-inline", "pipe-nogate", "pipe-wake-put", "pipe-text-engine",
+         "pipe-before")
 SIDE_ENV = {"pipe-inline": {"DDTREE_INLINE_SENDS": "1"}, "pipe-nogate": {"DDTREE_OUTBOX_GATE": "0"},
-            "pipe-round": {"DDTREE_OUTBOX_WAKE": "round"}, "pipe-text": {"DDTREE_OUTBOX_TEXT": "1"},
-            "pipe-both": {"DDTREE_OUTBOX_WAKE": "round", "DDTREE_OUTBOX_TEXT": "1"}}
+            "pipe-wake-put": {"DDTREE_OUTBOX_WAKE": "put"}, "pipe-text-engine": {"DDTREE_OUTBOX_TEXT": "0"},
+            "pipe-before": {"DDTREE_OUTBOX_WAKE": "put", "DDTREE_OUTBOX_TEXT": "0"}}
 # each serving side starts from these (its own settings on top): the service's defaults
 SERVICE_ENV = {"DDTREE_INLINE_SENDS": "0", "DDTREE_OUTBOX_GATE": "", "DDTREE_OUTBOX_WAKE": "", "DDTREE_OUTBOX_TEXT": ""}
 FLAGS = {flag: True for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",

@@ -1,7 +1,7 @@
-"""The outbox's deferred hand-over (DDTREE_OUTBOX_WAKE=round) and responses built on the outbox (DDTREE_OUTBOX_TEXT=1):
-the engine thread's calls reach the outbox thread only when the gate opens (one wake-up a round), and a request
-without stop strings has its text made there; the streams are the same, and a response that cannot be built ends its
-stream with an error whichever thread built it."""
+"""The outbox's deferred hand-over and responses built on the outbox (a gated service's defaults; DDTREE_OUTBOX_WAKE=put
+and DDTREE_OUTBOX_TEXT=0 turn them off): the engine thread's calls reach the outbox thread only when the gate opens
+(one wake-up a round), and a request without stop strings has its text made there; the streams are the same, and a
+response that cannot be built ends its stream with an error whichever thread built it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ from tests.unit.test_outbox_gate import wait_for
 from tests.unit.test_stop_strings import MAX_TOKENS, PROMPT, engine, pick_stop, serve, tokenizer  # noqa: F401
 
 SERVICE_ENV = {"DDTREE_OUTBOX_GATE": "1", "DDTREE_INLINE_SENDS": "0"}
+
+
+def set_env(monkeypatch, env: dict[str, str]) -> None:
+    """A gated service (as on CUDA) with `env` on top of the defaults."""
+    for key in ("DDTREE_OUTBOX_WAKE", "DDTREE_OUTBOX_TEXT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {**SERVICE_ENV, **env}.items():
+        monkeypatch.setenv(key, value)
 
 
 def deferring_outbox() -> tuple[Outbox, DeviceWaitGate]:
@@ -64,8 +72,7 @@ def test_deferred_calls_go_late_when_no_device_wait_comes(monkeypatch):
 def test_service_builds_text_on_the_outbox_and_streams_the_same(engine, tokenizer, monkeypatch):  # noqa: F811
     """Several requests at once, each mode, streamed and not, one with a stop string (its text stays on the engine
     thread: its end waits on it): every text is the request's free-running greedy text."""
-    for key, value in {**SERVICE_ENV, "DDTREE_OUTBOX_WAKE": "round", "DDTREE_OUTBOX_TEXT": "1"}.items():
-        monkeypatch.setenv(key, value)
+    set_env(monkeypatch, {})   # the defaults where gated (a CUDA engine's)
     built_on: dict[str, set[str]] = {}
     add = serving._Stream.add
 
@@ -110,8 +117,7 @@ def test_service_builds_text_on_the_outbox_and_streams_the_same(engine, tokenize
 @pytest.mark.parametrize("on_outbox", [False, True])
 def test_a_response_that_cannot_be_built_ends_its_stream_with_an_error(engine, tokenizer, monkeypatch,  # noqa: F811
                                                                      on_outbox):
-    for key, value in {**SERVICE_ENV, "DDTREE_OUTBOX_WAKE": "round", "DDTREE_OUTBOX_TEXT": "1" if on_outbox else "0"}.items():
-        monkeypatch.setenv(key, value)
+    set_env(monkeypatch, {} if on_outbox else {"DDTREE_OUTBOX_TEXT": "0"})
     add = serving._Stream.add
     calls = [0]
 
@@ -133,3 +139,21 @@ def test_a_response_that_cannot_be_built_ends_its_stream_with_an_error(engine, t
         service.shutdown()
     assert whole.outputs[-1][api.FINISH_REASON] == "length" and len(whole.texts) == 1
     assert service.stats.num_failed == 1 and service.stats.num_finished == 1
+
+
+@pytest.mark.parametrize("env, defer, text", [
+    ({}, True, True),
+    ({"DDTREE_OUTBOX_WAKE": "put"}, False, True),
+    ({"DDTREE_OUTBOX_TEXT": "0"}, True, False),
+    ({"DDTREE_OUTBOX_GATE": "0"}, False, False),                              # a CPU engine's default: no gate
+    ({"DDTREE_OUTBOX_GATE": "0", "DDTREE_OUTBOX_TEXT": "1"}, False, True),
+])
+def test_the_settings(engine, tokenizer, monkeypatch, env, defer, text):  # noqa: F811
+    set_env(monkeypatch, env)
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    try:
+        assert service._outbox.defer is defer and service._text_on_outbox is text
+        assert (engine.wait_gate is not None) is (env.get("DDTREE_OUTBOX_GATE") != "0")
+    finally:
+        service.shutdown()
+        engine.wait_gate = None
