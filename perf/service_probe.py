@@ -21,10 +21,11 @@ against `alone`). This runs the same requests, one at a time, on one engine, in 
 Per side and method: tokens/s and ms a round of each stage (draft, verify, host, and the serving loop's own work:
 serve), the median over the turns, and each side's tokens/s against `alone` turn by turn. With --parts, the serving
 sides' loops are timed part by part (the response's text and outputs, Stream.add; the outbox's put; the metrics'
-_report; _take_jobs; _claim_relayed_stops): us a round of each, where the serve time goes (on a gated side
-Stream.add runs on the outbox thread, in the engine's device waits, unless DDTREE_OUTBOX_TEXT=0). (On the 2-core CPU,
-with a stand-in engine whose "device waits" are sleeps, each part took ~5x inside the loop what it takes called in a
-tight loop: Python right after a thread's wait runs cold.)
+_report; _take_jobs; _claim_relayed_stops): us a round of each, where the serve time goes; apart, what is not the
+engine thread's work between rounds: `Stream.add (outbox)` (a gated side builds the text of requests without stop
+strings on the outbox thread, in the engine's device waits) and `_take_jobs (idle)` (the wait for the next request).
+(On the 2-core CPU, with a stand-in engine whose "device waits" are sleeps, each part took ~5x inside the loop what it
+takes called in a tight loop: Python right after a thread's wait runs cold.)
 
     python perf/service_probe.py --device cuda --dtype bfloat16 --name service_probe_h100
 """
@@ -142,34 +143,41 @@ PARTS = ("_report", "_take_jobs", "_claim_relayed_stops")   # GenerationService 
 
 
 class PartTimer:
-    """Wall time of the serving loop's parts on the engine thread (--parts): each wrapped method's seconds and calls."""
+    """Wall time of the serving loop's parts (--parts): each wrapped method's seconds and calls. A Stream.add on the
+    outbox thread (a gated service builds the text of requests without stop strings there) counts as `Stream.add
+    (outbox)`, and _take_jobs' idle waits for the next request (block=True) as `_take_jobs (idle)`: neither is the
+    engine thread's work between rounds."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
 
-    def wrap(self, name: str, function):
+    def wrap(self, name: str, function, name_of=None):
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-                self.calls[name] = self.calls.get(name, 0) + 1
+                key = name_of(args, kwargs) if name_of is not None else name
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+                self.calls[key] = self.calls.get(key, 0) + 1
         return timed
 
     def attach(self, service: GenerationService) -> None:
         from ddtree import serving
 
         for name in PARTS:
-            setattr(service, name, self.wrap(name, getattr(service, name)))
+            name_of = (lambda args, kwargs: "_take_jobs (idle)" if kwargs.get("block", args[0] if args else False)
+                       else "_take_jobs") if name == "_take_jobs" else None
+            setattr(service, name, self.wrap(name, getattr(service, name), name_of))
         service._outbox.put = self.wrap("outbox.put", service._outbox.put)
         if not hasattr(serving._Stream.add, "__wrapped_by_probe__"):
             original = serving._Stream.add
             timer = self
 
             def add(stream, *args, **kwargs):
-                return timer.wrap("Stream.add", original)(stream, *args, **kwargs)
+                on_engine = threading.current_thread().name == "ddtree-engine"
+                return timer.wrap("Stream.add" if on_engine else "Stream.add (outbox)", original)(stream, *args, **kwargs)
             add.__wrapped_by_probe__ = original
             serving._Stream.add = add
 
@@ -253,7 +261,8 @@ def table(result: dict) -> str:
              for side, s in sides.items() if s.get("parts_us")]
     if parts:
         names = sorted({name for _, _, p in parts for name in p})
-        lines += ["", "The serving loop's parts on the engine thread (us a round, median of the turns; --parts):", "",
+        lines += ["", "The serving loop's parts (us a round, median of the turns; --parts; `(outbox)`, `(idle)`: not the "
+                  "engine thread's work between rounds):", "",
                   "| method | side | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         for method, side, p in parts:
             lines.append(f"| {method} | {side} | " + " | ".join(f"{p.get(name, 0.0):.1f}" for name in names) + " |")
@@ -315,8 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
                    for key in ("tokens_per_s", *(f"{k}_ms" for k in (*STAGES, "serve")))},
                 "vs_alone": statistics.median(ratios), "vs_alone_turns": ratios}
             if all(run.get("parts_us") for run in runs):
+                names = set().union(*(run["parts_us"] for run in runs))
                 result["summary"][method][side]["parts_us"] = {
-                    name: statistics.median(run["parts_us"].get(name, 0.0) for run in runs) for name in runs[0]["parts_us"]}
+                    name: statistics.median(run["parts_us"].get(name, 0.0) for run in runs) for name in names}
     write_results(Path(args.out), args.name, result, table(result))
     print(table(result))
     return result

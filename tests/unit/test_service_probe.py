@@ -21,6 +21,8 @@ def test_every_side_serves_and_the_parts_are_timed(tiny_models, tmp_path):
             assert (s["serve_ms"] > 0) == (side in ("service", "pipe"))   # only the serving loop has serve time
         for side in ("service", "pipe"):
             assert sides[side]["parts_us"]["Stream.add"] > 0 and sides[side]["parts_us"]["_report"] > 0
+            # the waits for the next request apart from the loop's work (no gate on the CPU: the text on the engine)
+            assert sides[side]["parts_us"]["_take_jobs (idle)"] > 0 and "Stream.add (outbox)" not in sides[side]["parts_us"]
         turn = result["turns"][0][method]
         assert len({run["tokens"] for run in turn.values()}) == 1   # the same tokens on every side
     saved = json.loads((tmp_path / "probe.json").read_text())
