@@ -8,7 +8,8 @@ carries requests in and responses, errors, metrics and log records out.
 
 Parent (the stub): ``EngineProcess`` has the GenerationService's interface (submit, stop, shutdown, is_healthy); a
 relay thread sends each response on through the request's real sink, asks the client about cancellation (every
-request not asked within CANCEL_CHECK_S, between the child's messages) and tells the child. Child (``python -m
+request not asked within CANCEL_CHECK_S, at most CANCEL_ASKS_PER_S asks a second in all, between the child's
+messages) and tells the child. Child (``python -m
 ddtree.engine_process FD``): each request's sink is a ``_PipeSink``; its cancellation is a flag the parent sets.
 
 If the child dies, every request it held gets a final UNAVAILABLE error, later requests get one at once, and the
@@ -42,6 +43,7 @@ from ddtree.config import EngineConfig
 logger = logging.getLogger("ddtree.engine_process")   # also when run as __main__ (the child)
 
 CANCEL_CHECK_S = 0.02      # as ddtree.serving.CANCEL_CHECK_S: how often a client's cancellation is asked at most
+CANCEL_ASKS_PER_S = 200.0  # as ddtree.serving.CANCEL_ASKS_PER_S: the asks a second in all at most
 STOP_REPLY_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 15.0
 
@@ -124,6 +126,9 @@ class EngineProcess:
         self._lock = threading.Lock()
         self._stopping = False
         self._last_stats = None
+        # the relay thread's own sending: these replace the child's fields of the same names (its pipe sends) in the
+        # published stats, what ServiceStats counts on the outbox thread when the engine runs in this process
+        self._sender = {"send_seconds": 0.0, "cancel_check_seconds": 0.0, "num_cancel_checks": 0}
         parent_end, child_end = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = child_pythonpath()
@@ -230,8 +235,10 @@ class EngineProcess:
                 now = time.monotonic()
                 if now - swept_s >= CANCEL_CHECK_S:
                     swept_s = now
-                    for pid, entry in list(self._live.items()):
-                        if now - entry.checked_s >= CANCEL_CHECK_S:
+                    live = list(self._live.items())
+                    interval = max(CANCEL_CHECK_S, len(live) / CANCEL_ASKS_PER_S)
+                    for pid, entry in live:
+                        if now - entry.checked_s >= interval:
                             self._check(pid, entry, now)
             except Exception:   # one message's failure; the relay goes on
                 logger.exception("engine relay: could not handle %s", message[0] if message else "a cancellation sweep")
@@ -243,21 +250,28 @@ class EngineProcess:
             entry = self._live.pop(pid, None) if final else self._live.get(pid)
             if entry is None:
                 return
+            start = time.monotonic()
             try:
                 entry.sink.send(outputs, final=final)
             except Exception:
                 logger.exception("[%s] could not send a response; dropping the request", entry.request_id)
                 self._live.pop(pid, None)
                 self._cancel(pid, entry)
+            finally:
+                self._sender["send_seconds"] += time.monotonic() - start
         elif kind == "error":
             _, pid, text, error_kind, final = message
             entry = self._live.pop(pid, None) if final else self._live.get(pid)
             if entry is not None:
-                entry.sink.send_error(text, error_kind, final=final)
+                start = time.monotonic()
+                try:
+                    entry.sink.send_error(text, error_kind, final=final)
+                finally:
+                    self._sender["send_seconds"] += time.monotonic() - start
         elif kind == "stats":   # a ServiceStats as a dict: this process need not import ddtree.serving (and torch)
-            self._last_stats = message[1]
+            self._last_stats = {**message[1], **self._sender}
             if self.on_stats is not None:
-                self.on_stats(SimpleNamespace(**message[1]))
+                self.on_stats(SimpleNamespace(**self._last_stats))
         elif kind == "log":
             self._log(*message[1:])
         elif kind == "stopped":
@@ -268,7 +282,15 @@ class EngineProcess:
 
     def _check(self, pid: int, entry: _Entry, now: float) -> None:
         entry.checked_s = now
-        if not entry.cancelled and entry.sink.is_cancelled():
+        if entry.cancelled:
+            return
+        start = time.monotonic()
+        try:
+            cancelled = entry.sink.is_cancelled()
+        finally:
+            self._sender["cancel_check_seconds"] += time.monotonic() - start
+            self._sender["num_cancel_checks"] += 1
+        if cancelled:
             self._cancel(pid, entry)
 
     def _cancel(self, pid: int, entry: _Entry) -> None:
@@ -296,7 +318,7 @@ class EngineProcess:
                 logger.exception("[%s] could not send its final error", entry.request_id)
         if self.on_stats is not None and self._last_stats is not None:
             try:   # the gauges fall: nothing active, nothing held, unhealthy (the counters keep their last values)
-                self.on_stats(SimpleNamespace(**{**self._last_stats, "num_active": 0, "num_waiting": 0,
+                self.on_stats(SimpleNamespace(**{**self._last_stats, **self._sender, "num_active": 0, "num_waiting": 0,
                                                  "num_held_slots": 0, "engine_healthy": 0, "ttft_seconds": [],
                                                  "latency_seconds": [], "queue_seconds": [], "prefill_seconds": [],
                                                  "take_seconds": []}))

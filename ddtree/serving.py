@@ -86,6 +86,12 @@ class ServiceStats:
     gc_seconds: float = 0.0          # this process's garbage collections (any thread's), since the service started
     num_full_gcs: int = 0            # of which full collections (they walk every object not frozen: freeze_heap)
     num_dynamic_forwards: int = 0    # drafter passes and verifies no static program fitted while static forwards are on
+    # the sender's time (the outbox thread's here; EngineProcess puts its relay thread's in their place): responses and
+    # errors handed to the sinks, and the clients' cancellation asked (a Triton IPC round trip each; here also the
+    # engine thread's ask as it takes a request)
+    send_seconds: float = 0.0
+    cancel_check_seconds: float = 0.0
+    num_cancel_checks: int = 0
     # seconds from a request's arrival at the model to its first generated token, and to its last (finished
     # requests), observed since the last publication: each published once (only while stats are published)
     ttft_seconds: list[float] = field(default_factory=list)
@@ -151,6 +157,17 @@ METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engi
 # asks: the outbox asks after each response it sends, and the engine thread queues a check for a request nobody
 # asked about for this long (no text this round, or a non-streamed request).
 CANCEL_CHECK_S = 0.02
+# ... and at most this many asks a second in all: with many requests each is asked less often (every live / this
+# seconds: 32 streams, every 0.16 s). Through the ensemble the asks never find a cancellation (Triton 2.51 does not
+# pass an ensemble client's cancellation to the generation model's request; the postprocessing step relays it as a
+# stop); every 20 ms each they would be 1,600 IPC round trips a second at 32 streams, beside the responses' sends (on
+# the 2-core CPU at 16 streams, 605-627 asks a second at 0.07-0.13 ms each: concurrency_sweep.py's sender table).
+CANCEL_ASKS_PER_S = 200.0
+
+
+def cancel_check_interval(live: int) -> float:
+    """How long a request goes unasked at most while `live` requests are asked (CANCEL_CHECK_S, CANCEL_ASKS_PER_S)."""
+    return max(CANCEL_CHECK_S, live / CANCEL_ASKS_PER_S)
 # The longest the outbox holds a call back for the engine thread's next wait on the device (Outbox's gate), counted
 # from when the call was queued: a round that never waits (a CPU engine's reads return at once, host-bound rounds
 # whose device work is done before they read it) or an idle spell does not hold responses longer than this, and calls
@@ -559,7 +576,7 @@ class GenerationService:
         with self._lock:
             self._num_queued -= 1
         try:
-            if job.is_stopped or job.sink.is_cancelled():
+            if job.is_stopped or self._cancelled(job):
                 raise _Cancelled
             self.engine.add(job.engine_request)
         except _Cancelled:
@@ -593,6 +610,7 @@ class GenerationService:
         rate = self._response_rate
         min_gap_s = sum(1 for job in self._active.values() if job.request.stream) / rate if rate else 0.0
         now = time.monotonic()
+        check_s = cancel_check_interval(len(self._active))
         for output in outputs:
             job = self._active.get(output.request_id)
             if job is None:
@@ -611,7 +629,7 @@ class GenerationService:
                     self.engine.abort(job.key)
                     self._finish(job, "cancelled")
                     continue
-                if not job.check_queued and time.monotonic() - job.checked_s > CANCEL_CHECK_S:
+                if not job.check_queued and now - job.checked_s > check_s:
                     job.check_queued = True
                     self._outbox.put(self._check_cancelled, job)
                 if job.send_failed:     # an earlier response of it could not be sent (the outbox logged why)
@@ -635,27 +653,35 @@ class GenerationService:
             if job.stream.finish_reason is not None:
                 self._end(job, job.stream.finish_reason)
 
-    @staticmethod
-    def _cancelled(job: Job) -> bool:
-        job.checked_s = time.monotonic()
-        return job.sink.is_cancelled()
+    def _cancelled(self, job: Job) -> bool:
+        job.checked_s = start = time.monotonic()
+        try:
+            return job.sink.is_cancelled()
+        finally:
+            self.stats.cancel_check_seconds += time.monotonic() - start
+            self.stats.num_cancel_checks += 1
 
-    @classmethod
-    def _check_cancelled(cls, job: Job) -> None:
+    def _check_cancelled(self, job: Job) -> None:
         """On the outbox thread: a cancelled client stops the request at the engine's next round."""
         job.check_queued = False
-        if cls._cancelled(job):
+        if self._cancelled(job):
             job.is_stopped = True
 
-    @classmethod
-    def _send(cls, job: Job, chunk: dict[str, Any], final: bool) -> None:
-        """On the outbox thread: one response, then, where it was last asked over CANCEL_CHECK_S ago, whether the client
+    def _send(self, job: Job, chunk: dict[str, Any], final: bool) -> None:
+        """On the outbox thread: one response, then, where it was last asked over cancel_check_interval ago, whether the client
         cancelled (the engine stops the request at its next round; asking is an IPC round trip in Triton, as the send
         is: after every send it doubled the outbox's calls at many streams); a failure drops the request at the
         engine's next round."""
         try:
-            job.sink.send(chunk, final=final)
-            if not final and time.monotonic() - job.checked_s > CANCEL_CHECK_S and cls._cancelled(job):
+            start = time.monotonic()
+            try:
+                job.sink.send(chunk, final=final)
+            finally:
+                self.stats.send_seconds += time.monotonic() - start
+            # a request the engine has finished (the outbox can lag behind it) is not asked
+            active = self._active
+            if not final and job.key in active and time.monotonic() - job.checked_s > cancel_check_interval(len(active)) \
+                    and self._cancelled(job):
                 job.is_stopped = True
         except Exception:
             logger.exception("[%s] could not send a response; dropping the request", job.request_id)
@@ -678,12 +704,14 @@ class GenerationService:
             self.stats.num_responses += 1
             self._send(job, chunk, output.is_finished)
 
-    @staticmethod
-    def _send_error(job: Job, message: str, kind: str) -> None:
+    def _send_error(self, job: Job, message: str, kind: str) -> None:
+        start = time.monotonic()
         try:
             job.sink.send_error(message, kind)
         except Exception:
             logger.exception("[%s] could not send its final error (%s)", job.request_id, kind)
+        finally:
+            self.stats.send_seconds += time.monotonic() - start
 
     def _end(self, job: Job, finish_reason: str) -> None:
         """A request whose text is complete; one the engine still runs (a stop string) leaves it now."""

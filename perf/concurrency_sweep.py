@@ -47,6 +47,10 @@ METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), 
 CONTROL = "ar-again"   # `ar` measured twice a turn: not a method `auto` is compared with
 DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
 LATE = "ddtree_static_programs_late_total"
+# the sending thread's time (the outbox in process; with engine_process the stub's relay): per second of a run
+SENDER = {"send_s": "ddtree_response_send_seconds_total", "check_s": "ddtree_cancel_check_seconds_total",
+          "checks": "ddtree_cancel_checks_total", "responses": "ddtree_responses_total"}
+GENERATION_MODEL = "ddtree"
 # stalled steps and garbage collection (ddtree.serving.StallWatch): counters read before and after each run
 STALLS = {"slow_steps": "ddtree_slow_steps_total", "slow_step_s": "ddtree_slow_step_seconds_total",
           "gc_s": "ddtree_gc_seconds_total", "full_gcs": "ddtree_gc_full_collections_total",
@@ -61,7 +65,7 @@ def summarize(requests: list[dict], max_tokens: int) -> dict:
     itl = [((r["response_timestamps"][-1] - r["response_timestamps"][0]) / 1e6) / max(max_tokens - 1, 1) for r in done]
     return {"tokens_per_s": len(done) * max_tokens / ((end - start) / 1e9), "ttft_ms_p50": statistics.median(ttft),
             "ttft_ms_p99": sorted(ttft)[int(0.99 * (len(ttft) - 1))], "itl_ms_p50": statistics.median(itl),
-            "num_requests": len(done)}
+            "num_requests": len(done), "span_s": (end - start) / 1e9}
 
 
 def merge_earlier(result: dict, earlier: dict, levels: list[int]) -> list[int]:
@@ -171,6 +175,8 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     """One measured perf_analyzer run of a method at a concurrency, with the engine's per-round stages over it."""
     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
     pre = model_stats(server.http_url, "preprocessing")
+    generation = model_stats(server.http_url, GENERATION_MODEL)
+    sender = scrape_metrics(server.metrics_url, set(SENDER.values()))
     arms = auto_arms(server.metrics_url)
     counters = scrape_metrics(server.metrics_url, {LATE, *STALLS.values()})
     sums = request_sums(server.metrics_url)
@@ -205,6 +211,20 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
         entry[f"engine_{key}_ms"] = split[f"{key}_ms"]
     # the preprocessing step: one execution per request (chat template, tokenizer), part of its time to first token
     entry["preprocessing"] = per_execution(pre, model_stats(server.http_url, "preprocessing"))
+    # the generation model in Triton's terms: a request's wait in Triton's queue before the model's execute() takes
+    # it, and execute() itself (parsing, the hand-over to the engine); both outside the engine's time to first token
+    entry["generation"] = per_execution(generation, model_stats(server.http_url, GENERATION_MODEL))
+    # how busy sending keeps the sending thread (responses, errors, cancellation asks), per second of the run (the
+    # counters read after the request histograms caught up, above)
+    now_sender = scrape_metrics(server.metrics_url, set(SENDER.values()))
+    if all(name in now_sender for name in SENDER.values()):
+        d = {key: now_sender[name] - sender.get(name, 0.0) for key, name in SENDER.items()}
+        span = max(entry["span_s"], 1e-9)
+        entry["sender"] = {"send_ms_per_s": 1e3 * d["send_s"] / span, "responses_per_s": d["responses"] / span,
+                           "send_ms": 1e3 * d["send_s"] / d["responses"] if d["responses"] else 0.0,
+                           "checks_per_s": d["checks"] / span,
+                           "check_ms_per_s": 1e3 * d["check_s"] / span,
+                           "check_ms": 1e3 * d["check_s"] / d["checks"] if d["checks"] else 0.0}
     return entry
 
 
@@ -366,7 +386,8 @@ def write(result: dict, levels: list[int], args) -> None:
                  "ddtree_time_to_first_token_seconds) = its queue (to the start of the prefill that admits it; in "
                  "brackets, of it, the wait for the engine thread to take the request: the step in progress) + that "
                  "prefill + the rest of that step; preprocessing (one execution per request, before its prefill): "
-                 "queue ms / compute ms an execution.",
+                 "queue ms / compute ms an execution; the generation model in Triton's statistics: a request's wait in "
+                 "Triton's queue before the model's execute() / that execute() (both before its arrival above).",
                  "", "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
         for name, by_level in result["methods"].items():
             cells = []
@@ -378,7 +399,21 @@ def write(result: dict, levels: list[int], args) -> None:
                              + (f" = {parts[0]:.1f}" + (f" ({take:.1f})" if take is not None else "")
                                 + f" + {parts[1]:.1f} + {engine - parts[0] - parts[1]:.1f}"
                                 if None not in parts and engine is not None else "")
-                             + (f"; {p['queue_ms']:.2f} / {p['compute_ms']:.2f}" if p else ""))
+                             + (f"; {p['queue_ms']:.2f} / {p['compute_ms']:.2f}" if p else "")
+                             + (f"; {g['queue_ms']:.2f} / {g['compute_ms']:.2f}" if (g := e.get("generation")) else ""))
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any("sender" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
+        rows += ["", "The sending thread (the outbox in process; with engine_process the stub's relay thread), per second "
+                 "of the run: ms busy sending (responses a second, ms a response) / cancellation asks / ms busy asking (ms an "
+                 "ask).",
+                 "", "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+        for name, by_level in result["methods"].items():
+            cells = []
+            for c in levels:
+                snd = by_level[str(c)].get("sender")
+                cells.append(f"{snd['send_ms_per_s']:.0f} ({snd['responses_per_s']:.0f}, {snd['send_ms']:.2f}) / "
+                             f"{snd['checks_per_s']:.0f} / {snd['check_ms_per_s']:.0f} ({snd['check_ms']:.2f})"
+                             if snd else "-")
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
     autos = {name: by_level for name, by_level in result["methods"].items()
              if any("auto_arms" in by_level.get(str(c), {}) for c in levels)}

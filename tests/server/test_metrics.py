@@ -38,7 +38,9 @@ def test_new_metrics_are_exported(server):
                                   "ddtree_request_queue_seconds_count", "ddtree_request_prefill_seconds_sum",
                                   "ddtree_request_take_seconds_count", "ddtree_slow_steps_total",
                                   "ddtree_slow_step_seconds_total", "ddtree_gc_seconds_total",
-                                  "ddtree_gc_full_collections_total", "ddtree_dynamic_forwards_total"]:
+                                  "ddtree_gc_full_collections_total", "ddtree_dynamic_forwards_total",
+                                  "ddtree_response_send_seconds_total", "ddtree_cancel_check_seconds_total",
+                                  "ddtree_cancel_checks_total"]:
         assert name in samples, sorted(samples)
 
 
@@ -54,6 +56,10 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     rounds = requests * (max_tokens - 1)         # the first token of each request comes from its prefill
     assert delta(after, before, "ddtree_output_tokens_total") == requests * max_tokens
     assert delta(after, before, "ddtree_responses_total") == received >= requests
+    # the sending thread's time in Triton's sends, and its cancellation asks (at least the one as each request starts)
+    assert 0 < delta(after, before, "ddtree_response_send_seconds_total") < time.perf_counter() - start
+    assert delta(after, before, "ddtree_cancel_checks_total") >= requests
+    assert 0 < delta(after, before, "ddtree_cancel_check_seconds_total") < time.perf_counter() - start
     # every request's time to its first token and to its last, inside the time the client waited for them all
     assert delta(after, before, "ddtree_time_to_first_token_seconds_count") == requests
     assert delta(after, before, "ddtree_request_latency_seconds_count") == requests

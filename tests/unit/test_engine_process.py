@@ -134,6 +134,42 @@ def test_cancelled_client_stops_the_request_in_the_child(child):
     assert last.num_cancelled >= 1 and last.num_active == 0 and last.num_held_slots == 0
 
 
+class SlowSink(Sink):
+    """Triton's IPC as time: each ask of the client's cancellation 2 ms, each send 5 ms."""
+
+    def is_cancelled(self) -> bool:
+        time.sleep(0.002)
+        return super().is_cancelled()
+
+    def send(self, outputs, final):
+        time.sleep(0.005)
+        super().send(outputs, final)
+
+
+def test_the_relay_publishes_its_own_sending_time(child):
+    """ddtree_response_send_seconds_total and the cancellation asks count the stub's relay thread (the real sinks), not
+    the child's pipe sends."""
+    deadline = time.monotonic() + 30
+    while not child.stats and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before, sink = child.stats[-1], SlowSink()
+    child.submit("slow", request(True, "ar", max_tokens=48, ignore_eos=True), sink)
+    sent = sum(1 for event in sink.until_final() if event[0] == "out")
+
+    def published():
+        last = child.stats[-1]
+        return (last.num_finished > before.num_finished and last.num_cancel_checks - before.num_cancel_checks == sink.asked
+                and last.send_seconds - before.send_seconds >= 0.005 * sent)
+
+    deadline = time.monotonic() + 30
+    while not published() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    last = child.stats[-1]
+    assert sink.asked > 0 and last.num_cancel_checks - before.num_cancel_checks == sink.asked
+    assert last.cancel_check_seconds - before.cancel_check_seconds >= 0.002 * sink.asked
+    assert 0.005 * sent <= last.send_seconds - before.send_seconds < 0.005 * sent + 2.0
+
+
 def test_stop_by_request_key_reaches_the_child(child):
     """The ensemble's postprocessing relays a client's cancellation as a stop request naming the request key."""
     sink = Sink()
@@ -195,3 +231,22 @@ def process_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_relay_asks_about_cancellation_at_most_so_often_in_all(child, monkeypatch):
+    """Two live requests (the engine's slots) asked at most CANCEL_ASKS_PER_S times a second in all (here 10: each every
+    0.2 s, not every CANCEL_CHECK_S); a cancellation is still found, at the slower pace."""
+    monkeypatch.setattr(engine_process, "CANCEL_ASKS_PER_S", 10.0)
+    sinks = [Sink() for _ in range(2)]
+    for i, sink in enumerate(sinks):
+        child.submit(f"asked-{i}", request(True, "ar", max_tokens=400, ignore_eos=True), sink)
+    for sink in sinks:
+        assert sink.events.get(timeout=120)[0] == "out"
+    asked, start = sum(s.asked for s in sinks), time.monotonic()
+    time.sleep(1.5)
+    rate = (sum(s.asked for s in sinks) - asked) / (time.monotonic() - start)
+    for sink in sinks:
+        sink.cancel = True
+    for sink in sinks:
+        assert sink.until_final()[-1][0] == "cancelled"
+    assert rate <= 10.0 * 1.5, rate   # every 20 ms each would be 100 a second

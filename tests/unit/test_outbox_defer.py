@@ -5,6 +5,7 @@ response that cannot be built ends its stream with an error whichever thread bui
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -157,3 +158,81 @@ def test_the_settings(engine, tokenizer, monkeypatch, env, defer, text):  # noqa
     finally:
         service.shutdown()
         engine.wait_gate = None
+
+
+def test_the_service_counts_its_sending_time(engine, tokenizer, monkeypatch):  # noqa: F811
+    """ServiceStats.send_seconds / cancel_check_seconds / num_cancel_checks: the outbox's time in the sinks."""
+    set_env(monkeypatch, {"DDTREE_OUTBOX_GATE": "0"})
+    asked = []
+
+    class SlowSink:
+        def __init__(self):
+            self.done, self.sent = threading.Event(), 0
+
+        def is_cancelled(self):
+            asked.append(1)
+            time.sleep(0.002)
+            return False
+
+        def send(self, outputs, final):
+            time.sleep(0.005)
+            self.sent += 1
+            if final:
+                self.done.set()
+
+        def send_error(self, message, kind, final=True):
+            self.done.set()
+
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    try:
+        sink = SlowSink()
+        inputs = {api.INPUT_IDS: PROMPT, api.SAMPLING_PARAMETERS: json.dumps(
+            {"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": "ar"}).encode(), api.STREAM: True}
+        service.submit("slow", api.parse_generate(inputs, engine.config), sink)
+        assert sink.done.wait(120)
+        assert wait_for(lambda: service.stats.send_seconds >= 0.005 * sink.sent)
+    finally:
+        service.shutdown()
+    stats = service.stats
+    assert sink.sent > 2 and 0.005 * sink.sent <= stats.send_seconds < 0.005 * sink.sent + 2.0
+    assert stats.num_cancel_checks == len(asked) and stats.cancel_check_seconds >= 0.002 * len(asked)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_service_asks_about_cancellation_at_most_so_often_in_all(engine, tokenizer, monkeypatch, gated):  # noqa: F811
+    """Two streams asked at most CANCEL_ASKS_PER_S times a second in all (here 10) beside the ask as each starts; every
+    CANCEL_CHECK_S (20 ms) each would be ~100 a second."""
+    set_env(monkeypatch, {} if gated else {"DDTREE_OUTBOX_GATE": "0"})
+    monkeypatch.setattr(serving, "CANCEL_ASKS_PER_S", 10.0)
+    asked = []
+
+    class SlowSink:   # each response 5 ms: the requests last long enough to be asked many times at the old pace
+        def __init__(self):
+            self.done = threading.Event()
+
+        def is_cancelled(self):
+            asked.append(time.monotonic())
+            return False
+
+        def send(self, outputs, final):
+            time.sleep(0.005)
+            if final:
+                self.done.set()
+
+        def send_error(self, message, kind, final=True):
+            self.done.set()
+
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    sinks = [SlowSink(), SlowSink()]
+    try:
+        start = time.monotonic()
+        for i, sink in enumerate(sinks):
+            inputs = {api.INPUT_IDS: PROMPT, api.SAMPLING_PARAMETERS: json.dumps(
+                {"max_tokens": 100, "ignore_eos": True, "mode": "ar"}).encode(), api.STREAM: True}
+            service.submit(f"asked-{i}", api.parse_generate(inputs, engine.config), sink)
+        assert all(sink.done.wait(120) for sink in sinks)
+        seconds = time.monotonic() - start
+    finally:
+        service.shutdown()
+    assert seconds > 0.4, seconds   # 2 x 100 responses of 5 ms on one outbox thread
+    assert len(asked) <= 2 + 10.0 * seconds + 2, (len(asked), seconds)
