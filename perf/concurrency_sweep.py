@@ -216,16 +216,29 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     entry["generation"] = per_execution(generation, model_stats(server.http_url, GENERATION_MODEL))
     # how busy sending keeps the sending thread (responses, errors, cancellation asks), per second of the run (the
     # counters read after the request histograms caught up, above)
-    now_sender = scrape_metrics(server.metrics_url, set(SENDER.values()))
-    if all(name in now_sender for name in SENDER.values()):
-        d = {key: now_sender[name] - sender.get(name, 0.0) for key, name in SENDER.items()}
-        span = max(entry["span_s"], 1e-9)
-        entry["sender"] = {"send_ms_per_s": 1e3 * d["send_s"] / span, "responses_per_s": d["responses"] / span,
-                           "send_ms": 1e3 * d["send_s"] / d["responses"] if d["responses"] else 0.0,
-                           "checks_per_s": d["checks"] / span,
-                           "check_ms_per_s": 1e3 * d["check_s"] / span,
-                           "check_ms": 1e3 * d["check_s"] / d["checks"] if d["checks"] else 0.0}
+    rates = sender_rates(sender, scrape_metrics(server.metrics_url, set(SENDER.values())), entry["span_s"])
+    if rates is not None:
+        entry["sender"] = rates
     return entry
+
+
+def sender_rates(before: dict, after: dict, span_s: float) -> dict | None:
+    """The sending thread's time per second of a run, from the SENDER counters read before and after it (None: a
+    server that does not export them)."""
+    if not all(name in after for name in SENDER.values()):
+        return None
+    d = {key: after[name] - before.get(name, 0.0) for key, name in SENDER.items()}
+    span = max(span_s, 1e-9)
+    return {"send_ms_per_s": 1e3 * d["send_s"] / span, "responses_per_s": d["responses"] / span,
+            "send_ms": 1e3 * d["send_s"] / d["responses"] if d["responses"] else 0.0,
+            "checks_per_s": d["checks"] / span, "check_ms_per_s": 1e3 * d["check_s"] / span,
+            "check_ms": 1e3 * d["check_s"] / d["checks"] if d["checks"] else 0.0}
+
+
+def sender_cell(entry: dict) -> str:
+    snd = entry.get("sender")
+    return (f"{snd['send_ms_per_s']:.0f} ({snd['responses_per_s']:.0f}, {snd['send_ms']:.2f}) / "
+            f"{snd['checks_per_s']:.0f} / {snd['check_ms_per_s']:.0f} ({snd['check_ms']:.2f})" if snd else "-")
 
 
 def per_execution(before: dict, after: dict) -> dict:
@@ -353,6 +366,14 @@ def stalls_cell(entry: dict) -> str:
             f"{stalls['full_gcs']:.0f}{dynamic}")
 
 
+def level_table(result: dict, levels: list[int], cell, caption: str) -> list[str]:
+    """Markdown rows: the caption, then a table of cell(entry) per method (rows) and concurrency (columns)."""
+    rows = ["", caption, "", "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
+    for name, by_level in result["methods"].items():
+        rows.append(f"| {name} | " + " | ".join(cell(by_level[str(c)]) for c in levels) + " |")
+    return rows
+
+
 def write(result: dict, levels: list[int], args) -> None:
     rows = ["| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
     if result.get("engine"):
@@ -403,18 +424,10 @@ def write(result: dict, levels: list[int], args) -> None:
                              + (f"; {g['queue_ms']:.2f} / {g['compute_ms']:.2f}" if (g := e.get("generation")) else ""))
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
     if any("sender" in by_level.get(str(c), {}) for by_level in result["methods"].values() for c in levels):
-        rows += ["", "The sending thread (the outbox in process; with engine_process the stub's relay thread), per second "
-                 "of the run: ms busy sending (responses a second, ms a response) / cancellation asks / ms busy asking (ms an "
-                 "ask).",
-                 "", "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]
-        for name, by_level in result["methods"].items():
-            cells = []
-            for c in levels:
-                snd = by_level[str(c)].get("sender")
-                cells.append(f"{snd['send_ms_per_s']:.0f} ({snd['responses_per_s']:.0f}, {snd['send_ms']:.2f}) / "
-                             f"{snd['checks_per_s']:.0f} / {snd['check_ms_per_s']:.0f} ({snd['check_ms']:.2f})"
-                             if snd else "-")
-            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+        rows += level_table(result, levels, sender_cell,
+                            "The sending thread (the outbox in process; with engine_process the stub's relay thread), per "
+                            "second of the run: ms busy sending (responses a second, ms a response) / cancellation asks / "
+                            "ms busy asking (ms an ask).")
     autos = {name: by_level for name, by_level in result["methods"].items()
              if any("auto_arms" in by_level.get(str(c), {}) for c in levels)}
     if autos:

@@ -2,7 +2,17 @@
 
 import pytest
 
-from perf.concurrency_sweep import idle_runs, median_run, paired_ratios, stalls_cell, wall_ms_per_round
+from perf.concurrency_sweep import (
+    SENDER,
+    idle_runs,
+    level_table,
+    median_run,
+    paired_ratios,
+    sender_cell,
+    sender_rates,
+    stalls_cell,
+    wall_ms_per_round,
+)
 
 
 def runs(*values):
@@ -144,3 +154,16 @@ def test_turn_intervals_reads_sweeps_already_run():
     assert intervals({"methods": {"ar": {"1": runs(1.0, 2.0)}, "auto": {"1": runs(1.0, 2.0)}}})["1"]["control_over_ar"] is None
     assert control_ratios({"ar": {"1": runs(1.0, 2.0)}}) == {}   # no control measured: nothing to compare
     assert row["best"] == ["ar"] and row["auto_over_best"]["mean"] == pytest.approx(row["auto_over_ar"]["mean"])
+
+
+def test_the_sending_threads_time_reads_per_second_of_the_run():
+    before = {SENDER["send_s"]: 1.0, SENDER["check_s"]: 0.5, SENDER["checks"]: 100.0, SENDER["responses"]: 1000.0}
+    after = {SENDER["send_s"]: 1.6, SENDER["check_s"]: 0.6, SENDER["checks"]: 500.0, SENDER["responses"]: 3000.0}
+    rates = sender_rates(before, after, 2.0)   # a 2 s run: 2000 responses in 0.6 s, 400 asks in 0.1 s
+    assert rates == pytest.approx({"send_ms_per_s": 300.0, "responses_per_s": 1000.0, "send_ms": 0.3,
+                                   "checks_per_s": 200.0, "check_ms_per_s": 50.0, "check_ms": 0.25})
+    assert sender_cell({"sender": rates}) == "300 (1000, 0.30) / 200 / 50 (0.25)"
+    assert sender_rates(before, {SENDER["send_s"]: 1.6}, 2.0) is None and sender_cell({}) == "-"   # not exported
+    table = level_table({"methods": {"ar": {"16": {"sender": rates}, "32": {}}}}, [16, 32], sender_cell, "caption")
+    assert table == ["", "caption", "", "| method | c=16 | c=32 |", "|---|---|---|",
+                     "| ar | 300 (1000, 0.30) / 200 / 50 (0.25) | - |"]
