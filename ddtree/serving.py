@@ -163,16 +163,17 @@ CANCEL_CHECK_S = 0.02
 # stop); every 20 ms each they would be 1,600 IPC round trips a second at 32 streams, beside the responses' sends (on
 # the 2-core CPU at 16 streams, 605-627 asks a second at 0.07-0.13 ms each: concurrency_sweep.py's sender table).
 CANCEL_ASKS_PER_S = 200.0
-
-
-def cancel_check_interval(live: int) -> float:
-    """How long a request goes unasked at most while `live` requests are asked (CANCEL_CHECK_S, CANCEL_ASKS_PER_S)."""
-    return max(CANCEL_CHECK_S, live / CANCEL_ASKS_PER_S)
 # The longest the outbox holds a call back for the engine thread's next wait on the device (Outbox's gate), counted
 # from when the call was queued: a round that never waits (a CPU engine's reads return at once, host-bound rounds
 # whose device work is done before they read it) or an idle spell does not hold responses longer than this, and calls
 # queued behind others that waited go at once (a wait per call capped the outbox at 1 / GATE_WAIT_S calls a second).
 GATE_WAIT_S = 0.002
+
+
+def cancel_check_interval(live: int) -> float:
+    """How long a request goes unasked at most while `live` requests are asked (CANCEL_CHECK_S, CANCEL_ASKS_PER_S)."""
+    return max(CANCEL_CHECK_S, live / CANCEL_ASKS_PER_S)
+
 
 # Errors after which the engine's device state cannot be trusted: the instance stops serving.
 FATAL_MARKERS = ("CUDA error", "CUDA out of memory", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error",
@@ -636,22 +637,23 @@ class GenerationService:
                     self.engine.abort(job.key)
                     self._finish(job, "failed")
                     continue
-                if job.text_on_outbox:
-                    job.stream.finish_reason = output.finish_reason
+                if job.text_on_outbox:   # its stream is the outbox's alone: its end is the engine's
                     self._outbox.put(self._build_and_send, job, output, now, min_gap_s)
+                    finish_reason = output.finish_reason
                 else:
                     chunk = job.stream.add(output, now, min_gap_s)
+                    finish_reason = job.stream.finish_reason
                     if chunk is not None:
                         chunk[api.REQUEST_KEY] = job.key
                         self.stats.num_responses += 1
-                        self._outbox.put(self._send, job, chunk, job.stream.finish_reason is not None)
+                        self._outbox.put(self._send, job, chunk, finish_reason is not None)
             except Exception as e:  # a failure here concerns this request only
                 logger.exception("[%s] could not build a response; dropping the request", job.request_id)
                 self.engine.abort(job.key)
                 self._finish(job, "internal", f"could not build a response: {type(e).__name__}: {e}")
                 continue
-            if job.stream.finish_reason is not None:
-                self._end(job, job.stream.finish_reason)
+            if finish_reason is not None:
+                self._end(job, finish_reason)
 
     def _cancelled(self, job: Job) -> bool:
         job.checked_s = start = time.monotonic()
@@ -668,9 +670,9 @@ class GenerationService:
             job.is_stopped = True
 
     def _send(self, job: Job, chunk: dict[str, Any], final: bool) -> None:
-        """On the outbox thread: one response, then, where it was last asked over cancel_check_interval ago, whether the client
-        cancelled (the engine stops the request at its next round; asking is an IPC round trip in Triton, as the send
-        is: after every send it doubled the outbox's calls at many streams); a failure drops the request at the
+        """On the outbox thread: one response, then, where it was last asked over cancel_check_interval ago, whether the
+        client cancelled (the engine stops the request at its next round; asking is an IPC round trip in Triton, as the
+        send is: after every send it doubled the outbox's calls at many streams); a failure drops the request at the
         engine's next round."""
         try:
             start = time.monotonic()
