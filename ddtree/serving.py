@@ -64,6 +64,7 @@ class ServiceStats:
     num_rejected_overload: int = 0
     num_output_tokens: int = 0
     num_responses: int = 0           # responses with outputs sent to clients (streamed deltas and finals, not errors)
+    #                                  counted on the outbox thread, as the fields it alone writes below (OUTBOX_FIELDS)
     num_rounds: int = 0              # decoding rounds, summed over requests
     num_batch_rounds: int = 0        # decoding rounds of the whole batch (engine steps that decode)
     num_held_slots: int = 0          # cache slots in use (0 when idle: nothing leaks)
@@ -87,8 +88,7 @@ class ServiceStats:
     num_full_gcs: int = 0            # of which full collections (they walk every object not frozen: freeze_heap)
     num_dynamic_forwards: int = 0    # drafter passes and verifies no static program fitted while static forwards are on
     # the sender's time (the outbox thread's here; EngineProcess puts its relay thread's in their place): responses and
-    # errors handed to the sinks, and the clients' cancellation asked (a Triton IPC round trip each; here also the
-    # engine thread's ask as it takes a request)
+    # errors handed to the sinks, and the clients' cancellation asked (a Triton IPC round trip each)
     send_seconds: float = 0.0
     cancel_check_seconds: float = 0.0
     num_cancel_checks: int = 0
@@ -153,6 +153,9 @@ class StallWatch:
 
 
 METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engine works
+# ServiceStats fields only the outbox thread writes: a published snapshot takes them when the outbox publishes it, after
+# the calls queued before it (the engine thread's snapshot would miss the responses it has not sent yet)
+OUTBOX_FIELDS = ("num_responses", "send_seconds", "cancel_check_seconds", "num_cancel_checks")
 # Asking a sender whether its client cancelled is an IPC round trip in Triton (~0.2 ms), so the engine thread never
 # asks: the outbox asks after each response it sends, and the engine thread queues a check for a request nobody
 # asked about for this long (no text this round, or a non-streamed request).
@@ -260,11 +263,11 @@ class Outbox:
     def flush(self) -> None:
         """The deferred calls to the outbox thread, in order, with one wake-up."""
         batch = []
-        while self._pending:
-            try:
+        try:
+            while True:
                 batch.append(self._pending.popleft())
-            except IndexError:
-                break
+        except IndexError:
+            pass
         if batch:
             self._queue.put(batch)
 
@@ -457,12 +460,18 @@ class GenerationService:
                                           or self.fatal_error is not None):
             self._last_published = now
             # a snapshot: the engine thread goes on changing the stats while the outbox publishes them
-            self._outbox.put(self.on_stats, dataclasses.replace(
+            self._outbox.put(self._publish, dataclasses.replace(
                 self.stats, acceptance_histogram=dict(self.stats.acceptance_histogram),
                 auto_arm_rounds=dict(self.stats.auto_arm_rounds), auto_arm_seconds=dict(self.stats.auto_arm_seconds)))
             # the snapshot took them
             self.stats.ttft_seconds, self.stats.latency_seconds = [], []
             self.stats.queue_seconds, self.stats.prefill_seconds, self.stats.take_seconds = [], [], []
+
+    def _publish(self, snapshot: ServiceStats) -> None:
+        """On the outbox thread: the engine thread's snapshot, with the fields this thread writes as of now."""
+        for name in OUTBOX_FIELDS:
+            setattr(snapshot, name, getattr(self.stats, name))
+        self.on_stats(snapshot)
 
     def _running_modes(self) -> list[str]:
         return [seq.request.params.mode for seq in getattr(self.engine, "running", [])]
@@ -577,7 +586,7 @@ class GenerationService:
         with self._lock:
             self._num_queued -= 1
         try:
-            if job.is_stopped or self._cancelled(job):
+            if job.is_stopped or job.sink.is_cancelled():
                 raise _Cancelled
             self.engine.add(job.engine_request)
         except _Cancelled:
@@ -645,7 +654,6 @@ class GenerationService:
                     finish_reason = job.stream.finish_reason
                     if chunk is not None:
                         chunk[api.REQUEST_KEY] = job.key
-                        self.stats.num_responses += 1
                         self._outbox.put(self._send, job, chunk, finish_reason is not None)
             except Exception as e:  # a failure here concerns this request only
                 logger.exception("[%s] could not build a response; dropping the request", job.request_id)
@@ -674,6 +682,7 @@ class GenerationService:
         client cancelled (the engine stops the request at its next round; asking is an IPC round trip in Triton, as the
         send is: after every send it doubled the outbox's calls at many streams); a failure drops the request at the
         engine's next round."""
+        self.stats.num_responses += 1
         try:
             start = time.monotonic()
             try:
@@ -703,7 +712,6 @@ class GenerationService:
             return
         if chunk is not None:
             chunk[api.REQUEST_KEY] = job.key
-            self.stats.num_responses += 1
             self._send(job, chunk, output.is_finished)
 
     def _send_error(self, job: Job, message: str, kind: str) -> None:

@@ -148,9 +148,9 @@ class TritonMetrics:
                  "Seconds the sending thread spent handing responses and errors to Triton (the outbox thread; with "
                  "engine_process the stub's relay thread): per second of wall time, how busy sending keeps it"),
                 ("ddtree_cancel_check_seconds_total", "cancel_check_seconds",
-                 "Seconds spent asking Triton whether clients cancelled (an IPC round trip each): the sending thread's "
-                 "asks, and in process the engine thread's as it takes each request"),
-                ("ddtree_cancel_checks_total", "num_cancel_checks", "Clients' cancellation asked"),
+                 "Seconds the sending thread spent asking Triton whether clients cancelled (an IPC round trip each)"),
+                ("ddtree_cancel_checks_total", "num_cancel_checks",
+                 "Clients' cancellation asked by the sending thread (besides, in process, once as each request starts)"),
                 ("ddtree_dynamic_forwards_total", "num_dynamic_forwards",
                  "Drafter passes and verifies that no static program fitted, run by the dynamic forward while static "
                  "forwards are on (CUDA): eager launches, and kernels at shapes warm-up never ran"))

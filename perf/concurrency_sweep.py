@@ -176,9 +176,8 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     stages, post = triton_stages(server.metrics_url), model_stats(server.http_url, "postprocessing")
     pre = model_stats(server.http_url, "preprocessing")
     generation = model_stats(server.http_url, GENERATION_MODEL)
-    sender = scrape_metrics(server.metrics_url, set(SENDER.values()))
     arms = auto_arms(server.metrics_url)
-    counters = scrape_metrics(server.metrics_url, {LATE, *STALLS.values()})
+    counters = scrape_metrics(server.metrics_url, {LATE, *STALLS.values(), *SENDER.values()})
     sums = request_sums(server.metrics_url)
     requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
     entry = summarize(requests, args.max_tokens)
@@ -216,7 +215,7 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     entry["generation"] = per_execution(generation, model_stats(server.http_url, GENERATION_MODEL))
     # how busy sending keeps the sending thread (responses, errors, cancellation asks), per second of the run (the
     # counters read after the request histograms caught up, above)
-    rates = sender_rates(sender, scrape_metrics(server.metrics_url, set(SENDER.values())), entry["span_s"])
+    rates = sender_rates(counters, scrape_metrics(server.metrics_url, set(SENDER.values())), entry["span_s"])
     if rates is not None:
         entry["sender"] = rates
     return entry

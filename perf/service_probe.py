@@ -173,11 +173,8 @@ class PartTimer:
         service._outbox.put = self.wrap("outbox.put", service._outbox.put)
         if not hasattr(serving._Stream.add, "__wrapped_by_probe__"):
             original = serving._Stream.add
-            timer = self
-
-            def add(stream, *args, **kwargs):
-                on_engine = threading.current_thread().name == "ddtree-engine"
-                return timer.wrap("Stream.add" if on_engine else "Stream.add (outbox)", original)(stream, *args, **kwargs)
+            add = self.wrap("Stream.add", original, lambda args, kwargs: "Stream.add" if
+                            threading.current_thread().name == "ddtree-engine" else "Stream.add (outbox)")
             add.__wrapped_by_probe__ = original
             serving._Stream.add = add
 
