@@ -50,6 +50,7 @@ class GenerateRequest:
     stream: bool
     echo_text: str | None              # prompt text to put before the output, if echoed
     return_flags: dict[str, bool]
+    text_output: bool = False          # its responses carry text_output (the prompt came as text: no ensemble around)
 
 
 def utf8(name: str, raw: bytes | str | None) -> str | None:
@@ -127,10 +128,16 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     return list(ids)
 
 
-def parse_generate(inputs: dict[str, Any], config: EngineConfig) -> GenerateRequest:
-    """Generation-model inputs (plain values) -> GenerateRequest; raises InvalidRequest."""
+def parse_generate(inputs: dict[str, Any], config: EngineConfig, tokenizer=None) -> GenerateRequest:
+    """Generation-model inputs (plain values) -> GenerateRequest; raises InvalidRequest.
+
+    With input_ids (the ensemble's preprocessing made them) its responses carry the ids and the character range that
+    the postprocessing step turns into text. Without, and with a `tokenizer`, the prompt is text_input or messages as
+    the preprocessing step reads them, tokenized here, and its responses carry text_output: the vLLM backend's
+    contract served by the generation model alone, two Python-backend hops a request and one a response fewer."""
     prompt_ids = inputs.get(INPUT_IDS)
-    if prompt_ids is None or len(prompt_ids) == 0:
+    text_output = prompt_ids is None and tokenizer is not None
+    if not text_output and (prompt_ids is None or len(prompt_ids) == 0):
         raise InvalidRequest("input_ids is empty")
     sampling = parse_json(SAMPLING_PARAMETERS, inputs.get(SAMPLING_PARAMETERS), dict) or {}
     params = sampling_params_from_dict(sampling, config)
@@ -141,5 +148,8 @@ def parse_generate(inputs: dict[str, Any], config: EngineConfig) -> GenerateRequ
         raise InvalidRequest("exclude_input_in_output=false is not allowed when streaming")
     echo = None if exclude else (utf8(TEXT_INPUT, inputs.get(TEXT_INPUT)) or "")
     flags = {name: bool(inputs.get(name, False)) for name in RETURN_FLAGS}
+    if text_output:   # after the cheap checks: a request they refuse is not tokenized
+        prompt = parse_prompt(inputs.get(TEXT_INPUT), inputs.get(MESSAGES), inputs.get(CHAT_TEMPLATE_KWARGS))
+        prompt_ids = encode_prompt(tokenizer, prompt)
     return GenerateRequest(prompt_ids=[int(t) for t in prompt_ids], params=params, stream=stream,
-                           echo_text=echo, return_flags=flags)
+                           echo_text=echo, return_flags=flags, text_output=text_output)

@@ -581,7 +581,7 @@ class GenerationService:
         logger.info("[%s] start: %d prompt tokens, mode %s, budget %d, max_tokens %d, temperature %.2f",
                     rid, len(req.prompt_ids), params.mode, params.tree_budget, params.max_tokens, params.temperature)
         job.engine_request = Request(request_id=job.key, prompt_ids=req.prompt_ids, params=params)
-        job.stream = _Stream(self.tokenizer, req)
+        job.stream = _Stream(self.tokenizer, req, job.key)
         job.text_on_outbox = self._text_on_outbox and not params.stop
         with self._lock:
             self._num_queued -= 1
@@ -653,7 +653,6 @@ class GenerationService:
                     chunk = job.stream.add(output, now, min_gap_s)
                     finish_reason = job.stream.finish_reason
                     if chunk is not None:
-                        chunk[api.REQUEST_KEY] = job.key
                         self._outbox.put(self._send, job, chunk, finish_reason is not None)
             except Exception as e:  # a failure here concerns this request only
                 logger.exception("[%s] could not build a response; dropping the request", job.request_id)
@@ -711,7 +710,6 @@ class GenerationService:
             self._send_error(job, f"could not build a response: {type(e).__name__}: {e}", "internal")
             return
         if chunk is not None:
-            chunk[api.REQUEST_KEY] = job.key
             self._send(job, chunk, output.is_finished)
 
     def _send_error(self, job: Job, message: str, kind: str) -> None:
@@ -774,8 +772,8 @@ class _Stream:
     Under a stream_response_rate, a response also waits its stream's share of that rate.
     """
 
-    def __init__(self, tokenizer, req: api.GenerateRequest) -> None:
-        self.req = req
+    def __init__(self, tokenizer, req: api.GenerateRequest, key: str = "") -> None:
+        self.req, self.key = req, key   # key: the request's, which the postprocessing step relays a cancellation by
         self.detokenizer = IncrementalDetokenizer(tokenizer, req.params.stop, req.params.min_tokens)
         self.unsent_tokens = 0
         self.echo = req.echo_text
@@ -800,10 +798,12 @@ class _Stream:
             chunk = self._held_chunk(chunk, now, min_gap_s)
             if chunk is None:
                 return None
-        outputs: dict[str, Any] = {
-            api.OUTPUT_IDS: chunk.window, api.PREFIX_LENGTH: chunk.prefix_length,
-            api.TEXT_START: chunk.text_start, api.TEXT_END: chunk.text_end, api.PROMPT_TEXT: self.echo or "",
-        }
+        if self.req.text_output:   # the text itself (no postprocessing step after this model)
+            outputs: dict[str, Any] = {api.TEXT_OUTPUT: (self.echo or "") + chunk.text}
+        else:                      # what the postprocessing step turns into the same text, statelessly
+            outputs = {api.OUTPUT_IDS: chunk.window, api.PREFIX_LENGTH: chunk.prefix_length,
+                       api.TEXT_START: chunk.text_start, api.TEXT_END: chunk.text_end, api.PROMPT_TEXT: self.echo or "",
+                       api.REQUEST_KEY: self.key}
         self.echo = None
         flags = self.req.return_flags
         if flags["return_finish_reason"]:

@@ -182,17 +182,18 @@ def speed_in_process(engine: Engine, prompt_ids: list[list[int]], methods: list[
     return results, outputs
 
 
-def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True, chat=None) -> dict:
-    """One ensemble request over a gRPC stream: seconds from send to the final response, tokens, tau, text. With
+def stream_one(url: str, prompt: str, sampling: dict, stream: bool = True, chat=None, model: str = "ensemble") -> dict:
+    """One request over a gRPC stream: seconds from send to the final response, tokens, tau, text. With
     stream=False the model answers with one final response instead of one per round. With `chat` (a
     client.chat.ChatStream) the request goes over that open stream, as a perf_analyzer worker sends its requests;
-    without, over a connection of its own (its set-up inside the measured time)."""
+    without, over a connection of its own (its set-up inside the measured time). `model`: the ensemble, or the
+    generation model alone (`ddtree`: the same inputs, tokenized and detokenized by the model itself)."""
     from client.chat import build_inputs, stream_chat
 
     inputs = build_inputs(messages_for(prompt), sampling, stream=stream, chat_template_kwargs=CHAT_TEMPLATE_KWARGS)
     start = time.perf_counter()
     end, first, tokens, text, stats = start, None, 0, [], {}
-    for delta, outputs in (chat.request("ensemble", inputs) if chat is not None else stream_chat(url, "ensemble", inputs)):
+    for delta, outputs in (chat.request(model, inputs) if chat is not None else stream_chat(url, model, inputs)):
         end = time.perf_counter()
         first = end if first is None else first
         text.append(delta)
@@ -232,14 +233,16 @@ def environment(env: dict[str, str]):
 
 def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method], temperatures: list[float],
                  max_new_tokens: int, seed: int, engine_args: dict[str, str] | None = None,
-                 env: dict[str, str] | None = None, log_path: Path | None = None) -> tuple[dict, dict]:
-    """(results[T][method], texts[T][method] = streamed text per prompt) through a real tritonserver; engine_args:
-    more of the model's parameters (--engine); env: the server's extra environment (a --triton-variant); log_path:
-    where the server's log goes (default: a temporary directory, gone after)."""
+                 env: dict[str, str] | None = None, log_path: Path | None = None,
+                 models: tuple[str, ...] = ("ensemble",)) -> tuple[dict, dict]:
+    """(results[model][T][method], texts[model][T][method] = streamed text per prompt) through a real tritonserver;
+    engine_args: more of the model's parameters (--engine); env: the server's extra environment (a --triton-variant);
+    log_path: where the server's log goes (default: a temporary directory, gone after); models: the models asked, each
+    method through each in turn on the one server (the ensemble, the generation model alone)."""
     from client.chat import ChatStream
     from perf.triton_bench import TritonServer, make_repository, request_split, request_sums, triton_stages, wait_stages
 
-    results, texts = {}, {}
+    results, texts = {model: {} for model in models}, {model: {} for model in models}
     with tempfile.TemporaryDirectory() as tmp, environment(env or {}):
         # the model serves the in-process engine's own config: the same cache sizes give the same static shapes (key
         # buckets, slots), so the same numerics and, in bf16, the same texts and rounds on both sides
@@ -248,30 +251,38 @@ def speed_triton(config: EngineConfig, prompts: list[str], methods: list[Method]
         with TritonServer(str(repo), log_path=str(log_path or Path(tmp) / "server.log")) as server, \
                 ChatStream(server.grpc_url) as chat:
             for method in methods:
-                stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed), chat=chat)
-            for temperature in temperatures:
+                for model in models:
+                    stream_one(server.grpc_url, prompts[0], sampling_parameters(method, 0.0, WARMUP_TOKENS, seed), chat=chat,
+                               model=model)
+            for temperature, method, model in ((t, m, model) for t in temperatures for m in methods for model in models):
                 key = temperature_key(temperature)
-                results[key], texts[key] = {}, {}
-                for method in methods:
-                    stages, sums = triton_stages(server.metrics_url), request_sums(server.metrics_url)
-                    runs = [stream_one(server.grpc_url, p, sampling_parameters(method, temperature, max_new_tokens, seed + i),
-                                       chat=chat)
-                            for i, p in enumerate(tqdm(prompts, desc=f"triton {method.name} T={key}", leave=False))]
-                    tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
-                    results[key][method.name] = {"tokens_per_s": tokens / seconds, "tau": mean_tau([r["tau"] for r in runs]),
-                                                 "num_tokens": tokens, "seconds": seconds,
-                                                 "ttft_s": [r["ttft_s"] for r in runs],
-                                                 "num_input_tokens": [r["num_input_tokens"] for r in runs],
-                                                 "stages": per_round_ms(stages, wait_stages(server.metrics_url, stages)),
-                                                 "server": request_split(sums, request_sums(server.metrics_url))}
-                    texts[key][method.name] = [r["text"] for r in runs]
+                stages, sums = triton_stages(server.metrics_url), request_sums(server.metrics_url)
+                runs = [stream_one(server.grpc_url, p, sampling_parameters(method, temperature, max_new_tokens, seed + i),
+                                   chat=chat, model=model)
+                        for i, p in enumerate(tqdm(prompts, desc=f"triton {model} {method.name} T={key}", leave=False))]
+                tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+                results[model].setdefault(key, {})[method.name] = {
+                    "tokens_per_s": tokens / seconds, "tau": mean_tau([r["tau"] for r in runs]), "num_tokens": tokens,
+                    "seconds": seconds, "ttft_s": [r["ttft_s"] for r in runs],
+                    "num_input_tokens": [r["num_input_tokens"] for r in runs],
+                    "stages": per_round_ms(stages, wait_stages(server.metrics_url, stages)),
+                    "server": request_split(sums, request_sums(server.metrics_url))}
+                texts[model].setdefault(key, {})[method.name] = [r["text"] for r in runs]
     return results, texts
+
+
+def triton_sides(result: dict) -> list[str]:
+    """The result's keys of the Triton phase: `triton` (the first --triton-models model, the ensemble by default), then
+    `triton:<model>` for each other model asked on the same servers."""
+    return ["triton"] + [f"triton:{model}" for model in result.get("triton_models", ["ensemble"])[1:]]
 
 
 def compare_triton(result: dict, tokenizer: Tokenizer, in_process_ids: dict, triton_texts: dict,
                    prompt_ids: list[list[int]]) -> None:
-    """Per method: Triton / in-process tokens/s, and whether Triton saw the same prompts and streamed the same text."""
-    for key, methods in result["triton"].items():
+    """Per model and method: Triton / in-process tokens/s, and whether Triton saw the same prompts and streamed the same
+    text; triton_texts: {side: texts[T][method]}."""
+    for side, key, methods in ((side, key, methods) for side in triton_sides(result)
+                               for key, methods in result.get(side, {}).items()):
         for name, r in methods.items():
             r["prompt_ids_match"] = r.pop("num_input_tokens") == [len(ids) for ids in prompt_ids]
             local = result.get("in_process", {}).get(key, {}).get(name)
@@ -279,7 +290,7 @@ def compare_triton(result: dict, tokenizer: Tokenizer, in_process_ids: dict, tri
                 continue
             r["triton_over_in_process"] = r["tokens_per_s"] / local["tokens_per_s"]
             expected = [tokenizer.decode(ids) for ids in in_process_ids[key][name]]
-            r["text_matches_in_process"] = sum(a == b for a, b in zip(triton_texts[key][name], expected))
+            r["text_matches_in_process"] = sum(a == b for a, b in zip(triton_texts[side][key][name], expected))
 
 
 # -- report --------------------------------------------------------------------------
@@ -299,7 +310,7 @@ def _speed(result: dict, side: str, key: str, name: str) -> tuple[float | None, 
 def _rows(result: dict) -> list[tuple[str, str]]:
     """(temperature key, method) of every measured row, in measurement order."""
     rows = {}
-    for side in ("acceptance", "in_process", "triton"):
+    for side in ("acceptance", "in_process", *triton_sides(result)):
         for key, methods in result.get(side, {}).items():
             for name in methods:
                 rows[(key, name)] = None
@@ -308,15 +319,21 @@ def _rows(result: dict) -> list[tuple[str, str]]:
 
 
 def table(result: dict) -> str:
-    lines = ["| method | T | τ | tok/s in process | speedup | tok/s Triton | speedup Triton | triton/in-process |",
-             "|---|---|---|---|---|---|---|---|"]
+    sides = triton_sides(result)
+    models = result.get("triton_models", ["ensemble"])
+    lines = ["| method | T | τ | tok/s in process | speedup | " + " | ".join(
+        f"tok/s Triton, {m} | speedup Triton, {m} | triton/in-process, {m}" for m in models) + " |",
+        "|---|---|---|---|---|" + "---|---|---|" * len(sides)]
     for key, name in _rows(result):
         tau = result.get("acceptance", {}).get(key, {}).get(name, {}).get("tau")
         local, local_x = _speed(result, "in_process", key, name)
-        triton, triton_x = _speed(result, "triton", key, name)
-        ratio = triton / local if triton and local else None
+        cells = []
+        for side in sides:
+            triton, triton_x = _speed(result, side, key, name)
+            ratio = triton / local if triton and local else None
+            cells.append(f"{_fmt(triton)} | {_fmt(triton_x, '.2f')} | {_fmt(ratio, '.3f')}")
         lines.append(f"| {name} | {key} | {_fmt(tau, '.2f')} | {_fmt(local)} | {_fmt(local_x, '.2f')} | "
-                     f"{_fmt(triton)} | {_fmt(triton_x, '.2f')} | {_fmt(ratio, '.2f')} |")
+                     + " | ".join(cells) + " |")
     by_t = result.get("num_prompts_by_temperature")
     prompts = (", ".join(f"{n} at T={k}" for k, n in by_t.items()) if by_t and len(set(by_t.values())) > 1
                else str(result["num_prompts"]))
@@ -339,11 +356,12 @@ def request_table(result: dict) -> str:
     lines = ["A request through Triton (ms, means over the speed prompts): the client's time against the generation "
              "model's (from the request's arrival in its process to its first / final response queued; queue: to "
              "the prefill's start, take: to the engine thread taking it), and in process:", "",
-             "| method | T | request, in process | request, client | request, model | outside the model | "
+             "| method | T | through | request, in process | request, client | request, model | outside the model | "
              "first token, in process | first token, client | first token, model | queue | take | prefill |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for key, name in _rows(result):
-        triton = result.get("triton", {}).get(key, {}).get(name)
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, name, (side, model) in ((key, name, pair) for key, name in _rows(result)
+                                     for pair in zip(triton_sides(result), result.get("triton_models", ["ensemble"]))):
+        triton = result.get(side, {}).get(key, {}).get(name)
         if not triton or not triton.get("server"):
             continue
         local = result.get("in_process", {}).get(key, {}).get(name, {})
@@ -352,7 +370,7 @@ def request_table(result: dict) -> str:
         local_ms = 1e3 * local["seconds"] / len(local["ttft_s"]) if local.get("ttft_s") else None
         outside = client_ms - server["latency_ms"] if server.get("latency_ms") is not None else None
         mean = lambda values: 1e3 * statistics.fmean(values) if values else None  # noqa: E731
-        lines.append(f"| {name} | {key} | {_fmt(local_ms, '.2f')} | {_fmt(client_ms, '.2f')} | "
+        lines.append(f"| {name} | {key} | {model} | {_fmt(local_ms, '.2f')} | {_fmt(client_ms, '.2f')} | "
                      f"{_fmt(server.get('latency_ms'), '.2f')} | {_fmt(outside, '.2f')} | "
                      f"{_fmt(mean(local.get('ttft_s')), '.2f')} | {_fmt(mean(triton['ttft_s']), '.2f')} | "
                      f"{_fmt(server.get('ttft_ms'), '.2f')} | {_fmt(server.get('queue_ms'), '.2f')} | "
@@ -383,28 +401,32 @@ def ttft_table(result: dict) -> str:
     """Time to the first token per request (the prefill's; through Triton the first streamed response): median and
     max over the speed prompts. A first call that builds something per prompt length shows here, in the method that
     meets each length first (the speed phases run the methods in order over the same prompts)."""
-    lines = ["Time to first token (ms, median / max over the speed prompts; in process | Triton):", "",
-             "| method | T | in process | Triton |", "|---|---|---|---|"]
+    sides = ["in_process", *triton_sides(result)]
+    lines = ["Time to first token (ms, median / max over the speed prompts; in process | Triton, by model):", "",
+             "| method | T | in process | " + " | ".join(f"Triton, {m}" for m in result.get("triton_models", ["ensemble"]))
+             + " |", "|---|---|" + "---|" * len(sides)]
     for key, name in _rows(result):
         cells = []
-        for side in ("in_process", "triton"):
+        for side in sides:
             ttft = result.get(side, {}).get(key, {}).get(name, {}).get("ttft_s")
             cells.append(f"{1e3 * statistics.median(ttft):.1f} / {1e3 * max(ttft):.1f}" if ttft else "-")
-        lines.append(f"| {name} | {key} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {name} | {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def stage_table(result: dict) -> str:
     """Per-round engine stage times in process and through Triton (where they differ is where Triton's cost is)."""
-    lines = ["Engine stages per round (ms; in process / Triton):", "",
+    sides = ["in_process", *triton_sides(result)]
+    lines = ["Engine stages per round (ms; in process / Triton" + "".join(
+        f" / Triton, {m}" for m in result.get("triton_models", ["ensemble"])[1:]) + "):", "",
              "| method | T | rounds | draft | draft on the GPU (CUDA) | verify | verify on the GPU (CUDA) | "
              "host (tree build, accept, commit, glue) | serve (streaming, cancellation checks, metrics; Triton) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for key, name in _rows(result):
-        sides = [result.get(side, {}).get(key, {}).get(name, {}).get("stages") for side in ("in_process", "triton")]
-        if not any(sides):
+        stages = [result.get(side, {}).get(key, {}).get(name, {}).get("stages") for side in sides]
+        if not any(stages):
             continue
-        cell = lambda field: " / ".join(_fmt(s and s.get(field), ".2f" if field.endswith("ms") else ".0f") for s in sides)  # noqa: E731
+        cell = lambda field: " / ".join(_fmt(s and s.get(field), ".2f" if field.endswith("ms") else ".0f") for s in stages)  # noqa: E731
         lines.append(f"| {name} | {key} | {cell('batch_rounds')} | {cell('draft_ms')} | {cell('draft_gpu_ms')} | "
                      f"{cell('verify_ms')} | {cell('verify_gpu_ms')} | {cell('host_ms')} | {cell('serve_ms')} |")
     return "\n".join(lines)
@@ -490,6 +512,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--triton-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                         help="another server for the Triton phase, with this environment (e.g. "
                              "inline:DDTREE_INLINE_SENDS=1); the base server and each variant run in turns; repeatable")
+    parser.add_argument("--triton-models", default="ensemble", type=lambda text: text.split(","),
+                        help="the models each method is asked through on every server, in turns (comma-separated): "
+                             "ensemble, and ddtree (the generation model alone, the prompt as text: no pre- and "
+                             "postprocessing steps)")
     parser.add_argument("--triton-turns", type=int, default=1, help="how many times the Triton phase runs the base "
                         "server and each --triton-variant, in turns")
     add_freeze_heap_arg(parser)   # for the in-process speed phase
@@ -526,7 +552,7 @@ def merge_results(paths: list[str]) -> dict:
     merged = {k: v for k, v in runs[0].items() if k not in ("header", "phase_seconds", "load_average", "plots")}
     merged["runs"] = [{"file": Path(p).name, "header": r["header"], "phase_seconds": r["phase_seconds"]}
                       for p, r in zip(paths, runs)]
-    for side in ("acceptance", "in_process", "triton"):
+    for side in ("acceptance", "in_process", *triton_sides(runs[0])):
         merged[side] = {}
         for run in runs:
             for key, methods in run.get(side, {}).items():
@@ -608,20 +634,24 @@ def main(argv: list[str] | None = None) -> dict:
     del engine
     gc.collect()
     if not args.skip_triton:
-        variants = [("base", {})] + args.triton_variants
+        variants, models, texts = [("base", {})] + args.triton_variants, args.triton_models, {}
+        result["triton_models"] = models
         with phase(result, "triton_speed"):
             for turn in range(args.triton_turns):
                 for name, env in variants:   # in turns: each variant's server after the other's, turn after turn
                     # each server's log beside the results (its warm-up, its requests): a run cut off keeps them
                     log_path = out_dir / f"{args.name}_server_{name}_{turn + 1}.log"
                     measured, measured_texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
-                                                            args.max_new_tokens, args.seed, engine_args, env, log_path)
-                    if turn == 0 and name == "base":
-                        result["triton"], texts = measured, measured_texts
-                    if len(variants) > 1 or args.triton_turns > 1:
-                        result.setdefault("triton_variants", {}).setdefault(name, {"env": env, "turns": []})
-                        result["triton_variants"][name]["turns"].append(measured)
-                        write_results(out_dir, args.name, result, table(result))
+                                                            args.max_new_tokens, args.seed, engine_args, env, log_path,
+                                                            models)
+                    for model, side in zip(models, triton_sides(result)):
+                        if turn == 0 and name == "base":
+                            result[side], texts[side] = measured[model], measured_texts[model]
+                        if len(variants) > 1 or args.triton_turns > 1 or len(models) > 1:
+                            label = name if model == models[0] else f"{name} ({model})"
+                            result.setdefault("triton_variants", {}).setdefault(label, {"env": env, "turns": []})
+                            result["triton_variants"][label]["turns"].append(measured[model])
+                    write_results(out_dir, args.name, result, table(result))
         compare_triton(result, tokenizer, in_process_ids, texts, speed_ids)
     result["plots"] = plot(result, out_dir, args.name)
     write_results(out_dir, args.name, result, table(result))

@@ -34,9 +34,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(DEFAULT_TARGET)
 
 
-def run_stream(server, messages, sampling, stream=True):
+def run_stream(server, messages, sampling, stream=True, model="ensemble"):
     texts, finals = [], []
-    for text, outputs in stream_chat(server.grpc_url, "ensemble", build_inputs(messages, sampling, stream=stream)):
+    for text, outputs in stream_chat(server.grpc_url, model, build_inputs(messages, sampling, stream=stream)):
         texts.append(text)
         finals.append(outputs)
     return texts, finals[-1]
@@ -131,22 +131,40 @@ def test_http_generate_stream_and_generate(server):
     assert (text if isinstance(text, str) else "".join(text)) == streamed
 
 
-def test_raw_text_input_with_echo(server):
-    """vLLM contract: non-streamed output echoes the prompt unless exclude_input_in_output."""
-    inputs = [string_tensor("text_input", "Once upon a time"), bool_tensor("stream", False),
-              string_tensor("sampling_parameters", json.dumps({"max_tokens": 8, "temperature": 0}))]
-    texts = [t for t, _ in stream_chat(server.grpc_url, "ensemble", inputs)]
-    assert len(texts) == 1 and texts[0].startswith("Once upon a time") and len(texts[0]) > len("Once upon a time")
+@pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
+def test_the_generation_model_alone_serves_the_ensembles_text(server, mode):
+    """The ddtree model asked with the ensemble's inputs (messages, no input_ids) tokenizes the prompt itself and
+    streams text_output: response for response the ensemble's text, and the same text over HTTP's generate_stream."""
+    sampling = {"max_tokens": 40, "temperature": 0, "mode": mode, "tree_budget": 8}
+    ensemble, ensemble_final = run_stream(server, CHATS[1], sampling)
+    alone, alone_final = run_stream(server, CHATS[1], sampling, model="ddtree")
+    assert alone == ensemble and len(alone) > 2
+    assert {k: alone_final[k] for k in ensemble_final} == ensemble_final
+    whole, _ = run_stream(server, CHATS[1], sampling, stream=False, model="ddtree")
+    assert whole == ["".join(ensemble)]
+    payload = {"text_input": "", "messages": json.dumps(CHATS[1]), "stream": True, "sampling_parameters": json.dumps(sampling)}
+    events = list(generate_stream(f"http://{server.http_url}", "ddtree", payload))
+    assert "".join(e["text_output"] if isinstance(e["text_output"], str) else "".join(e["text_output"])
+                   for e in events) == "".join(ensemble)
 
 
 @pytest.mark.parametrize("model", ["ensemble", "ddtree"])
+def test_raw_text_input_with_echo(server, model):
+    """vLLM contract: non-streamed output echoes the prompt unless exclude_input_in_output."""
+    inputs = [string_tensor("text_input", "Once upon a time"), bool_tensor("stream", False),
+              string_tensor("sampling_parameters", json.dumps({"max_tokens": 8, "temperature": 0}))]
+    texts = [t for t, _ in stream_chat(server.grpc_url, model, inputs)]
+    assert len(texts) == 1 and texts[0].startswith("Once upon a time") and len(texts[0]) > len("Once upon a time")
+
+
+@pytest.mark.parametrize("model", ["ensemble", "ddtree", "ddtree-text"])
 def test_cancelled_stream_frees_its_request(server, tokenizer, model):
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     sampling = {"max_tokens": MAX_TOKENS_LIMIT, "temperature": 0, "ignore_eos": True, "mode": "ar"}
-    if model == "ensemble":
-        inputs = build_inputs(CHATS[0], sampling)
+    if model in ("ensemble", "ddtree-text"):   # ddtree-text: the generation model alone, the prompt as text
+        inputs, model = build_inputs(CHATS[0], sampling), model.removesuffix("-text")
     else:
         ids = tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=True, return_dict=False)
         tensor = grpcclient.InferInput("input_ids", [len(ids)], "INT32")
@@ -191,8 +209,9 @@ def raw_string(name: str, value: bytes) -> grpcclient.InferInput:
     return tensor
 
 
+@pytest.mark.parametrize("model", ["ensemble", "ddtree"])
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
-def test_bad_input_gets_clear_error_and_server_keeps_serving(server, case):
+def test_bad_input_gets_clear_error_and_server_keeps_serving(server, case, model):
     _, spec, expected = case
     inputs = [raw_string("text_input", spec.get("raw_text", spec.get("text", "Hi").encode()))]
     sampling = spec.get("raw_sampling", spec.get("sampling", '{"max_tokens": 4}').encode() if isinstance(
@@ -205,7 +224,7 @@ def test_bad_input_gets_clear_error_and_server_keeps_serving(server, case):
         inputs.append(bool_tensor("exclude_input_in_output", False))
     start = time.time()
     with pytest.raises(RuntimeError) as info:
-        list(stream_chat(server.grpc_url, "ensemble", inputs, timeout_s=60))
+        list(stream_chat(server.grpc_url, model, inputs, timeout_s=60))
     assert expected in str(info.value), str(info.value)
     assert time.time() - start < 30
     pieces, final = run_stream(server, CHATS[0], {"max_tokens": 4, "temperature": 0})

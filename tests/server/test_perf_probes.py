@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from perf import serve_overhead, stub_probe
+from perf import humaneval, serve_overhead, stub_probe
 
 
 def test_stub_probe_runs_in_process_and_in_the_stub(tmp_path):
@@ -40,3 +40,21 @@ def test_serve_overhead_pairs_alone_and_triton(tiny_models, tmp_path):
         assert any(row.split()[1].rstrip(":") == "ddtree-engine" for row in turn["triton"]["engine_stub_threads"])
     assert set(data["summary"]) == {f"{m}, stream_interval {k}" for m in ("ar", "ddtree-4") for k in (1, 3)}
     assert "| method | median triton / alone |" in (tmp_path / "o.md").read_text()
+
+
+def test_humaneval_asks_the_ensemble_and_the_generation_model_alone(tiny_models, tmp_path):
+    """--triton-models: every method through both models on one server; each streams the in-process engine's text."""
+    result = humaneval.main(["--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
+                             "--num-prompts", "2", "--speed-prompts", "2", "--budgets", "4,16", "--speed-budgets", "4", "--temperatures", "0",
+                             "--max-new-tokens", "6", "--skip-acceptance", "--triton-models", "ensemble,ddtree",
+                             "--out", str(tmp_path), "--name", "he"])
+    assert result["triton_models"] == ["ensemble", "ddtree"]
+    for side in ("triton", "triton:ddtree"):
+        rows = result[side]["0"]
+        assert set(rows) == {"ar", "dflash", "ddtree-4"}
+        assert all(r["text_matches_in_process"] == 2 and r["prompt_ids_match"] and r["num_tokens"] > 0
+                   and r["num_tokens"] == result["in_process"]["0"][name]["num_tokens"] for name, r in rows.items()), side
+    assert set(result["triton_variants"]) == {"base", "base (ddtree)"}
+    md = (tmp_path / "he.md").read_text()
+    assert "triton/in-process, ensemble | tok/s Triton, ddtree |" in md
+    assert "| ddtree-4 | 0 | ddtree |" in md   # the request table's row through the generation model alone

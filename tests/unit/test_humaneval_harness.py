@@ -93,10 +93,11 @@ def test_report(paths, tmp_path):
     assert all(len(r["ttft_s"]) == 1 and 0 < r["ttft_s"][0] <= r["seconds"] for r in saved["in_process"]["0"].values())
     assert "triton" not in saved and set(saved["phase_seconds"]) == {"load", "acceptance", "in_process_speed"}
     md = (tmp_path / "he.md").read_text()
-    assert "| method | T | τ | tok/s in process | speedup | tok/s Triton | speedup Triton | triton/in-process |" in md
+    assert ("| method | T | τ | tok/s in process | speedup | tok/s Triton, ensemble | speedup Triton, ensemble | "
+            "triton/in-process, ensemble |") in md
     assert "| ar | 0 | 1.00 |" in md and "| ddtree-16 | 0 |" in md
     ttft_rows = md.split("Time to first token")[1].split("Rounds per acceptance length")[0]
-    assert "| method | T | in process | Triton |" in ttft_rows and "| ddtree-4 | 0 |" in ttft_rows
+    assert "| method | T | in process | Triton, ensemble |" in ttft_rows and "| ddtree-4 | 0 |" in ttft_rows
     assert ttft_rows.count(" | - |") == 4   # no Triton side in this run
     assert [p.rsplit("/", 1)[1] for p in result["plots"]] == ["he_tau.png", "he_speedup.png"]
     assert all((tmp_path / p).stat().st_size > 1000 for p in ("he_tau.png", "he_speedup.png"))

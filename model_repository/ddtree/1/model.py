@@ -25,8 +25,9 @@ from ddtree.triton_common import (  # noqa: E402
     project_root,
 )
 
-INPUTS = {api.INPUT_IDS: "ids", api.STOP_REQUEST_KEY: "bytes", api.TEXT_INPUT: "bytes", api.STREAM: "bool",
-          api.SAMPLING_PARAMETERS: "bytes", api.EXCLUDE_INPUT_IN_OUTPUT: "bool",
+INPUTS = {api.INPUT_IDS: "ids", api.STOP_REQUEST_KEY: "bytes", api.TEXT_INPUT: "bytes", api.MESSAGES: "bytes",
+          api.CHAT_TEMPLATE_KWARGS: "bytes", api.STREAM: "bool", api.SAMPLING_PARAMETERS: "bytes",
+          api.EXCLUDE_INPUT_IN_OUTPUT: "bool",
           **{name: "bool" for name in api.RETURN_FLAGS}}
 # The stub's IPC with the server is not safe to enter from two threads at once (a metric update
 # racing a send crashed the backend): every pb_utils call after initialize goes through this lock.
@@ -90,6 +91,8 @@ class TritonPythonModel:
             self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
                                              max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
                                              stop_registry=StopRegistry(default_directory(args["model_name"])))
+        # a prompt sent as text (no ensemble around this model) is tokenized here, on the execute thread
+        self.tokenizer = load_tokenizer(self.config.target_path) if wanted else self.service.tokenizer
         self.num_requests = 0
 
     def execute(self, requests):
@@ -105,7 +108,7 @@ class TritonPythonModel:
                 logging.getLogger("ddtree").info("[%s] stop request: %s", request_id, "found" if found else "not here (marker left)")
                 continue
             try:
-                parsed = api.parse_generate(inputs, self.config)
+                parsed = api.parse_generate(inputs, self.config, self.tokenizer)
             except InvalidRequest as e:
                 logging.getLogger("ddtree").info("[%s] rejected: %s", request_id, e)
                 sink.send_error(str(e), "invalid")
