@@ -45,8 +45,8 @@ def test_serve_overhead_pairs_alone_and_triton(tiny_models, tmp_path):
 def test_humaneval_asks_the_ensemble_and_the_generation_model_alone(tiny_models, tmp_path):
     """--triton-models: every method through both models on one server; each streams the in-process engine's text."""
     result = humaneval.main(["--target", str(tiny_models / "qwen3-target"), "--drafter", str(tiny_models / "qwen3-dflash"),
-                             "--num-prompts", "2", "--speed-prompts", "2", "--budgets", "4,16", "--speed-budgets", "4", "--temperatures", "0",
-                             "--max-new-tokens", "6", "--skip-acceptance", "--triton-models", "ensemble,ddtree",
+                             "--num-prompts", "2", "--speed-prompts", "2", "--budgets", "4,16", "--speed-budgets", "4",
+                             "--temperatures", "0", "--max-new-tokens", "6", "--skip-acceptance", "--triton-models", "ensemble,ddtree",
                              "--out", str(tmp_path), "--name", "he"])
     assert result["triton_models"] == ["ensemble", "ddtree"]
     for side in ("triton", "triton:ddtree"):
