@@ -43,8 +43,9 @@ from perf.triton_bench import (  # noqa: E402
 )
 
 METHODS = [("ar", 1, "ar"), ("dflash", 1, "dflash"), ("ddtree", 4, "ddtree-4"), ("ddtree", 16, "ddtree-16"),
-           ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto"), ("ar", 1, "ar-again")]
+           ("ddtree", 64, "ddtree-64"), ("auto", 64, "auto"), ("ar", 1, "ar-again"), ("ar", 1, "ar-alone")]
 CONTROL = "ar-again"   # `ar` measured twice a turn: not a method `auto` is compared with
+ALONE = "ar-alone"     # `ar` through the generation model alone (the prompt as text: no pre- or postprocessing step)
 DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
 LATE = "ddtree_static_programs_late_total"
 # the sending thread's time (the outbox in process; with engine_process the stub's relay): per second of a run
@@ -149,7 +150,8 @@ def main() -> None:
                 count = max(args.requests_per_stream * level, 4)
                 if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size
                     for method in methods:
-                        run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
+                        run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level,
+                                          model_of(method))
                 for repeat in range(args.repeats):
                     for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
                         entry = measure(server, workdir, prompts, method, args, count, level)
@@ -159,10 +161,16 @@ def main() -> None:
                 for _, _, name in methods:
                     result["methods"][name][str(level)] = median_run(runs[name][str(level)])
                 result["paired"] = paired_ratios(result["methods"])
-                if CONTROL in result["methods"] and "ar" in result["methods"]:
-                    result["control"] = control_ratios(result["methods"])
+                for key, name in (("control", CONTROL), ("alone", ALONE)):
+                    if name in result["methods"] and "ar" in result["methods"]:
+                        result[key] = control_ratios(result["methods"], name)
                 write(result, sorted(earlier + [c for c in levels if str(c) in runs[methods[0][2]]]), args)
                 # after each point: a cut-off run keeps what it measured
+
+
+def model_of(method: tuple[str, int, str]) -> str:
+    """The model a method's requests are sent to: the ensemble, or for ALONE the generation model itself."""
+    return GENERATION_MODEL if method[2] == ALONE else "ensemble"
 
 
 def sampling_of(method: tuple[str, int, str], args) -> dict:
@@ -179,7 +187,8 @@ def measure(server, workdir: Path, prompts: list[str], method: tuple[str, int, s
     arms = auto_arms(server.metrics_url)
     counters = scrape_metrics(server.metrics_url, {LATE, *STALLS.values(), *SENDER.values()})
     sums = request_sums(server.metrics_url)
-    requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level)
+    requests = run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level,
+                                 model_of(method))
     entry = summarize(requests, args.max_tokens)
     # where a round's time goes (engine stages, mean requests per round) and whether the postprocessing step (one
     # execution per streamed response) queues
@@ -293,7 +302,7 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
     """Per concurrency: `candidate`'s throughput over the best other method's, run by run (run i of every method was
     measured in the same turn), and over `ar`'s; the median and the worst of those ratios. The A/A control (CONTROL)
     is no other method: the best of two samples of `ar` would rank `auto` against `ar`'s luckier run."""
-    others = [name for name in methods if name not in (candidate, CONTROL)]
+    others = [name for name in methods if name not in (candidate, CONTROL, ALONE)]
     if candidate not in methods or not others:
         return {}
     out = {}
@@ -320,12 +329,12 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
     return out
 
 
-def control_ratios(methods: dict[str, dict[str, dict]]) -> dict[str, dict]:
-    """The A/A control's paired_ratios against `ar` (empty unless both were measured): what a ratio between two
-    identical methods looks like at each point."""
-    if CONTROL not in methods or "ar" not in methods:
+def control_ratios(methods: dict[str, dict[str, dict]], name: str = CONTROL) -> dict[str, dict]:
+    """`name`'s paired_ratios against `ar` (empty unless both were measured): for the A/A control, what a ratio
+    between two identical methods looks like at each point; for ALONE, what the ensemble's steps cost `ar`."""
+    if name not in methods or "ar" not in methods:
         return {}
-    return paired_ratios({name: methods[name] for name in ("ar", CONTROL)}, CONTROL)
+    return paired_ratios({key: methods[key] for key in ("ar", name)}, name)
 
 
 IDLE_SHARE = 0.9   # a run whose engine held fewer of the streams on average had streams idle outside the engine
@@ -494,6 +503,15 @@ def write(result: dict, levels: list[int], args) -> None:
             if any(control.values()):
                 rows.append(f"| {CONTROL} / ar | " + " | ".join(interval_cell(r.get("over_ar_interval") if r else None)
                                                               for r in control.values()) + " |")
+    alone = {c: result.get("alone", {}).get(str(c)) for c in levels}
+    if any(alone.values()):
+        rows += ["", f"`{ALONE}` (`ar` through the generation model alone: the prompt sent as text, no pre- or "
+                 "postprocessing step) against `ar` through the ensemble, in the same turns:", "",
+                 "| ratio | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels),
+                 f"| {ALONE} / ar, median | " + " | ".join(f"{r['over_ar_median']:.2f}" if r else "-" for r in alone.values())
+                 + " |",
+                 f"| {ALONE} / ar, interval | " + " | ".join(interval_cell(r.get("over_ar_interval") if r else None)
+                                                           for r in alone.values()) + " |"]
     if result.get("repeats", 1) > 1:
         rows += ["", "Every run's tokens/s, turn by turn:", "",
                  "| method | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels)]

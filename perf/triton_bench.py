@@ -158,11 +158,13 @@ def input_data(prompts: list[str], sampling: dict) -> dict:
 
 
 def run_perf_analyzer(server: TritonServer, data: dict, workdir: Path, num_requests: int,
-                      concurrency: int = 1) -> list[dict]:
+                      concurrency: int = 1, model: str = "ensemble") -> list[dict]:
+    """perf_analyzer's requests (timestamps of each response) over gRPC streaming; `model`: the ensemble, or the
+    generation model alone (the same inputs: it tokenizes the prompt and detokenizes the output itself)."""
     data_file, export = workdir / "input.json", workdir / "profile.json"
     data_file.write_text(json.dumps(data))
     export.unlink(missing_ok=True)
-    cmd = [str(PERF_ANALYZER), "-m", "ensemble", "-u", server.grpc_url, "-i", "grpc", "--streaming",
+    cmd = [str(PERF_ANALYZER), "-m", model, "-u", server.grpc_url, "-i", "grpc", "--streaming",
            "--input-data", str(data_file), "--concurrency-range", str(concurrency), "--measurement-mode", "count_windows",
            "--measurement-request-count", str(num_requests), "--stability-percentage", "999",
            "--profile-export-file", str(export)]

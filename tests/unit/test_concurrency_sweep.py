@@ -167,3 +167,12 @@ def test_the_sending_threads_time_reads_per_second_of_the_run():
     table = level_table({"methods": {"ar": {"16": {"sender": rates}, "32": {}}}}, [16, 32], sender_cell, "caption")
     assert table == ["", "caption", "", "| method | c=16 | c=32 |", "|---|---|---|",
                      "| ar | 300 (1000, 0.30) / 200 / 50 (0.25) | - |"]
+
+
+def test_ar_through_the_generation_model_alone_is_compared_with_ar_not_with_auto():
+    from perf.concurrency_sweep import ALONE, GENERATION_MODEL, METHODS, control_ratios, model_of
+
+    assert [model_of(m) for m in METHODS if m[2] in ("ar", ALONE)] == ["ensemble", GENERATION_MODEL]
+    methods = {"ar": {"4": runs(100.0, 200.0)}, ALONE: {"4": runs(130.0, 210.0)}, "auto": {"4": runs(110.0, 190.0)}}
+    assert paired_ratios(methods)["4"]["best_per_run"] == ["ar", "ar"]   # another route, not another method
+    assert control_ratios(methods, ALONE)["4"]["over_ar"] == pytest.approx([1.3, 1.05])
