@@ -1056,7 +1056,12 @@ class Engine:
             return
         other_rows = sum(1 + trees[i].num_nodes for i in range(len(seqs)) if i not in auto)
         weights = [node_weights(trees[i].log_weights[1:]) * seqs[i].calibration for i in auto]
-        budgets = choose_budgets(weights, self.cost_model, [trees[i].num_nodes for i in auto], fixed_rows=other_rows)
+        limits = [trees[i].num_nodes for i in auto]
+        made = (self.static_target.made_tree_rows(len(seqs), max(s.start for s in seqs), self.caches[0].max_len)
+                if self.static_target is not None else None)
+        if made is not None:   # no tree past the verifies warm-up made: a program made on the round's time stalls
+            limits = [min(n, max(made - 1, 0)) for n in limits]   # every stream (162 ms at c=32 on an H100)
+        budgets = choose_budgets(weights, self.cost_model, limits, fixed_rows=other_rows)
         self.policy_cap = max(POLICY_MIN_CAP, 2 * max(budgets))
         for i, budget in zip(auto, budgets):
             trees[i] = trees[i].truncated(budget)

@@ -247,6 +247,18 @@ class StaticTarget:
                 rows = above[0]
         return reqs, rows, keys
 
+    def made_tree_rows(self, num_reqs: int, max_start: int, max_len: int) -> int | None:
+        """After warm-up, the most rows each of num_reqs requests' trees (several requests, the furthest root at
+        max_start) may have to verify through a program already made (_shape pads a smaller bucket up to it): 0 where
+        none is, None where any may (before warm-up, a lone request, no padding slot)."""
+        if num_reqs < 2 or self.scratch is None or not self.graphs.warmed:
+            return None
+        reqs = batch_bucket(num_reqs)
+        self._made_rows(reqs, 0)   # the index up to date
+        candidates = sorted({r for (n, _), rows in self._made.items() if n == reqs for r in rows}, reverse=True)
+        return next((r for r in candidates if (keys := key_bucket(max_start + r, max_len)) is not None
+                     and r in self._made_rows(reqs, keys)), 0)
+
     def _made_rows(self, reqs: int, keys: int) -> list[int]:
         """Row buckets (ascending) of the several requests' verifies made for this request bucket and key bucket."""
         if self._made_count != len(self.graphs.programs):

@@ -650,3 +650,40 @@ def test_a_batch_size_passed_through_keeps_the_last_arm():
     assert drains == ["ar"] * len(drains), drains
     chosen = play(selector, {a: 2 * r for a, r in small.items()}, num_seqs=2, rounds=TRANSIENT + 200)
     assert chosen["ddtree-8"] > 150, chosen
+
+
+@pytest.mark.parametrize("memory", [8, 0])
+def test_the_policy_cuts_trees_of_several_requests_to_the_verifies_warm_up_made(tiny_models, tmp_path, memory):
+    """After warm-up the policy arm builds no tree of several requests past the row bucket of the verifies warm-up made
+    for their batch (here small ones only, 1/8 MiB a row by a stand-in for the allocator; none at 0 MiB, so no tree):
+    a program made on a round's time stalls every stream (a 162 ms step at c=32 on an H100,
+    concurrency_h100_child_c32_split.md). Free nodes (FLAT) would take whole 17-row trees otherwise; tokens stay the
+    target's greedy ones."""
+    from ddtree.request import Request
+
+    path = tmp_path / "cost.json"
+    path.write_text(__import__("json").dumps({"rows": list(FLAT.rows), "verify_ms": list(FLAT.verify_ms),
+                                              "draft_ms": FLAT.draft_ms}))
+    config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                          max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=0,
+                          cost_model_path=str(path), static_batch_memory=memory)   # the default arms: their verifies
+    engine = Engine(config)
+    engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("policy")
+    verifies = lambda: [key for key in engine.graphs.programs if key[0] == "batch" and key[1] > 1 and key[2] > 1]  # noqa: E731
+    engine._allocated_bytes = lambda: 2**20 * sum(key[1] * key[2] for key in verifies()) // 8
+    engine.warm_up()
+    made = {(key[1], key[2]) for key in verifies()}
+    assert bool(made) == bool(memory) and all(rows < 17 for _, rows in made), made   # no 16-node tree's 17 rows
+    params = dict(max_tokens=24, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(3)]
+    expected = [engine.generate_ids(p, SamplingParams(mode="ar", **params)).output_ids for p in prompts]
+    nodes = engine.stage_times.tree_nodes
+    for i, prompt in enumerate(prompts):
+        engine.add(Request(f"r{i}", prompt, SamplingParams(mode="auto", tree_budget=16, **params)))
+    outputs = {}
+    while engine.has_work:
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert [outputs[f"r{i}"] for i in range(3)] == expected
+    assert not [key for key in engine.graphs.late_keys if key[1] > 1], engine.graphs.late_keys
+    assert (engine.stage_times.tree_nodes > nodes) == bool(memory)   # trees where a verify was made, none elsewhere
