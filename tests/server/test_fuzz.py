@@ -323,13 +323,14 @@ def grpc_ddtree_case(rng: random.Random) -> tuple[str, dict, tuple[str, ...]]:
             inputs[name] = (np.ones(shape, dtype=bool), "BOOL")
         return kind, inputs, (f"unexpected shape for input '{name}'",)
     if kind == "missing_input":
-        if rng.random() < 0.5:
+        if rng.random() < 0.5:   # no ids: the prompt is read as text (the generation model alone), here none
             inputs.pop("input_ids")
-        else:
-            inputs["input_ids"] = (np.zeros((0,), dtype=np.int32), "INT32")
+            inputs.pop("text_input", None)
+            return kind, inputs, ("text_input is empty",)
+        inputs["input_ids"] = (np.zeros((0,), dtype=np.int32), "INT32")
         return kind, inputs, ("input_ids is empty",)
     if kind == "unknown_input":
-        name = rng.choice(["messages", "chat_template_kwargs", "prompt_ids", "ids", "output_ids", "text_output"])
+        name = rng.choice(["prompt", "prompt_ids", "ids", "output_ids", "text_output"])
         inputs[name] = (s("x"), "BYTES")
         return kind, inputs, (f"unexpected inference input '{name}'",)
     if kind == "huge":
