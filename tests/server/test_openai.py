@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import requests
@@ -34,14 +36,13 @@ CHAT_CJK = [{"role": "user", "content": "请用中文写一句关于春天的话
 PROMPT = "Once upon a time"
 
 
-@pytest.fixture(scope="module")
-def frontend(server, tmp_path_factory):
-    """http://127.0.0.1:PORT of a frontend process talking to the session's tritonserver."""
+@contextmanager
+def running_frontend(server, log: Path, *args: str):
+    """http://127.0.0.1:PORT of a frontend process talking to the server (args: more of its options)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("openai") / "frontend.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "openai_frontend", "--triton-url", server.grpc_url,
-                                 "--port", str(port), "--wait-ready", "60"], cwd=ROOT, stdout=out,
+                                 "--port", str(port), "--wait-ready", "60", *args], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
@@ -58,6 +59,13 @@ def frontend(server, tmp_path_factory):
     proc.terminate()
     proc.wait(timeout=30)
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def frontend(server, tmp_path_factory):
+    """The frontend in front of the session's tritonserver's ensemble."""
+    with running_frontend(server, tmp_path_factory.mktemp("openai") / "frontend.log") as url:
+        yield url
 
 
 def post(url: str, path: str, body: dict, **kwargs) -> requests.Response:
@@ -301,3 +309,20 @@ def test_overload_is_503(frontend):
     for reply, seconds in refused:
         assert check_error(reply, 503, "overloaded")["code"] == "overloaded" and seconds < 10
     assert len(served) >= MAX_NUM_SEQS and all(r.json()["usage"]["completion_tokens"] == 24 for r in served)
+
+
+def test_the_frontend_over_the_generation_model_alone(server, tmp_path):
+    """--model ddtree: the frontend's requests go to the generation model itself (the prompt as text, no ensemble
+    steps around it): the same chat completion, whole and streamed, as through the ensemble; a bad request is still an
+    OpenAI error naming the problem."""
+    body = {"model": "ddtree", "messages": CHAT_CJK, "max_tokens": 40, "temperature": 0, "ddtree_mode": "ddtree",
+            "tree_budget": 8}
+    expected, _ = ensemble_whole(server, build_inputs(CHAT_CJK, {"max_tokens": 40, "temperature": 0, "mode": "ddtree",
+                                                                 "tree_budget": 8}, stream=False))
+    with running_frontend(server, tmp_path / "frontend.log", "--model", "ddtree") as url:
+        whole = post(url, "chat/completions", body)
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["choices"][0]["message"]["content"] == expected and whole.json()["model"] == "ddtree"
+        chunks = events(post(url, "chat/completions", {**body, "stream": True}, stream=True))
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == expected
+        check_error(post(url, "chat/completions", {**body, "max_tokens": MAX_TOKENS_LIMIT + 1}), 400, "max_tokens")
