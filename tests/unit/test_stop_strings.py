@@ -137,8 +137,12 @@ class Sink:
         return False
 
     def send(self, outputs, final):
-        window, prefix = outputs[api.OUTPUT_IDS], outputs[api.PREFIX_LENGTH]
-        self.texts.append(decode_range(self.tokenizer, window, prefix, outputs[api.TEXT_START], outputs[api.TEXT_END]))
+        """A response's text: the model's own (text_output), else what the postprocessing step makes of its ids."""
+        if api.TEXT_OUTPUT in outputs:
+            self.texts.append(outputs[api.TEXT_OUTPUT])
+        else:
+            window, prefix = outputs[api.OUTPUT_IDS], outputs[api.PREFIX_LENGTH]
+            self.texts.append(decode_range(self.tokenizer, window, prefix, outputs[api.TEXT_START], outputs[api.TEXT_END]))
         self.outputs.append(outputs)
         if final:
             self.done.set()

@@ -4,17 +4,17 @@ tokenized by the model and answered with text_output, the same text the ensemble
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from ddtree import api
 from ddtree.config import EngineConfig
-from ddtree.detokenize import decode, decode_range
+from ddtree.detokenize import decode
 from ddtree.engine import Engine
 from ddtree.errors import InvalidRequest
 from ddtree.serving import GenerationService
 from ddtree.tokenizer import Tokenizer
+from tests.unit.test_stop_strings import Sink
 
 CONFIG = EngineConfig(target_path="t", drafter_path="d", max_tokens_limit=512)
 PROMPT = "Once upon a time"
@@ -82,29 +82,13 @@ def test_without_a_tokenizer_input_ids_are_required():
         api.parse_generate({api.TEXT_INPUT: PROMPT.encode()}, CONFIG)
 
 
-class Sink:
-    def __init__(self):
-        self.outputs, self.done = [], threading.Event()
-
-    def is_cancelled(self):
-        return False
-
-    def send(self, outputs, final):
-        self.outputs.append(outputs)
-        if final:
-            self.done.set()
-
-    def send_error(self, message, kind, final=True):
-        self.outputs.append({"error": message})
-        self.done.set()
-
-
-def serve(service, inputs: dict) -> list[dict]:
-    sink = Sink()
+def serve(service, inputs: dict) -> tuple[list[str], list[dict]]:
+    """(each response's text, each response's outputs) of one request."""
+    sink = Sink(service.tokenizer)
     service.submit("test", api.parse_generate(inputs, service.engine.config, service.tokenizer), sink)
     assert sink.done.wait(120)
     assert "error" not in sink.outputs[-1], sink.outputs[-1]
-    return sink.outputs
+    return sink.texts, sink.outputs
 
 
 @pytest.mark.parametrize("mode", ["ar", "dflash", "ddtree"])
@@ -112,16 +96,15 @@ def test_text_output_equals_the_ensembles_text(service, tokenizer, mode):
     sampling = json.dumps({"max_tokens": 40, "temperature": 0, "ignore_eos": True, "mode": mode, "tree_budget": 8})
     ids = api.parse_generate({api.TEXT_INPUT: PROMPT.encode()}, CONFIG, tokenizer).prompt_ids
     # the ensemble's route: ids in; what its postprocessing step makes of each response
-    ensemble = serve(service, {api.INPUT_IDS: ids, api.SAMPLING_PARAMETERS: sampling, api.STREAM: True})
-    ensemble_text = [decode_range(tokenizer, o[api.OUTPUT_IDS], o[api.PREFIX_LENGTH], o[api.TEXT_START], o[api.TEXT_END])
-                     for o in ensemble]
-    streamed = serve(service, {api.TEXT_INPUT: PROMPT.encode(), api.SAMPLING_PARAMETERS: sampling, api.STREAM: True,
-                               "return_num_output_tokens": True})
+    ensemble_text, ensemble = serve(service, {api.INPUT_IDS: ids, api.SAMPLING_PARAMETERS: sampling, api.STREAM: True})
+    assert all(api.OUTPUT_IDS in o and api.TEXT_OUTPUT not in o for o in ensemble)
+    texts, streamed = serve(service, {api.TEXT_INPUT: PROMPT.encode(), api.SAMPLING_PARAMETERS: sampling, api.STREAM: True,
+                                      "return_num_output_tokens": True})
     assert all(set(o) == {api.TEXT_OUTPUT, api.NUM_OUTPUT_TOKENS} for o in streamed)   # no ids: nothing after it needs them
-    assert [o[api.TEXT_OUTPUT] for o in streamed] == ensemble_text and len(streamed) > 2
+    assert texts == ensemble_text and len(streamed) > 2
     assert sum(o[api.NUM_OUTPUT_TOKENS] for o in streamed) == 40
-    whole = serve(service, {api.TEXT_INPUT: PROMPT.encode(), api.SAMPLING_PARAMETERS: sampling})
-    assert len(whole) == 1 and whole[0][api.TEXT_OUTPUT] == PROMPT + "".join(ensemble_text)   # echoed
+    whole, _ = serve(service, {api.TEXT_INPUT: PROMPT.encode(), api.SAMPLING_PARAMETERS: sampling})
+    assert whole == [PROMPT + "".join(ensemble_text)]   # echoed
     local = service.engine.generate_ids(ids, api.parse_generate({api.INPUT_IDS: ids, api.SAMPLING_PARAMETERS: sampling},
                                                                service.engine.config).params).output_ids
     assert "".join(ensemble_text) == decode(tokenizer, local)
@@ -129,11 +112,11 @@ def test_text_output_equals_the_ensembles_text(service, tokenizer, mode):
 
 def test_text_output_ends_before_a_stop_string(service, tokenizer):
     sampling = {"max_tokens": 40, "temperature": 0, "ignore_eos": True, "mode": "ddtree", "tree_budget": 8}
-    free = "".join(o[api.TEXT_OUTPUT] for o in serve(service, {
-        api.MESSAGES: json.dumps(MESSAGES).encode(), api.SAMPLING_PARAMETERS: json.dumps(sampling), api.STREAM: True}))
+    free = "".join(serve(service, {api.MESSAGES: json.dumps(MESSAGES).encode(), api.SAMPLING_PARAMETERS: json.dumps(sampling),
+                                   api.STREAM: True})[0])
     start = next(i for i in range(len(free) // 2, len(free) - 3) if free.find(free[i : i + 3]) == i and free[i : i + 3].strip())
     sampling["stop"] = [free[start : start + 3]]
-    stopped = serve(service, {api.MESSAGES: json.dumps(MESSAGES).encode(), api.SAMPLING_PARAMETERS: json.dumps(sampling),
-                              api.STREAM: True, "return_finish_reason": True})
-    assert "".join(o[api.TEXT_OUTPUT] for o in stopped) == free[:start]
+    texts, stopped = serve(service, {api.MESSAGES: json.dumps(MESSAGES).encode(), api.SAMPLING_PARAMETERS: json.dumps(sampling),
+                                     api.STREAM: True, "return_finish_reason": True})
+    assert "".join(texts) == free[:start]
     assert stopped[-1][api.FINISH_REASON] == "stop"
