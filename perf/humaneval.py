@@ -513,9 +513,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="another server for the Triton phase, with this environment (e.g. "
                              "inline:DDTREE_INLINE_SENDS=1); the base server and each variant run in turns; repeatable")
     parser.add_argument("--triton-models", default="ensemble", type=lambda text: text.split(","),
-                        help="the models each method is asked through on every server, in turns (comma-separated): "
-                             "ensemble, and ddtree (the generation model alone, the prompt as text: no pre- and "
-                             "postprocessing steps)")
+                        help="the models each method is asked through on every server, in turns (comma-separated; "
+                             "the order rotated from one --triton-turns turn to the next): ensemble, and ddtree (the "
+                             "generation model alone, the prompt as text: no pre- and postprocessing steps)")
     parser.add_argument("--triton-turns", type=int, default=1, help="how many times the Triton phase runs the base "
                         "server and each --triton-variant, in turns")
     add_freeze_heap_arg(parser)   # for the in-process speed phase
@@ -641,9 +641,10 @@ def main(argv: list[str] | None = None) -> dict:
                 for name, env in variants:   # in turns: each variant's server after the other's, turn after turn
                     # each server's log beside the results (its warm-up, its requests): a run cut off keeps them
                     log_path = out_dir / f"{args.name}_server_{name}_{turn + 1}.log"
+                    order = models[turn % len(models):] + models[: turn % len(models)]   # no model always first
                     measured, measured_texts = speed_triton(config, speed_prompts, speed_methods, args.speed_temperatures,
                                                             args.max_new_tokens, args.seed, engine_args, env, log_path,
-                                                            models)
+                                                            order)
                     for model, side in zip(models, triton_sides(result)):
                         if turn == 0 and name == "base":
                             result[side], texts[side] = measured[model], measured_texts[model]
