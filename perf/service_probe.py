@@ -13,6 +13,9 @@ against `alone`). This runs the same requests, one at a time, on one engine, in 
   socket pair that another process drains (the child's sends, without the stub);
 - `pipe-inline`, `pipe-nogate`: `pipe` with DDTREE_INLINE_SENDS=1 (sends on the engine thread), DDTREE_OUTBOX_GATE=0
   (the outbox's calls not held for the engine's device waits);
+- `child`: the served form without the server: a second engine in a child process (ddtree.engine_process, its own
+  GenerationService and pipe), this process relaying its responses as the stub does; its stages are the child's, from
+  the stats it publishes (is the engine slower in a process of its own than here, with no server around it?);
 - `pipe-wake-put`, `pipe-text-engine`, `pipe-before`: `pipe` with DDTREE_OUTBOX_WAKE=put (every outbox call wakes the
   outbox thread, rather than the engine thread's calls handed over at its device waits, one wake-up a round),
   DDTREE_OUTBOX_TEXT=0 (every response built on the engine thread, rather than those of requests without stop strings
@@ -57,7 +60,7 @@ from perf.common import ROOT, add_model_args, header, write_results  # noqa: E40
 from perf.humaneval import encode_prompts, environment, load_problems  # noqa: E402
 
 SIDES = ("alone", "thread", "service", "pipe", "pipe-inline", "pipe-nogate", "pipe-wake-put", "pipe-text-engine",
-         "pipe-before")
+         "pipe-before", "child")
 SIDE_ENV = {"pipe-inline": {"DDTREE_INLINE_SENDS": "1"}, "pipe-nogate": {"DDTREE_OUTBOX_GATE": "0"},
             "pipe-wake-put": {"DDTREE_OUTBOX_WAKE": "put"}, "pipe-text-engine": {"DDTREE_OUTBOX_TEXT": "0"},
             "pipe-before": {"DDTREE_OUTBOX_WAKE": "put", "DDTREE_OUTBOX_TEXT": "0"}}
@@ -139,6 +142,40 @@ class _PipeDone:
             self.done.set()
 
 
+class _Child:
+    """The `child` side's engine process (its own engine, warmed up in the child) and the latest stats it published."""
+
+    FIELDS = {"batch_rounds": "num_batch_rounds", "draft": "draft_seconds", "verify": "verify_seconds",
+              "host": "host_seconds", "serve": "serve_seconds", "tokens": "num_output_tokens", "finished": "num_finished"}
+
+    def __init__(self, config: EngineConfig) -> None:
+        import dataclasses
+
+        from ddtree.engine_process import EngineProcess
+
+        self.stats: dict[str, float] = dict.fromkeys(self.FIELDS, 0.0)
+        self.published = threading.Condition()
+        self.process = EngineProcess(dataclasses.replace(config, engine_process=True), tokenizer_path=config.target_path,
+                                     max_queue_size=16)
+        self.process.start(self._on_stats)
+
+    def _on_stats(self, stats) -> None:
+        with self.published:
+            self.stats = {key: float(getattr(stats, name)) for key, name in self.FIELDS.items()}
+            self.published.notify_all()
+
+    def snapshot(self, finished: float = 0.0) -> dict[str, float]:
+        """The latest published stats, once they count `finished` requests finished (the child publishes after its
+        last response: the relay may pass that response on before the stats that count it)."""
+        with self.published:
+            if not self.published.wait_for(lambda: self.stats["finished"] >= finished, timeout=60):
+                raise RuntimeError(f"child: its stats never counted {finished:.0f} requests finished")
+            return dict(self.stats)
+
+    def close(self) -> None:
+        self.process.shutdown()
+
+
 PARTS = ("_report", "_take_jobs", "_claim_relayed_stops")   # GenerationService methods timed with --parts
 
 
@@ -194,10 +231,21 @@ def snapshot(engine: Engine, service: GenerationService | None) -> dict[str, flo
 
 
 def run_side(side: str, engine: Engine, tokenizer, prompts: list[list[int]], params: SamplingParams,
-             drained: _Drained, parts: bool = False) -> dict[str, float]:
+             drained: _Drained, parts: bool = False, child: _Child | None = None) -> dict[str, float]:
     """One side's pass over the prompts: tokens/s (each request from submit to its final response) and ms a round."""
-    tokens, seconds, service = 0, 0.0, None
-    if side in ("alone", "thread"):
+    tokens, seconds, service, timer = 0, 0.0, None, None
+    if side == "child":
+        before = child.snapshot()
+        for i, ids in enumerate(prompts):
+            sink = _KeepNothing()
+            start = time.perf_counter()
+            child.process.submit(f"{side}-{i}", api.GenerateRequest(list(ids), params, True, None, FLAGS), sink)
+            if not sink.done.wait(300):
+                raise RuntimeError(f"{side}: request {i} did not finish")
+            seconds += time.perf_counter() - start
+        after = child.snapshot(before["finished"] + len(prompts))
+        tokens = int(after["tokens"] - before["tokens"])
+    elif side in ("alone", "thread"):
         def generate() -> None:
             nonlocal tokens, seconds
             for i, ids in enumerate(prompts):
@@ -292,24 +340,27 @@ def main(argv: list[str] | None = None) -> dict:
     freeze_heap()   # as the served engine, after its warm-up
     served_tokenizer = load_tokenizer(args.target)
     drained = _Drained() if any(side.startswith("pipe") for side in sides) else None
+    child = _Child(config) if "child" in sides else None
     result = {"header": header(), "target": args.target, "drafter": args.drafter, "device": args.device,
               "dtype": args.dtype, "methods": methods, "sides": sides, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "turns": [], "summary": {}}
     try:
         for method in methods:   # warm: each side once, unmeasured
             for side in sides:
-                run_side(side, engine, served_tokenizer, prompts[:1], params_for(method, 16), drained)
+                run_side(side, engine, served_tokenizer, prompts[:1], params_for(method, 16), drained, child=child)
         for turn in tqdm(range(args.turns), desc="turns"):
             measured = {}
             for method in methods:
                 order = sides[turn % len(sides):] + sides[: turn % len(sides)]   # rotated: no side always first
                 measured[method] = {side: run_side(side, engine, served_tokenizer, prompts,
-                                                   params_for(method, args.max_tokens), drained, args.parts)
+                                                   params_for(method, args.max_tokens), drained, args.parts, child)
                                     for side in order}
             result["turns"].append(measured)
     finally:
         if drained is not None:
             drained.close()
+        if child is not None:
+            child.close()
     for method in methods:
         result["summary"][method] = {}
         for side in sides:

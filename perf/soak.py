@@ -3,8 +3,9 @@
 Starts its own server (perf/triton_bench.py's make_repository + TritonServer, continuous batching with
 --max-num-seqs slots) and runs --clients concurrent gRPC streaming clients against the ensemble for --duration-s
 seconds. Each client loops over random requests: chat prompts from perf/prompts.json, mixed modes and budgets
-(--methods), greedy or sampled, and a random --cancel-fraction of them cancelled (stop_stream(cancel_requests=True))
-after a random number of responses or a random delay.
+(--methods), through the ensemble or the generation model alone (--models), greedy or sampled, and a random
+--cancel-fraction of them cancelled (stop_stream(cancel_requests=True)) after a random number of responses or a
+random delay.
 
 Checks:
   * every request ends with exactly one final response, or with one cancellation; no errors, no response after
@@ -65,6 +66,7 @@ class Job:
     ignore_eos: bool
     stream: bool = True
     seed: int = 0
+    model: str = "ensemble"                     # the Triton model asked (--models)
     cancel_after_responses: int | None = None   # cancel when this many responses have arrived ...
     cancel_after_s: float | None = None         # ... or after this long, whichever comes first
 
@@ -102,14 +104,14 @@ class Outcome:
 
 
 def run_request(url: str, prompt: str, job: Job, timeout_s: float) -> Outcome:
-    """One ensemble request on its own gRPC stream; the stream is closed and drained after the final response."""
+    """One request on its own gRPC stream; the stream is closed and drained after the final response."""
     out, responses = Outcome(job), queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     start = time.perf_counter()
     cancel_at = start + job.cancel_after_s if job.cancel_after_s is not None else None
     try:
-        client.async_stream_infer("ensemble", build_inputs([{"role": "user", "content": prompt}], job.sampling(),
+        client.async_stream_infer(job.model, build_inputs([{"role": "user", "content": prompt}], job.sampling(),
                                                            stream=job.stream),
                                   request_id=job.id, enable_empty_final_response=True)
         num_responses = 0
@@ -178,6 +180,8 @@ class Soak:
         prompt = rng.randrange(min(args.greedy_prompts, len(self.prompts)) if greedy else len(self.prompts))
         job = Job(job_id, prompt, rng.choice(self.methods), rng.choice(args.max_tokens), greedy,
                   ignore_eos=True if greedy else rng.random() < 0.5, seed=rng.randrange(2**31))
+        if len(args.models) > 1:   # one model: the same jobs as before --models
+            job.model = rng.choice(args.models)
         if rng.random() < args.cancel_fraction:
             if rng.random() < 0.5:
                 job.cancel_after_responses = rng.randint(1, 4)
@@ -216,7 +220,9 @@ class Soak:
             known = self.references.get(job.key)
         if known is not None:
             return known
-        ref_job = Job(job.id + "-ref", job.prompt, job.method, job.max_tokens, True, job.ignore_eos, stream=False)
+        # through the job's model: a combination's streams are checked against whichever route computed it first
+        ref_job = Job(job.id + "-ref", job.prompt, job.method, job.max_tokens, True, job.ignore_eos, stream=False,
+                      model=job.model)
         out = self.send(ref_job)
         self.counts["greedy_reference"] += 1
         if out.hung or out.errors or out.finals != 1 or len(out.texts) != 1:
@@ -318,13 +324,14 @@ def summarize(soak: Soak, elapsed: float, before: dict, after: dict, log_text: s
         "header": header(),
         "config": {"duration_s": args.duration_s, "clients": args.clients, "max_num_seqs": args.max_num_seqs,
                    "max_queue_size": args.max_queue_size, "max_model_len": args.max_model_len,
-                   "methods": [m.name for m in soak.methods], "max_tokens": args.max_tokens,
+                   "methods": [m.name for m in soak.methods], "models": args.models, "max_tokens": args.max_tokens,
                    "greedy_fraction": args.greedy_fraction, "greedy_prompts": args.greedy_prompts,
                    "cancel_fraction": args.cancel_fraction, "seed": args.seed, "target": args.target,
                    "drafter": args.drafter, "device": args.device, "dtype": args.dtype},
         "elapsed_s": elapsed,
         "requests": {"sent": soak.num_sent, **dict(soak.counts), "cancelled_by_client": cancels,
-                     "greedy_combinations": len(soak.references)},
+                     "greedy_combinations": len(soak.references),
+                     "by_model": dict(Counter(o.job.model for o in outcomes))},
         "tokens_streamed": tokens, "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "server_counters_delta": delta, "server_ends": server_ends, "metrics_end": after,
         "server_log_errors": log_errors, "per_method": per_method, "checks": checks,
@@ -369,6 +376,9 @@ def parse_args(argv=None):
     parser.add_argument("--methods", default="ar:1,dflash:1,ddtree:4,ddtree:16,ddtree:32,auto:32",
                         help="mode:tree_budget,... (the budget is ignored by ar and dflash)")
     parser.add_argument("--max-tokens", default="16,40", help="max_tokens choices")
+    parser.add_argument("--models", default="ensemble", type=lambda text: text.split(","),
+                        help="the Triton models a request goes to, one at random a request: ensemble, ddtree (the "
+                             "generation model alone)")
     parser.add_argument("--greedy-fraction", type=float, default=0.6)
     parser.add_argument("--greedy-prompts", type=int, default=3,
                         help="greedy requests use the first N prompts (fewer combinations to compute references for)")
