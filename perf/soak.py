@@ -346,7 +346,9 @@ def table(result: dict) -> str:
              f"{result['config']['max_num_seqs']}: {req['sent']} requests ({req.get('greedy_checked', 0)} greedy checked "
              f"against {req['greedy_combinations']} non-streamed references, {req.get('sampled', 0)} sampled, "
              f"{req['cancelled_by_client']} cancelled), {result['tokens_streamed']} tokens streamed, "
-             f"{result['tokens_per_s']:.1f} tokens/s. **{'PASSED' if result['passed'] else 'FAILED'}**", "",
+             f"{result['tokens_per_s']:.1f} tokens/s"
+             + (f"; by model: {json.dumps(req['by_model'])}" if len(req.get("by_model", {})) > 1 else "")
+             + f". **{'PASSED' if result['passed'] else 'FAILED'}**", "",
              "| check | |", "|---|---|"]
     lines += [f"| {name} | {'yes' if ok else '**no**'} |" for name, ok in result["checks"].items()]
     lines += ["", "| method | requests | completed streams | tokens | TTFT p50 ms | TTFT p95 ms | tokens/s p50 (per request) |",
