@@ -190,7 +190,7 @@ class ArmSelector:
         self.catch_up: dict[tuple[int, Arm], float] = defaultdict(float)   # seconds of the arm's last catch-up round
         # (bucket, arms) -> (round to recompute at, pruned, the arms left, whether each of those was explored)
         self._eligible: dict[tuple, tuple[int, set[Arm], tuple[Arm, ...], bool]] = {}
-        self._capped: dict[int | None, tuple[Arm, ...]] = {}       # max_budget -> the arms choose considers
+        self._capped: dict[tuple, tuple[Arm, ...]] = {}            # (max_budget, chain) -> the arms choose considers
         self.leader: dict[int, tuple[Arm, int, bool]] = {}          # bucket -> (leading arm, since round, logged)
         # bucket -> (eligible arms, round it holds until, leader, the others' best score): see choose
         self._settled_choice: dict[int, tuple[tuple[Arm, ...], int, Arm, float]] = {}
@@ -282,9 +282,10 @@ class ArmSelector:
         weight = self.weight[(bucket, arm)]
         return self.seconds[(bucket, arm)] / weight if weight > 0 else 0.0
 
-    def choose(self, num_seqs: int, max_budget: int | None = None) -> Arm:
+    def choose(self, num_seqs: int, max_budget: int | None = None, chain: bool = True) -> Arm:
         """This round's arm for `num_seqs` running requests; ddtree arms above max_budget (the auto requests'
-        largest tree_budget) are left out, they would build the same trees as smaller ones."""
+        largest tree_budget: they would build the same trees as smaller ones; or the largest trees a verify program
+        made takes) are left out, and with chain=False the dflash arm (no program made takes its chains)."""
         b = self.bucket(num_seqs)
         self.total += 1
         peak, seen = self.peak
@@ -298,10 +299,11 @@ class ArmSelector:
             self.last_tried[repeat] = self.rounds[b]
             self.last = repeat[1]
             return repeat[1]
-        arms = self._capped.get(max_budget)
+        arms = self._capped.get((max_budget, chain))
         if arms is None:
-            arms = tuple(a for a in self.arms if a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
-            arms = self._capped[max_budget] = arms or self.arms
+            arms = tuple(a for a in self.arms if (a.mode != "ddtree" or max_budget is None or a.budget <= max_budget)
+                         and (chain or a.mode != "dflash"))
+            arms = self._capped[(max_budget, chain)] = arms or self.arms
         if passing and self.last in arms:
             # a batch size passed through, below the largest of the last TRANSIENT rounds: the drain and refill between
             # waves of requests (through Triton at 16 streams, each wave's 16 requests end within a few rounds and the

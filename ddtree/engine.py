@@ -575,7 +575,13 @@ class Engine:
         times, t_round = self.stage_times, time.perf_counter()
         cycle_start = self._cycle_start(t_round, prefill_s)
         budgets = [s.request.params.tree_budget for s in seqs if s.request.params.mode == "auto"]
-        self.arm = self.arm_selector.choose(len(seqs), max(budgets)) if budgets else None
+        if budgets:   # arms above the requests' budgets, or whose trees or chains no made verify takes, left out
+            made = self._made_tree_nodes(seqs)
+            self.arm = (self.arm_selector.choose(len(seqs), max(budgets)) if made is None else
+                        self.arm_selector.choose(len(seqs), min(max(budgets), made),
+                                                 chain=self.drafter is not None and made >= self.drafter.block_size - 1))
+        else:
+            self.arm = None
         late = len(self.graphs.late_keys)
         settled = []
         if self._ahead is not None and not (self._lookahead_ok(seqs) and self._ahead.matches(seqs)):
@@ -1047,6 +1053,15 @@ class Engine:
             return False, min(params.tree_budget, self.policy_cap)
         return False, params.tree_budget   # ddtree, and the policy arm's first round
 
+    def _made_tree_nodes(self, seqs: list[Sequence]) -> int | None:
+        """The most nodes each of these requests' trees may have to verify through a program warm-up made (None: no
+        limit): `auto` builds no larger one, whose program would be made on the round's time, a stall of every stream
+        (162 ms at 29 requests on an H100: concurrency_h100_child_c32_split.md)."""
+        if self.static_target is None or len(seqs) < 2:
+            return None
+        made = self.static_target.made_tree_rows(len(seqs), max(s.start for s in seqs), self.caches[0].max_len)
+        return None if made is None else max(made - 1, 0)
+
     def _apply_budget_policy(self, seqs: list[Sequence], trees: list[DraftTree]) -> None:
         """Mode "auto" on the policy arm: cut each request's tree to the nodes that pay this round (ddtree.budget)."""
         if self.arm is None or self.arm.mode != "policy":
@@ -1057,10 +1072,9 @@ class Engine:
         other_rows = sum(1 + trees[i].num_nodes for i in range(len(seqs)) if i not in auto)
         weights = [node_weights(trees[i].log_weights[1:]) * seqs[i].calibration for i in auto]
         limits = [trees[i].num_nodes for i in auto]
-        made = (self.static_target.made_tree_rows(len(seqs), max(s.start for s in seqs), self.caches[0].max_len)
-                if self.static_target is not None else None)
-        if made is not None:   # no tree past the verifies warm-up made: a program made on the round's time stalls
-            limits = [min(n, max(made - 1, 0)) for n in limits]   # every stream (162 ms at c=32 on an H100)
+        made = self._made_tree_nodes(seqs)
+        if made is not None:
+            limits = [min(n, made) for n in limits]
         budgets = choose_budgets(weights, self.cost_model, limits, fixed_rows=other_rows)
         self.policy_cap = max(POLICY_MIN_CAP, 2 * max(budgets))
         for i, budget in zip(auto, budgets):

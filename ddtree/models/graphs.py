@@ -169,6 +169,7 @@ class StaticTarget:
         self.conv_kernel = getattr(target.config, "conv_kernel", None)   # hybrid targets only
         self.uses_paths = getattr(target, "uses_paths", lambda rows, device: False)
         self._made, self._made_count = {}, -1   # _made_rows' index of the programs, and their count when it was made
+        self._tree_keys: set[int] = set()       # key buckets with a verify of several requests' trees made
 
     def __call__(self, cache, start: int, input_ids, positions, parents: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -249,15 +250,17 @@ class StaticTarget:
 
     def made_tree_rows(self, num_reqs: int, max_start: int, max_len: int) -> int | None:
         """After warm-up, the most rows each of num_reqs requests' trees (several requests, the furthest root at
-        max_start) may have to verify through a program already made (_shape pads a smaller bucket up to it): 0 where
-        none is, None where any may (before warm-up, a lone request, no padding slot)."""
+        max_start) may have to verify through a program already made: 0 where none is, None where any may (before
+        warm-up, a lone request, no padding slot, keys where warm-up made no verify of several requests: those are
+        made on first use, as before warm-up's limits). Every tree of at most r rows then takes the key bucket of
+        max_start + 1 (its rows end within it), where a program of r rows is made (_shape pads a smaller bucket up)."""
         if num_reqs < 2 or self.scratch is None or not self.graphs.warmed:
             return None
-        reqs = batch_bucket(num_reqs)
-        self._made_rows(reqs, 0)   # the index up to date
-        candidates = sorted({r for (n, _), rows in self._made.items() if n == reqs for r in rows}, reverse=True)
-        return next((r for r in candidates if (keys := key_bucket(max_start + r, max_len)) is not None
-                     and r in self._made_rows(reqs, keys)), 0)
+        keys = key_bucket(max_start + 1, max_len)
+        made = self._made_rows(batch_bucket(num_reqs), keys) if keys is not None else []   # (the index up to date)
+        if keys not in self._tree_keys:
+            return None   # no tree's verify made at these keys for any batch (past WARM_UP_MAX_KEYS, or memory 0): on use
+        return max((r for r in made if max_start + r <= keys), default=0)
 
     def _made_rows(self, reqs: int, keys: int) -> list[int]:
         """Row buckets (ascending) of the several requests' verifies made for this request bucket and key bucket."""
@@ -267,6 +270,7 @@ class StaticTarget:
                 if key[0] == kind and key[1] > 1 and key[-1] != "prefill":
                     self._made.setdefault((key[1], key[3]), set()).add(key[2])
             self._made = {k: sorted(v) for k, v in self._made.items()}
+            self._tree_keys = {keys for (_, keys), rows in self._made.items() if rows[-1] > 1}   # made_tree_rows
             self._made_count = len(self.graphs.programs)
         return self._made.get((reqs, keys), [])
 

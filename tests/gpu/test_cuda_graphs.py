@@ -286,7 +286,7 @@ def test_static_prefill_with_graphs_decodes_what_the_eager_prefill_decodes(famil
         assert static.generate_ids(prompt, params).output_ids == plain.generate_ids(prompt, params).output_ids, (n, mode)
     pending = []
     for engine in (plain, static):   # the prompt's features, then the `ar` round's: copied out of the replays
-        engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("ar")
+        engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True: Arm("ar")
         engine.add(Request("auto", [5], SamplingParams(mode="auto", tree_budget=16, max_tokens=8, ignore_eos=True)))
         engine.step()
         engine.step()

@@ -175,7 +175,7 @@ def test_auto_on_the_ar_arm_queues_its_steps_and_keeps_the_drafters_context(fami
     script = [Arm("ar")] * 3 + [Arm("dflash")] + [Arm("ar")] * 4 + [Arm("ddtree", 16)] + [Arm("ar")] * 2
     for engine in (plain, ahead):
         calls = iter(range(10**6))
-        engine.arm_selector.choose = lambda num_seqs, max_budget=None, calls=calls: script[next(calls) % len(script)]
+        engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True, calls=calls: script[next(calls) % len(script)]
     params = SamplingParams(mode="auto", tree_budget=16, max_tokens=70, ignore_eos=True)
     expected = plain.generate_ids(prompt(3), params).output_ids
     assert ahead.generate_ids(prompt(3), params).output_ids == expected
@@ -259,7 +259,7 @@ def test_features_waiting_for_a_draft_are_folded_into_the_drafters_context(famil
     results = []
     for engine in (plain, folding):
         calls = iter(range(10**6))
-        engine.arm_selector.choose = lambda num_seqs, max_budget=None, calls=calls: script[next(calls) % len(script)]
+        engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True, calls=calls: script[next(calls) % len(script)]
         drafts, real = [], engine._draft_hidden
         engine._draft_hidden = lambda seqs, real=real, drafts=drafts: drafts.append(real(seqs).clone()) or drafts[-1]
         requests = [Request(f"r{i}", prompt(30 + i, 10 + 7 * i),

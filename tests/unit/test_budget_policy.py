@@ -497,7 +497,7 @@ def test_the_engine_tells_the_selector_which_rounds_made_programs(tiny_models):
                                  max_model_len=160, max_num_seqs=2, static_forward="on", static_prefill=0,
                                  static_batch_memory=0))
     engine.warm_up()
-    engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("dflash")
+    engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True: Arm("dflash")
     flags = []
     record = engine.arm_selector.record
     engine.arm_selector.record = lambda *a, made_programs=False, **kw: (flags.append(made_programs),
@@ -655,10 +655,10 @@ def test_a_batch_size_passed_through_keeps_the_last_arm():
 @pytest.mark.parametrize("memory", [8, 0])
 def test_the_policy_cuts_trees_of_several_requests_to_the_verifies_warm_up_made(tiny_models, tmp_path, memory):
     """After warm-up the policy arm builds no tree of several requests past the row bucket of the verifies warm-up made
-    for their batch (here small ones only, 1/8 MiB a row by a stand-in for the allocator; none at 0 MiB, so no tree):
-    a program made on a round's time stalls every stream (a 162 ms step at c=32 on an H100,
-    concurrency_h100_child_c32_split.md). Free nodes (FLAT) would take whole 17-row trees otherwise; tokens stay the
-    target's greedy ones."""
+    for their batch (here small ones only, 1/8 MiB a row by a stand-in for the allocator): a program made on a round's
+    time stalls every stream (a 162 ms step at c=32 on an H100, concurrency_h100_child_c32_split.md). Free nodes
+    (FLAT) would take whole 17-row trees otherwise. With 0 MiB warm-up makes none and they are made on first use, as
+    that setting says. Tokens stay the target's greedy ones."""
     from ddtree.request import Request
 
     path = tmp_path / "cost.json"
@@ -668,7 +668,7 @@ def test_the_policy_cuts_trees_of_several_requests_to_the_verifies_warm_up_made(
                           max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=0,
                           cost_model_path=str(path), static_batch_memory=memory)   # the default arms: their verifies
     engine = Engine(config)
-    engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("policy")
+    engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True: Arm("policy")
     verifies = lambda: [key for key in engine.graphs.programs if key[0] == "batch" and key[1] > 1 and key[2] > 1]  # noqa: E731
     engine._allocated_bytes = lambda: 2**20 * sum(key[1] * key[2] for key in verifies()) // 8
     engine.warm_up()
@@ -685,5 +685,32 @@ def test_the_policy_cuts_trees_of_several_requests_to_the_verifies_warm_up_made(
         for output in engine.step():
             outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert [outputs[f"r{i}"] for i in range(3)] == expected
+    late = [key for key in engine.graphs.late_keys if key[1] > 1]
+    assert bool(late) == (not memory), engine.graphs.late_keys
+    assert engine.stage_times.tree_nodes > nodes
+
+
+def test_auto_leaves_out_the_arms_whose_trees_no_verify_warm_up_made_would_take(tiny_models):
+    """After warm-up `auto` explores its arms at each batch size; a `ddtree` arm whose trees of several requests no made
+    verify takes (here warm-up made small ones only) is left out there, not run with a program made on its time."""
+    from ddtree.request import Request
+
+    config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                          max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=0, static_batch_memory=8)
+    engine = Engine(config)
+    verifies = lambda: [key for key in engine.graphs.programs if key[0] == "batch" and key[1] > 1 and key[2] > 1]  # noqa: E731
+    engine._allocated_bytes = lambda: 2**20 * sum(key[1] * key[2] for key in verifies()) // 8
+    engine.warm_up()
+    params = dict(max_tokens=48, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(3)]
+    expected = [engine.generate_ids(p, SamplingParams(mode="ar", **params)).output_ids for p in prompts]
+    for i, prompt in enumerate(prompts):
+        engine.add(Request(f"r{i}", prompt, SamplingParams(mode="auto", tree_budget=64, **params)))
+    outputs = {}
+    while engine.has_work:
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert [outputs[f"r{i}"] for i in range(3)] == expected
+    ran = set(engine.stage_times.auto_arm_rounds)
+    assert "ddtree-4" in ran and not ran & {"dflash", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-64"}, ran   # what fits
     assert not [key for key in engine.graphs.late_keys if key[1] > 1], engine.graphs.late_keys
-    assert (engine.stage_times.tree_nodes > nodes) == bool(memory)   # trees where a verify was made, none elsewhere

@@ -168,7 +168,7 @@ def test_the_prompts_features_outlive_the_programs_next_run(tiny_models):
     plain, static = engines(str(tiny_models / "qwen3-target"), str(tiny_models / "qwen3-dflash"))
     pending = {}
     for name, engine in (("plain", plain), ("static", static)):
-        engine.arm_selector.choose = lambda num_seqs, max_budget=None: Arm("ar")
+        engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True: Arm("ar")
         engine.add(Request("r", prompt(11, 1), SamplingParams(mode="auto", tree_budget=8, max_tokens=8, ignore_eos=True)))
         engine.step()   # the prefill
         engine.step()   # an `ar` round
