@@ -652,65 +652,60 @@ def test_a_batch_size_passed_through_keeps_the_last_arm():
     assert chosen["ddtree-8"] > 150, chosen
 
 
-@pytest.mark.parametrize("memory", [8, 0])
-def test_the_policy_cuts_trees_of_several_requests_to_the_verifies_warm_up_made(tiny_models, tmp_path, memory):
-    """After warm-up the policy arm builds no tree of several requests past the row bucket of the verifies warm-up made
-    for their batch (here small ones only, 1/8 MiB a row by a stand-in for the allocator): a program made on a round's
-    time stalls every stream (a 162 ms step at c=32 on an H100, concurrency_h100_child_c32_split.md). Free nodes
-    (FLAT) would take whole 17-row trees otherwise. With 0 MiB warm-up makes none and they are made on first use, as
-    that setting says. Tokens stay the target's greedy ones."""
-    from ddtree.request import Request
-
-    path = tmp_path / "cost.json"
-    path.write_text(__import__("json").dumps({"rows": list(FLAT.rows), "verify_ms": list(FLAT.verify_ms),
-                                              "draft_ms": FLAT.draft_ms}))
-    config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
-                          max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=0,
-                          cost_model_path=str(path), static_batch_memory=memory)   # the default arms: their verifies
-    engine = Engine(config)
-    engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True: Arm("policy")
+def small_verifies_engine(tiny_models, memory: int, **config) -> tuple[Engine, set]:
+    """An engine warmed up with static forwards on the CPU whose verifies of several requests' trees hold 1/8 MiB a row
+    (a stand-in for CUDA's allocator) within `memory` MiB: at 8, small ones only. Returns it and the (requests, rows)
+    of the verifies made."""
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=160, max_num_seqs=4,
+                                 static_forward="on", static_prefill=0, static_batch_memory=memory, **config))
     verifies = lambda: [key for key in engine.graphs.programs if key[0] == "batch" and key[1] > 1 and key[2] > 1]  # noqa: E731
     engine._allocated_bytes = lambda: 2**20 * sum(key[1] * key[2] for key in verifies()) // 8
     engine.warm_up()
-    made = {(key[1], key[2]) for key in verifies()}
-    assert bool(made) == bool(memory) and all(rows < 17 for _, rows in made), made   # no 16-node tree's 17 rows
-    params = dict(max_tokens=24, ignore_eos=True)
+    return engine, {(key[1], key[2]) for key in verifies()}
+
+
+def serve_three_auto(engine: Engine, tree_budget: int, max_tokens: int) -> None:
+    """Three greedy `auto` requests decoded together after warm-up give the target's own greedy tokens."""
+    from ddtree.request import Request
+
+    params = dict(max_tokens=max_tokens, ignore_eos=True)
     prompts = [[5 + i, 6, 7, 8, 9] for i in range(3)]
     expected = [engine.generate_ids(p, SamplingParams(mode="ar", **params)).output_ids for p in prompts]
-    nodes = engine.stage_times.tree_nodes
     for i, prompt in enumerate(prompts):
-        engine.add(Request(f"r{i}", prompt, SamplingParams(mode="auto", tree_budget=16, **params)))
+        engine.add(Request(f"r{i}", prompt, SamplingParams(mode="auto", tree_budget=tree_budget, **params)))
     outputs = {}
     while engine.has_work:
         for output in engine.step():
             outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert [outputs[f"r{i}"] for i in range(3)] == expected
+
+
+@pytest.mark.parametrize("memory", [8, 0])
+def test_the_policy_cuts_trees_of_several_requests_to_the_verifies_warm_up_made(tiny_models, tmp_path, memory):
+    """After warm-up the policy arm builds no tree of several requests past the row bucket of the verifies warm-up made
+    for their batch (here small ones only): a program made on a round's time stalls every stream (a 162 ms step at
+    c=32 on an H100, concurrency_h100_child_c32_split.md). Free nodes (FLAT) would take whole 17-row trees otherwise.
+    With 0 MiB warm-up makes none and they are made on first use, as that setting says."""
+    path = tmp_path / "cost.json"
+    path.write_text(__import__("json").dumps({"rows": list(FLAT.rows), "verify_ms": list(FLAT.verify_ms),
+                                              "draft_ms": FLAT.draft_ms}))
+    engine, made = small_verifies_engine(tiny_models, memory, cost_model_path=str(path))   # the default arms' verifies
+    assert bool(made) == bool(memory) and all(rows < 17 for _, rows in made), made   # no 16-node tree's 17 rows
+    engine.arm_selector.choose = lambda num_seqs, max_budget=None, chain=True: Arm("policy")
+    nodes = engine.stage_times.tree_nodes
+    serve_three_auto(engine, tree_budget=16, max_tokens=24)
     late = [key for key in engine.graphs.late_keys if key[1] > 1]
     assert bool(late) == (not memory), engine.graphs.late_keys
     assert engine.stage_times.tree_nodes > nodes
 
 
 def test_auto_leaves_out_the_arms_whose_trees_no_verify_warm_up_made_would_take(tiny_models):
-    """After warm-up `auto` explores its arms at each batch size; a `ddtree` arm whose trees of several requests no made
-    verify takes (here warm-up made small ones only) is left out there, not run with a program made on its time."""
-    from ddtree.request import Request
-
-    config = EngineConfig(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
-                          max_model_len=160, max_num_seqs=4, static_forward="on", static_prefill=0, static_batch_memory=8)
-    engine = Engine(config)
-    verifies = lambda: [key for key in engine.graphs.programs if key[0] == "batch" and key[1] > 1 and key[2] > 1]  # noqa: E731
-    engine._allocated_bytes = lambda: 2**20 * sum(key[1] * key[2] for key in verifies()) // 8
-    engine.warm_up()
-    params = dict(max_tokens=48, ignore_eos=True)
-    prompts = [[5 + i, 6, 7, 8, 9] for i in range(3)]
-    expected = [engine.generate_ids(p, SamplingParams(mode="ar", **params)).output_ids for p in prompts]
-    for i, prompt in enumerate(prompts):
-        engine.add(Request(f"r{i}", prompt, SamplingParams(mode="auto", tree_budget=64, **params)))
-    outputs = {}
-    while engine.has_work:
-        for output in engine.step():
-            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
-    assert [outputs[f"r{i}"] for i in range(3)] == expected
+    """After warm-up `auto` explores its arms at each batch size; a `ddtree` arm whose trees, or the `dflash` arm whose
+    chains, no made verify of that batch takes (here warm-up made small ones only) is left out there, not run with a
+    program made on its time."""
+    engine, _ = small_verifies_engine(tiny_models, 8)
+    serve_three_auto(engine, tree_budget=64, max_tokens=48)
     ran = set(engine.stage_times.auto_arm_rounds)
     assert "ddtree-4" in ran and not ran & {"dflash", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-64"}, ran   # what fits
     assert not [key for key in engine.graphs.late_keys if key[1] > 1], engine.graphs.late_keys
