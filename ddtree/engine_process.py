@@ -8,9 +8,9 @@ carries requests in and responses, errors, metrics and log records out.
 
 Parent (the stub): ``EngineProcess`` has the GenerationService's interface (submit, stop, shutdown, is_healthy); a
 relay thread sends each response on through the request's real sink, asks the client about cancellation (every
-request not asked within CANCEL_CHECK_S, at most CANCEL_ASKS_PER_S asks a second in all, between the child's
-messages) and tells the child. Child (``python -m
-ddtree.engine_process FD``): each request's sink is a ``_PipeSink``; its cancellation is a flag the parent sets.
+request not asked within ddtree.cancellation's interval, as the outbox in process does, between the child's messages)
+and tells the child. Child (``python -m ddtree.engine_process FD``): each request's sink is a ``_PipeSink``; its
+cancellation is a flag the parent sets.
 
 If the child dies, every request it held gets a final UNAVAILABLE error, later requests get one at once, and the
 ddtree_engine_healthy gauge drops to 0, as after a fatal engine error in process; the server goes on serving its other
@@ -38,12 +38,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from ddtree import api
+from ddtree.cancellation import CANCEL_CHECK_S, cancel_check_interval
 from ddtree.config import EngineConfig
 
 logger = logging.getLogger("ddtree.engine_process")   # also when run as __main__ (the child)
 
-CANCEL_CHECK_S = 0.02      # as ddtree.serving.CANCEL_CHECK_S: how often a client's cancellation is asked at most
-CANCEL_ASKS_PER_S = 200.0  # as ddtree.serving.CANCEL_ASKS_PER_S: the asks a second in all at most
 STOP_REPLY_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 15.0
 
@@ -236,7 +235,7 @@ class EngineProcess:
                 if now - swept_s >= CANCEL_CHECK_S:
                     swept_s = now
                     live = list(self._live.items())
-                    interval = max(CANCEL_CHECK_S, len(live) / CANCEL_ASKS_PER_S)
+                    interval = cancel_check_interval(len(live))
                     for pid, entry in live:
                         if now - entry.checked_s >= interval:
                             self._check(pid, entry, now)

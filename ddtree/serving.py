@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ddtree import api
+from ddtree.cancellation import CANCEL_CHECK_S, cancel_check_interval
 from ddtree.detokenize import IncrementalDetokenizer, StreamChunk
 from ddtree.engine import Engine
 from ddtree.errors import EngineUnavailable, InvalidRequest
@@ -156,26 +157,11 @@ METRICS_INTERVAL_S = 0.1   # the most often metrics are published while the engi
 # ServiceStats fields only the outbox thread writes: a published snapshot takes them when the outbox publishes it, after
 # the calls queued before it (the engine thread's snapshot would miss the responses it has not sent yet)
 OUTBOX_FIELDS = ("num_responses", "send_seconds", "cancel_check_seconds", "num_cancel_checks")
-# Asking a sender whether its client cancelled is an IPC round trip in Triton (~0.2 ms), so the engine thread never
-# asks: the outbox asks after each response it sends, and the engine thread queues a check for a request nobody
-# asked about for this long (no text this round, or a non-streamed request).
-CANCEL_CHECK_S = 0.02
-# ... and at most this many asks a second in all: with many requests each is asked less often (every live / this
-# seconds: 32 streams, every 0.16 s). Through the ensemble the asks never find a cancellation (Triton 2.51 does not
-# pass an ensemble client's cancellation to the generation model's request; the postprocessing step relays it as a
-# stop); every 20 ms each they would be 1,600 IPC round trips a second at 32 streams, beside the responses' sends (on
-# the 2-core CPU at 16 streams, 605-627 asks a second at 0.07-0.13 ms each: concurrency_sweep.py's sender table).
-CANCEL_ASKS_PER_S = 200.0
 # The longest the outbox holds a call back for the engine thread's next wait on the device (Outbox's gate), counted
 # from when the call was queued: a round that never waits (a CPU engine's reads return at once, host-bound rounds
 # whose device work is done before they read it) or an idle spell does not hold responses longer than this, and calls
 # queued behind others that waited go at once (a wait per call capped the outbox at 1 / GATE_WAIT_S calls a second).
 GATE_WAIT_S = 0.002
-
-
-def cancel_check_interval(live: int) -> float:
-    """How long a request goes unasked at most while `live` requests are asked (CANCEL_CHECK_S, CANCEL_ASKS_PER_S)."""
-    return max(CANCEL_CHECK_S, live / CANCEL_ASKS_PER_S)
 
 
 # Errors after which the engine's device state cannot be trusted: the instance stops serving.

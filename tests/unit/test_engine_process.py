@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ddtree
-from ddtree import api, engine_process
+from ddtree import api, cancellation, engine_process
 from ddtree.config import EngineConfig
 from ddtree.engine import Engine
 from ddtree.engine_process import EngineProcess, child_pythonpath, find_python
@@ -236,7 +236,7 @@ def process_state(pid: int) -> str:
 def test_the_relay_asks_about_cancellation_at_most_so_often_in_all(child, monkeypatch):
     """Two live requests (the engine's slots) asked at most CANCEL_ASKS_PER_S times a second in all (here 10: each every
     0.2 s, not every CANCEL_CHECK_S); a cancellation is still found, at the slower pace."""
-    monkeypatch.setattr(engine_process, "CANCEL_ASKS_PER_S", 10.0)
+    monkeypatch.setattr(cancellation, "CANCEL_ASKS_PER_S", 10.0)
     sinks = [Sink() for _ in range(2)]
     for i, sink in enumerate(sinks):
         child.submit(f"asked-{i}", request(True, "ar", max_tokens=400, ignore_eos=True), sink)

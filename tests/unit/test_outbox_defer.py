@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ddtree import api, serving
+from ddtree import api, cancellation, serving
 from ddtree.detokenize import decode
 from ddtree.sampling_params import SamplingParams
 from ddtree.serving import DeviceWaitGate, GenerationService, Outbox
@@ -208,7 +208,7 @@ def test_the_service_asks_about_cancellation_at_most_so_often_in_all(engine, tok
     """Two streams asked at most CANCEL_ASKS_PER_S times a second in all (here 10) beside the ask as each starts; every
     CANCEL_CHECK_S (20 ms) each would be ~100 a second."""
     set_env(monkeypatch, {} if gated else {"DDTREE_OUTBOX_GATE": "0"})
-    monkeypatch.setattr(serving, "CANCEL_ASKS_PER_S", 10.0)
+    monkeypatch.setattr(cancellation, "CANCEL_ASKS_PER_S", 10.0)
     asked = []
 
     class SlowSink:   # each response 5 ms: the requests last long enough to be asked many times at the old pace
