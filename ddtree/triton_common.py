@@ -202,30 +202,37 @@ class TritonMetrics:
             self.metrics, self.keyed = [], []
 
     def update(self, stats) -> None:
-        pb_utils = self.pb_utils
-        with self.lock:
-            for _, metric, field, kind in self.metrics:
-                value, last = getattr(stats, field), self.last.get(field)
-                if last == value:
-                    continue
-                if kind == pb_utils.MetricFamily.GAUGE:
+        """Publish what changed since the last update. The lock (the stub's IPC lock) is taken per IPC call, not for
+        the whole update (tens of calls): a response sent meanwhile waits for one call at most. Called from one thread
+        at a time (the engine process's metrics thread, or the outbox in process)."""
+        pb_utils, lock = self.pb_utils, self.lock
+        for _, metric, field, kind in self.metrics:
+            value, last = getattr(stats, field), self.last.get(field)
+            if last == value:
+                continue
+            if kind == pb_utils.MetricFamily.GAUGE:
+                with lock:
                     metric.set(value)
-                elif kind == pb_utils.MetricFamily.COUNTER:
-                    if value < (last or 0):   # a counter never goes down (Triton refuses it, and the fields after it
-                        continue              # went unpublished): counted on from its highest value once past it
+            elif kind == pb_utils.MetricFamily.COUNTER:
+                if value < (last or 0):   # a counter never goes down (Triton refuses it, and the fields after it
+                    continue              # went unpublished): counted on from its highest value once past it
+                with lock:
                     metric.increment(value - (last or 0))
-                elif isinstance(value, list):   # a histogram of samples: those observed since the last snapshot
-                    for sample in value:
+            elif isinstance(value, list):   # a histogram of samples: those observed since the last snapshot
+                for sample in value:
+                    with lock:
                         metric.observe(sample)
-                    continue
-                else:   # a histogram: observe what was added since the last update ({length: rounds})
-                    for length, count in value.items():
-                        for _ in range(count - (last or {}).get(length, 0)):
+                continue
+            else:   # a histogram: observe what was added since the last update ({length: rounds})
+                for length, count in value.items():
+                    for _ in range(count - (last or {}).get(length, 0)):
+                        with lock:
                             metric.observe(length)
-                self.last[field] = value
-            for _, field, metrics in self.keyed:
-                value, last = getattr(stats, field), self.last.get(field) or {}
-                for key, count in value.items():
-                    if key in metrics and count != last.get(key, 0):
+            self.last[field] = value
+        for _, field, metrics in self.keyed:
+            value, last = getattr(stats, field), self.last.get(field) or {}
+            for key, count in value.items():
+                if key in metrics and count != last.get(key, 0):
+                    with lock:
                         metrics[key].increment(count - last.get(key, 0))
-                self.last[field] = value
+            self.last[field] = value

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -168,6 +169,52 @@ def test_the_relay_publishes_its_own_sending_time(child):
     assert sink.asked > 0 and last.num_cancel_checks - before.num_cancel_checks == sink.asked
     assert last.cancel_check_seconds - before.cancel_check_seconds >= 0.002 * sink.asked
     assert 0.005 * sent <= last.send_seconds - before.send_seconds < 0.005 * sent + 2.0
+
+
+def test_metrics_are_published_off_the_relay_thread():
+    """The stats reach on_stats on a thread of their own: put() returns while an update is still being published
+    (a Triton metrics update is tens of IPC calls), and the snapshots that came meanwhile are published once, merged:
+    the newest values with every snapshot's samples. close() publishes what is pending."""
+    release, published = threading.Event(), []
+
+    def on_stats(stats):
+        published.append(vars(stats))
+        release.wait(10)
+
+    publisher = engine_process._Publisher(on_stats)
+    try:
+        publisher.put({"num_finished": 1, "ttft_seconds": [0.1]})
+        deadline = time.monotonic() + 10
+        while not published and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        publisher.put({"num_finished": 2, "ttft_seconds": [0.2]})
+        publisher.put({"num_finished": 3, "ttft_seconds": [0.3, 0.4]})
+        assert time.monotonic() - start < 0.5      # the relay goes on while the first update is still running
+        assert published == [{"num_finished": 1, "ttft_seconds": [0.1]}]
+    finally:
+        release.set()
+        publisher.close(10)
+    assert published == [{"num_finished": 1, "ttft_seconds": [0.1]},
+                         {"num_finished": 3, "ttft_seconds": [0.2, 0.3, 0.4]}]
+
+
+def test_a_slow_metrics_update_does_not_hold_up_responses(child, monkeypatch):
+    """With every metrics update taking 0.5 s, a streamed request's responses still come round by round (the relay
+    thread relayed them behind each update before: a 0.5 s stall every time the child published)."""
+    def slow(stats):
+        time.sleep(0.5)
+
+    monkeypatch.setattr(child._publisher, "on_stats", slow)
+    sink = Sink()
+    child.submit("slow-metrics", request(True, "ar", max_tokens=48, ignore_eos=True), sink)
+    arrivals, final = [], False
+    while not final:
+        kind, _, final = sink.events.get(timeout=120)
+        assert kind == "out"
+        arrivals.append(time.monotonic())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) > 5 and max(gaps) < 0.4, gaps
 
 
 def test_stop_by_request_key_reaches_the_child(child):
