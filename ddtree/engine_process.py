@@ -464,7 +464,9 @@ def _child_main(fd: int, parent: int) -> int:
     sinks: dict[int, _PipeSink] = {}
 
     def publish(stats) -> None:
-        link.send(("stats", dataclasses.asdict(stats)))
+        # the snapshot is the outbox's own (GenerationService._report copies its dicts and hands its lists over), so
+        # its fields go as they are: dataclasses.asdict's deep copy took ~125 us of the GIL on the 2-core CPU
+        link.send(("stats", {field.name: getattr(stats, field.name) for field in dataclasses.fields(stats)}))
 
     service = GenerationService(engine, tokenizer, publish, max_queue_size=settings["max_queue_size"],
                                 fault_injection=settings["fault_injection"], stop_registry=registry)

@@ -253,6 +253,9 @@ def test_a_dead_child_fails_its_requests_and_refuses_new_ones():
         process.submit("later", request(True, "ar"), later)
         kind, message, final = later.until_final(5)[-1]
         assert kind == "unavailable" and "model unavailable" in message and time.monotonic() - start < 1
+        deadline = time.monotonic() + 10   # the gauges' fall is published by the metrics thread
+        while stats[-1].engine_healthy != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert stats[-1].engine_healthy == 0 and stats[-1].num_active == 0 and stats[-1].num_held_slots == 0
     finally:
         process.shutdown(5)
