@@ -109,11 +109,18 @@ class _Entry:
     cancelled: bool = False
 
 
-class _Publisher:
-    """The child's stats handed to on_stats (the Triton metrics) on a thread of their own. An update is tens of Triton
-    IPC calls (one per changed counter and per histogram sample: each round's acceptance length; 1.2 ms median, up to
-    6.8 ms, on the 2-core CPU): on the relay thread every response queued behind one waited for all of it, and the
-    update the child publishes once a request finishes ran into the next request's first token. Snapshots that arrive
+def stats_fields(stats) -> dict:
+    """A stats snapshot's fields as they are (dataclasses.asdict's deep copy took ~125 us of the GIL on the 2-core
+    CPU): the snapshot is its publisher's own (GenerationService._report copies its dicts and hands its lists over)."""
+    return {field.name: getattr(stats, field.name) for field in dataclasses.fields(stats)}
+
+
+class MetricsPublisher:
+    """The engine's stats handed to on_stats (the Triton metrics) on a thread of their own: from the relay thread here,
+    and in process (the model's engine on its stub) from the outbox. An update is tens of Triton IPC calls (one per
+    changed counter and per histogram sample: each round's acceptance length; 1.2 ms median, up to 6.8 ms, on the
+    2-core CPU): on the relay thread or the outbox every response queued behind one waited for all of it, and the
+    update published once a request finishes ran into the next request's first token. Snapshots that arrive
     while one is being published are merged: the newest values, and the samples (list fields) of all of them."""
 
     def __init__(self, on_stats) -> None:
@@ -163,7 +170,7 @@ class EngineProcess:
                  stop_directory: str | None = None, python: str = "") -> None:
         self.fatal_error: str | None = None
         self.on_stats = None
-        self._publisher: _Publisher | None = None
+        self._publisher: MetricsPublisher | None = None
         self._live: dict[int, _Entry] = {}
         self._ids = itertools.count(1)
         self._stop_replies: dict[int, tuple[threading.Event, list]] = {}
@@ -212,7 +219,7 @@ class EngineProcess:
         self.on_stats = on_stats
         # DDTREE_METRICS_THREAD=0 (a diagnostic): each update on the relay thread, between responses, as before
         threaded = os.environ.get("DDTREE_METRICS_THREAD", "1") != "0"
-        self._publisher = _Publisher(on_stats) if on_stats is not None and threaded else None
+        self._publisher = MetricsPublisher(on_stats) if on_stats is not None and threaded else None
         self._reader.start()
         self._link.send(("start",))
 
@@ -464,9 +471,7 @@ def _child_main(fd: int, parent: int) -> int:
     sinks: dict[int, _PipeSink] = {}
 
     def publish(stats) -> None:
-        # the snapshot is the outbox's own (GenerationService._report copies its dicts and hands its lists over), so
-        # its fields go as they are: dataclasses.asdict's deep copy took ~125 us of the GIL on the 2-core CPU
-        link.send(("stats", {field.name: getattr(stats, field.name) for field in dataclasses.fields(stats)}))
+        link.send(("stats", stats_fields(stats)))
 
     service = GenerationService(engine, tokenizer, publish, max_queue_size=settings["max_queue_size"],
                                 fault_injection=settings["fault_injection"], stop_registry=registry)

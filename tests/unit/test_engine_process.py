@@ -181,7 +181,7 @@ def test_metrics_are_published_off_the_relay_thread():
         published.append(vars(stats))
         release.wait(10)
 
-    publisher = engine_process._Publisher(on_stats)
+    publisher = engine_process.MetricsPublisher(on_stats)
     try:
         publisher.put({"num_finished": 1, "ttft_seconds": [0.1]})
         deadline = time.monotonic() + 10

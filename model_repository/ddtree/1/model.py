@@ -88,7 +88,11 @@ class TritonPythonModel:
         if wanted:
             self.service.start(self.metrics.update)
         else:
-            self.service = GenerationService(engine, load_tokenizer(self.config.target_path), self.metrics.update,
+            # the metrics on a thread of their own, as the engine process's relay publishes them: not on the outbox,
+            # where every response queued behind an update (tens of IPC calls) waited for all of it
+            self.publisher = engine_process.MetricsPublisher(self.metrics.update)
+            self.service = GenerationService(engine, load_tokenizer(self.config.target_path),
+                                             lambda stats: self.publisher.put(engine_process.stats_fields(stats)),
                                              max_queue_size=self.config.max_queue_size, fault_injection=fault_injection,
                                              stop_registry=StopRegistry(default_directory(args["model_name"])))
         # a prompt sent as text (no ensemble around this model) is tokenized here, on the execute thread
@@ -118,5 +122,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.shutdown()
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close(5.0)
         if self.service.stop_registry is not None:
             self.service.stop_registry.close()
