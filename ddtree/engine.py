@@ -96,7 +96,7 @@ class StageTimes:
     drafts_ahead_undone: int = 0  # of which the next round did not take (undone, or dropped with their request)
     static_prefills: int = 0     # prompts prefilled through a static forward (config.static_prefill)
     folded_rows: int = 0         # pending target features written into drafter contexts ahead of a draft (_fold_contexts)
-    acceptance_histogram: dict[int, int] = field(default_factory=dict)
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a drafting round -> rounds
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)   # mode auto: batch rounds per arm it ran (a policy
     #                              round in which no auto request drafted counts as `ar`: ArmSelector.record)
     auto_arm_seconds: dict[str, float] = field(default_factory=dict)   # mode auto: the time charged to each arm's rounds
@@ -817,7 +817,7 @@ class Engine:
             # take: two objects a request and step, at 32 requests where the host paces the rounds (c=32 above)
             seq.start += 1
             seq.root = token
-            outputs.append(self._commit(seq, [token], 1))
+            outputs.append(self._commit(seq, [token], 1, drafted=False))
         return outputs
 
     def _settle_ahead(self) -> list[RequestOutput]:
@@ -877,7 +877,7 @@ class Engine:
         new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
         seq.start += len(acceptance.accepted)
         seq.root = acceptance.bonus_token
-        return self._commit(seq, new_tokens, len(acceptance.accepted))
+        return self._commit(seq, new_tokens, len(acceptance.accepted), drafted=len(tree.tokens) > 1)
 
     def _draft(self, seqs: list[Sequence]) -> list[DraftTree]:
         """One packed drafter pass for the requests that speculate; their trees (empty for the others)."""
@@ -1115,8 +1115,11 @@ class Engine:
             return int(logits.argmax().item())
         return sample(probabilities(logits[None], params)[0], generator)
 
-    def _commit(self, seq: Sequence, new_tokens: list[int], accepted_length: int | None) -> RequestOutput:
-        """Append this round's tokens, cut at a stop token or max_tokens, and report them."""
+    def _commit(self, seq: Sequence, new_tokens: list[int], accepted_length: int | None,
+                drafted: bool = True) -> RequestOutput:
+        """Append this round's tokens, cut at a stop token or max_tokens, and report them. The acceptance histogram
+        (ddtree_acceptance_length) counts drafting rounds only: an `ar` step or a tree of its root alone (drafted False)
+        commits its one token by definition, and published it was one Triton IPC call per request and step (~13,000 a second at c=32)."""
         request = seq.request
         kept = new_tokens[: seq.max_tokens - request.num_output_tokens]
         for i, token in enumerate(kept):
@@ -1130,8 +1133,9 @@ class Engine:
         if accepted_length is not None:
             request.add_round(accepted_length)
             self.stage_times.rounds += 1
-            hist = self.stage_times.acceptance_histogram
-            hist[accepted_length] = hist.get(accepted_length, 0) + 1
+            if drafted:
+                hist = self.stage_times.acceptance_histogram
+                hist[accepted_length] = hist.get(accepted_length, 0) + 1
         return RequestOutput(
             request_id=request.request_id, new_token_ids=kept, finish_reason=request.finish_reason,
             num_input_tokens=len(request.prompt_ids), num_output_tokens=request.num_output_tokens,

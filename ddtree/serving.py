@@ -77,7 +77,7 @@ class ServiceStats:
     verify_gpu_seconds: float = 0.0  # CUDA: the verifies' GPU timeline (verify_seconds - this: host wake-up after them)
     host_seconds: float = 0.0        # decoding round time outside the drafter and target passes
     serve_seconds: float = 0.0       # engine-thread time outside engine steps: streaming, cancellation checks, metrics
-    acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a round -> rounds
+    acceptance_histogram: dict[int, int] = field(default_factory=dict)   # tokens committed in a drafting round -> rounds
     auto_arm_rounds: dict[str, int] = field(default_factory=dict)        # mode auto: batch rounds per arm it ran
     auto_arm_seconds: dict[str, float] = field(default_factory=dict)     # mode auto: time charged to each arm's rounds
     num_late_programs: int = 0       # static programs made while serving (shapes warm-up did not prepare: each one

@@ -104,7 +104,7 @@ def instance_device(args: dict, device: str) -> str:
 class TritonMetrics:
     """Prometheus metrics through Triton's custom-metrics API (skipped when metrics are off; 2.51 has HISTOGRAM).
 
-    Tokens per round per request: ddtree_acceptance_length (_sum / _count); tree nodes per round:
+    Tokens per drafting round per request: ddtree_acceptance_length (_sum / _count); tree nodes per round:
     ddtree_tree_nodes_total / ddtree_rounds_total; host time per batch round: ddtree_host_seconds_total /
     ddtree_batch_rounds_total; tokens/s: rate(ddtree_output_tokens_total).
     """
@@ -154,7 +154,9 @@ class TritonMetrics:
                 ("ddtree_dynamic_forwards_total", "num_dynamic_forwards",
                  "Drafter passes and verifies that no static program fitted, run by the dynamic forward while static "
                  "forwards are on (CUDA): eager launches, and kernels at shapes warm-up never ran"))
-    HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram", "Tokens committed per round per request"),
+    HISTOGRAMS = (("ddtree_acceptance_length", "acceptance_histogram",
+                   "Tokens committed per drafting round per request (dflash and ddtree rounds; an ar step commits one "
+                   "token and counts in ddtree_rounds_total only)"),
                   ("ddtree_time_to_first_token_seconds", "ttft_seconds",
                    "Seconds from a request's arrival at the generation model to its first generated token (queue and "
                    "prefill; not the ensemble's pre- and postprocessing)"),

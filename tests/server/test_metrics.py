@@ -45,8 +45,9 @@ def test_new_metrics_are_exported(server):
 
 
 def test_acceptance_histogram_matches_rounds_and_tokens(server):
-    """ar: every round commits exactly one token. ddtree: the histogram's sum and count equal the
-    requests' own acceptance statistics (mean acceptance length x rounds, rounds)."""
+    """ar: every round commits exactly one token and counts in ddtree_rounds_total, not in the histogram (drafting rounds
+    only: an observation per request and step was a Triton IPC call each). ddtree: the histogram's sum and count equal
+    the requests' own acceptance statistics (mean acceptance length x rounds, rounds)."""
     before, start = wait_idle(server), time.perf_counter()
     max_tokens, requests, received = 10, 3, 0
     for _ in range(requests):
@@ -74,9 +75,9 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     assert delta(after, before, "ddtree_request_take_seconds_count") == requests
     assert 0 <= delta(after, before, "ddtree_request_take_seconds_sum") <= queue
     assert delta(after, before, "ddtree_rounds_total") == rounds
-    assert delta(after, before, "ddtree_acceptance_length_count") == rounds
-    assert delta(after, before, "ddtree_acceptance_length_sum") == rounds
-    assert buckets(after)[0] - buckets(before)[0] == rounds
+    assert delta(after, before, "ddtree_acceptance_length_count") == 0
+    assert delta(after, before, "ddtree_acceptance_length_sum") == 0
+    assert buckets(after) == buckets(before)
     assert 0 < delta(after, before, "ddtree_batch_rounds_total") <= rounds
 
     before, start = after, time.perf_counter()
@@ -87,8 +88,11 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
         committed += round(final["mean_acceptance_length"][0] * final["num_rounds"][0])
     after = wait_idle(server, before["ddtree_requests_finished_total"] + 2)
     elapsed = time.perf_counter() - start
-    assert delta(after, before, "ddtree_acceptance_length_count") == delta(after, before, "ddtree_rounds_total") == num_rounds
-    assert delta(after, before, "ddtree_acceptance_length_sum") == committed
+    # every round either verified drafted nodes (in the histogram) or its root alone (one token, e.g. a request's
+    # last round with room for one token): the histogram and the ones make up the requests' own statistics
+    drafted = delta(after, before, "ddtree_acceptance_length_count")
+    assert delta(after, before, "ddtree_rounds_total") == num_rounds and 0 < drafted <= num_rounds
+    assert delta(after, before, "ddtree_acceptance_length_sum") + (num_rounds - drafted) == committed
     # a round's tokens are cut only at the end (max_tokens, a stop): never more output than accepted
     assert delta(after, before, "ddtree_output_tokens_total") - 2 <= committed
     cumulative = buckets(after)
