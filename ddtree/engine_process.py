@@ -128,6 +128,7 @@ class MetricsPublisher:
         self._cond = threading.Condition()
         self._pending: dict | None = None
         self._closed = False
+        self.seconds, self.count = 0.0, 0   # the updates' own time, published with the next one (ServiceStats)
         self._thread = threading.Thread(target=self._run, name="ddtree-metrics", daemon=True)
         self._thread.start()
 
@@ -147,10 +148,14 @@ class MetricsPublisher:
                 if self._pending is None:
                     return
                 stats, self._pending = self._pending, None
+            start = time.perf_counter()
             try:
-                self.on_stats(SimpleNamespace(**stats))
+                self.on_stats(SimpleNamespace(**{**stats, "metrics_publish_seconds": self.seconds,
+                                                 "num_metrics_publishes": self.count}))
             except Exception:
                 logger.exception("could not publish the engine's metrics")
+            self.seconds += time.perf_counter() - start
+            self.count += 1
 
     def close(self, timeout_s: float) -> None:
         """Publish what is pending, then stop."""

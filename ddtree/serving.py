@@ -93,6 +93,10 @@ class ServiceStats:
     send_seconds: float = 0.0
     cancel_check_seconds: float = 0.0
     num_cancel_checks: int = 0
+    # the metrics' own cost: seconds the model's process spent publishing them (Triton IPC calls, on
+    # engine_process.MetricsPublisher's thread, which sets these two), and how many updates
+    metrics_publish_seconds: float = 0.0
+    num_metrics_publishes: int = 0
     # seconds from a request's arrival at the model to its first generated token, and to its last (finished
     # requests), observed since the last publication: each published once (only while stats are published)
     ttft_seconds: list[float] = field(default_factory=list)

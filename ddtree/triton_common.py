@@ -151,6 +151,10 @@ class TritonMetrics:
                  "Seconds the sending thread spent asking Triton whether clients cancelled (an IPC round trip each)"),
                 ("ddtree_cancel_checks_total", "num_cancel_checks",
                  "Clients' cancellation asked by the sending thread (besides, in process, once as each request starts)"),
+                ("ddtree_metrics_publish_seconds_total", "metrics_publish_seconds",
+                 "Seconds the model's process spent publishing these metrics to Triton (an IPC call per changed counter "
+                 "and per histogram sample, on a thread of their own), as of the update before this one"),
+                ("ddtree_metrics_publishes_total", "num_metrics_publishes", "Updates of these metrics published"),
                 ("ddtree_dynamic_forwards_total", "num_dynamic_forwards",
                  "Drafter passes and verifies that no static program fitted, run by the dynamic forward while static "
                  "forwards are on (CUDA): eager launches, and kernels at shapes warm-up never ran"))

@@ -50,7 +50,8 @@ DEFAULT_METHODS = "ar,dflash,ddtree-16,auto"
 LATE = "ddtree_static_programs_late_total"
 # the sending thread's time (the outbox in process; with engine_process the stub's relay): per second of a run
 SENDER = {"send_s": "ddtree_response_send_seconds_total", "check_s": "ddtree_cancel_check_seconds_total",
-          "checks": "ddtree_cancel_checks_total", "responses": "ddtree_responses_total"}
+          "checks": "ddtree_cancel_checks_total", "responses": "ddtree_responses_total",
+          "publish_s": "ddtree_metrics_publish_seconds_total"}
 GENERATION_MODEL = "ddtree"
 # stalled steps and garbage collection (ddtree.serving.StallWatch): counters read before and after each run
 STALLS = {"slow_steps": "ddtree_slow_steps_total", "slow_step_s": "ddtree_slow_step_seconds_total",
@@ -240,13 +241,15 @@ def sender_rates(before: dict, after: dict, span_s: float) -> dict | None:
     return {"send_ms_per_s": 1e3 * d["send_s"] / span, "responses_per_s": d["responses"] / span,
             "send_ms": 1e3 * d["send_s"] / d["responses"] if d["responses"] else 0.0,
             "checks_per_s": d["checks"] / span, "check_ms_per_s": 1e3 * d["check_s"] / span,
-            "check_ms": 1e3 * d["check_s"] / d["checks"] if d["checks"] else 0.0}
+            "check_ms": 1e3 * d["check_s"] / d["checks"] if d["checks"] else 0.0,
+            "publish_ms_per_s": 1e3 * d["publish_s"] / span}
 
 
 def sender_cell(entry: dict) -> str:
     snd = entry.get("sender")
     return (f"{snd['send_ms_per_s']:.0f} ({snd['responses_per_s']:.0f}, {snd['send_ms']:.2f}) / "
-            f"{snd['checks_per_s']:.0f} / {snd['check_ms_per_s']:.0f} ({snd['check_ms']:.2f})" if snd else "-")
+            f"{snd['checks_per_s']:.0f} / {snd['check_ms_per_s']:.0f} ({snd['check_ms']:.2f}); "
+            f"{snd['publish_ms_per_s']:.0f}" if snd else "-")
 
 
 def per_execution(before: dict, after: dict) -> dict:
@@ -435,7 +438,7 @@ def write(result: dict, levels: list[int], args) -> None:
         rows += level_table(result, levels, sender_cell,
                             "The sending thread (the outbox in process; with engine_process the stub's relay thread), per "
                             "second of the run: ms busy sending (responses a second, ms a response) / cancellation asks / "
-                            "ms busy asking (ms an ask).")
+                            "ms busy asking (ms an ask); the metrics' own publishing, ms a second (their thread).")
     autos = {name: by_level for name, by_level in result["methods"].items()
              if any("auto_arms" in by_level.get(str(c), {}) for c in levels)}
     if autos:

@@ -40,7 +40,8 @@ def test_new_metrics_are_exported(server):
                                   "ddtree_slow_step_seconds_total", "ddtree_gc_seconds_total",
                                   "ddtree_gc_full_collections_total", "ddtree_dynamic_forwards_total",
                                   "ddtree_response_send_seconds_total", "ddtree_cancel_check_seconds_total",
-                                  "ddtree_cancel_checks_total"]:
+                                  "ddtree_cancel_checks_total", "ddtree_metrics_publish_seconds_total",
+                                  "ddtree_metrics_publishes_total"]:
         assert name in samples, sorted(samples)
 
 
@@ -61,6 +62,9 @@ def test_acceptance_histogram_matches_rounds_and_tokens(server):
     assert 0 < delta(after, before, "ddtree_response_send_seconds_total") < time.perf_counter() - start
     assert delta(after, before, "ddtree_cancel_checks_total") >= requests
     assert 0 < delta(after, before, "ddtree_cancel_check_seconds_total") < time.perf_counter() - start
+    # the metrics' own publishing (on a thread of their own): updates while the requests ran, and their time
+    assert delta(after, before, "ddtree_metrics_publishes_total") >= 1
+    assert 0 < delta(after, before, "ddtree_metrics_publish_seconds_total") < time.perf_counter() - start
     # every request's time to its first token and to its last, inside the time the client waited for them all
     assert delta(after, before, "ddtree_time_to_first_token_seconds_count") == requests
     assert delta(after, before, "ddtree_request_latency_seconds_count") == requests

@@ -157,16 +157,19 @@ def test_turn_intervals_reads_sweeps_already_run():
 
 
 def test_the_sending_threads_time_reads_per_second_of_the_run():
-    before = {SENDER["send_s"]: 1.0, SENDER["check_s"]: 0.5, SENDER["checks"]: 100.0, SENDER["responses"]: 1000.0}
-    after = {SENDER["send_s"]: 1.6, SENDER["check_s"]: 0.6, SENDER["checks"]: 500.0, SENDER["responses"]: 3000.0}
-    rates = sender_rates(before, after, 2.0)   # a 2 s run: 2000 responses in 0.6 s, 400 asks in 0.1 s
+    before = {SENDER["send_s"]: 1.0, SENDER["check_s"]: 0.5, SENDER["checks"]: 100.0, SENDER["responses"]: 1000.0,
+              SENDER["publish_s"]: 2.0}
+    after = {SENDER["send_s"]: 1.6, SENDER["check_s"]: 0.6, SENDER["checks"]: 500.0, SENDER["responses"]: 3000.0,
+             SENDER["publish_s"]: 2.04}
+    rates = sender_rates(before, after, 2.0)   # a 2 s run: 2000 responses in 0.6 s, 400 asks in 0.1 s, metrics 40 ms
     assert rates == pytest.approx({"send_ms_per_s": 300.0, "responses_per_s": 1000.0, "send_ms": 0.3,
-                                   "checks_per_s": 200.0, "check_ms_per_s": 50.0, "check_ms": 0.25})
-    assert sender_cell({"sender": rates}) == "300 (1000, 0.30) / 200 / 50 (0.25)"
+                                   "checks_per_s": 200.0, "check_ms_per_s": 50.0, "check_ms": 0.25,
+                                   "publish_ms_per_s": 20.0})
+    assert sender_cell({"sender": rates}) == "300 (1000, 0.30) / 200 / 50 (0.25); 20"
     assert sender_rates(before, {SENDER["send_s"]: 1.6}, 2.0) is None and sender_cell({}) == "-"   # not exported
     table = level_table({"methods": {"ar": {"16": {"sender": rates}, "32": {}}}}, [16, 32], sender_cell, "caption")
     assert table == ["", "caption", "", "| method | c=16 | c=32 |", "|---|---|---|",
-                     "| ar | 300 (1000, 0.30) / 200 / 50 (0.25) | - |"]
+                     "| ar | 300 (1000, 0.30) / 200 / 50 (0.25); 20 | - |"]
 
 
 def test_ar_through_the_generation_model_alone_is_compared_with_ar_not_with_auto():
