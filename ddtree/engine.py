@@ -877,7 +877,7 @@ class Engine:
         new_tokens = [tree.tokens[i] for i in acceptance.accepted[1:]] + [acceptance.bonus_token]
         seq.start += len(acceptance.accepted)
         seq.root = acceptance.bonus_token
-        return self._commit(seq, new_tokens, len(acceptance.accepted), drafted=len(tree.tokens) > 1)
+        return self._commit(seq, new_tokens, len(acceptance.accepted), drafted=tree.num_nodes > 0)
 
     def _draft(self, seqs: list[Sequence]) -> list[DraftTree]:
         """One packed drafter pass for the requests that speculate; their trees (empty for the others)."""
