@@ -241,3 +241,112 @@ def test_the_service_asks_about_cancellation_at_most_so_often_in_all(engine, tok
         service.shutdown()
     assert seconds > 0.4, seconds   # 2 x 100 responses of 5 ms on one outbox thread
     assert len(asked) <= 2 + 10.0 * seconds + 2, (len(asked), seconds)
+
+
+def draining_outbox() -> tuple[Outbox, DeviceWaitGate]:
+    gate = DeviceWaitGate()
+    outbox = Outbox(gate=gate, defer=True, drain=True)
+    outbox.owner = threading.get_ident()
+    gate.on_open = outbox.flush
+    return outbox, gate
+
+
+def busy_for(calls: int):
+    """A device_ready for Outbox.drain whose test says "still busy" `calls` times, then done."""
+    def device_ready():
+        asked = iter(range(calls + 1))
+        return lambda: next(asked, calls) >= calls
+    return device_ready
+
+
+def test_the_owner_drains_its_calls_while_the_device_is_busy_and_hands_over_the_rest(monkeypatch):
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 5.0)
+    outbox, gate = draining_outbox()
+    ran: list[tuple[int, str]] = []
+
+    def call(i):
+        ran.append((i, threading.current_thread().name))
+
+    for i in range(5):
+        outbox.put(call, i)
+    outbox.drain(busy_for(3))           # three calls fit in the device's work, on this thread, in order
+    assert ran == [(0, "MainThread"), (1, "MainThread"), (2, "MainThread")]
+    gate.set()                          # the wait: the rest go to the outbox thread
+    assert wait_for(lambda: len(ran) == 5)
+    assert [i for i, _ in ran] == list(range(5)) and {name for _, name in ran[3:]} == {"ddtree-outbox"}
+    gate.clear()
+    outbox.put(call, 5)
+    outbox.drain(busy_for(0))           # the device done already: nothing runs here
+    assert len(ran) == 5
+    outbox.close(5.0)
+    assert ran[-1] == (5, "ddtree-outbox")
+
+
+def test_the_owner_drains_nothing_while_the_outbox_thread_holds_its_earlier_calls(monkeypatch):
+    """A request's responses keep their order: calls handed over and not yet run hold back the owner's later ones."""
+    monkeypatch.setattr(serving, "GATE_WAIT_S", 5.0)
+    outbox, gate = draining_outbox()
+    ran: list[int] = []
+    outbox.put(ran.append, 1)
+    outbox.flush()                      # handed to the outbox thread, which waits for the gate
+    outbox.put(ran.append, 2)
+    outbox.drain(busy_for(10))
+    assert ran == []
+    gate.set()
+    assert wait_for(lambda: ran == [1, 2])
+    gate.clear()
+    assert wait_for(lambda: outbox._done == outbox._handed)
+    outbox.put(ran.append, 3)
+    outbox.drain(busy_for(10))          # nothing held on the outbox thread now: runs here
+    assert ran == [1, 2, 3]
+    outbox.close(5.0)
+
+
+def test_an_outbox_that_does_not_drain_runs_nothing_on_the_owner():
+    gate = DeviceWaitGate()
+    outbox = Outbox(gate=gate, defer=True)
+    outbox.owner = threading.get_ident()
+    ran: list[int] = []
+    outbox.put(ran.append, 1)
+    outbox.drain(busy_for(10))
+    assert ran == []
+    outbox.close(5.0)
+    assert ran == [1]
+
+
+@pytest.mark.parametrize("drain", ["1", "0"])
+def test_a_draining_service_streams_the_same(engine, tokenizer, monkeypatch, drain):  # noqa: F811
+    """The engine process's serving (DDTREE_OUTBOX_DRAIN=1; a CPU engine's device never busy, so here a device test
+    that always says busy): every response built and sent on the engine thread, the same texts as free-running."""
+    set_env(monkeypatch, {"DDTREE_OUTBOX_DRAIN": drain})
+    monkeypatch.setattr(type(engine), "_device_ready", lambda self: (lambda: False))
+    sent_on: set[str] = set()
+    add = serving._Stream.add
+
+    def recording_add(stream, output, *args):
+        sent_on.add(threading.current_thread().name)
+        return add(stream, output, *args)
+
+    monkeypatch.setattr(serving._Stream, "add", recording_add)
+    free = {mode: engine.generate_ids(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, mode=mode,
+                                                             tree_budget=8)).output_ids for mode in ("ar", "ddtree")}
+    service = GenerationService(engine, tokenizer, max_queue_size=4)
+    assert (engine.wait_work is not None) is (drain == "1")
+    results = {}
+    try:
+        threads = [threading.Thread(target=lambda mode=mode: results.__setitem__(mode, serve(
+            service, tokenizer, {"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": mode, "tree_budget": 8}, True)))
+            for mode in free]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        service.shutdown()
+    assert engine.wait_work is None
+    for mode, ids in free.items():
+        assert "".join(results[mode].texts) == decode(tokenizer, ids), mode
+        assert results[mode].outputs[-1][api.FINISH_REASON] == "length"
+    # drained: built (and sent) on the engine thread (some on the outbox thread still, where a round's calls found it
+    # holding earlier ones); otherwise all on the outbox thread
+    assert "ddtree-engine" in sent_on if drain == "1" else sent_on == {"ddtree-outbox"}
