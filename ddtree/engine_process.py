@@ -479,7 +479,7 @@ def _child_main(fd: int, parent: int) -> int:
         link.send(("stats", stats_fields(stats)))
 
     service = GenerationService(engine, tokenizer, publish, max_queue_size=settings["max_queue_size"],
-                                fault_injection=settings["fault_injection"], stop_registry=registry, drain_waits=True)
+                                fault_injection=settings["fault_injection"], stop_registry=registry)
     logger.info("engine process %d serving", os.getpid())
     try:
         while True:

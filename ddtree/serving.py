@@ -230,10 +230,10 @@ class Outbox:
     thread takes the GIL at the engine thread's next launch only to find the gate closed and wait again. Calls from
     other threads go at once.
 
-    drain (with defer): the owner thread runs its deferred calls itself as each device wait starts, one by one while
-    the device is still busy (drain()); those left when it is done go to the outbox thread as before. The engine in
-    its child process (ddtree.engine_process) serves so: its sends are pipe writes of tens of microseconds, and no
-    second thread takes the GIL as the engine thread's wait ends."""
+    drain (with defer; DDTREE_OUTBOX_DRAIN=1, not yet measured on the GPU): the owner thread runs its deferred calls
+    itself as each device wait starts, one by one while the device is still busy (drain()); those left when it is done
+    go to the outbox thread as before. Meant for the engine in its child process (ddtree.engine_process), whose sends
+    are pipe writes of tens of microseconds: no second thread then takes the GIL as the engine thread's wait ends."""
 
     def __init__(self, inline: bool = False, gate: threading.Event | None = None, defer: bool = False,
                  drain: bool = False) -> None:
@@ -333,7 +333,7 @@ class GenerationService:
     """Runs the engine on its own thread: each step admits new jobs and advances every running one."""
 
     def __init__(self, engine: Engine, tokenizer, on_stats=None, max_queue_size: int = 256,
-                 fault_injection: str = "", stop_registry: StopRegistry | None = None, drain_waits: bool = False) -> None:
+                 fault_injection: str = "", stop_registry: StopRegistry | None = None) -> None:
         self.engine = engine
         self.stop_registry = stop_registry  # stops routed to another instance of the model arrive here
         self._relays_checked_s = float("-inf")
@@ -372,13 +372,12 @@ class GenerationService:
         # outbox, in those waits (DDTREE_OUTBOX_TEXT=0: on the engine thread; =1: on the outbox even ungated). On the
         # H100 through Triton, with the engine in its child process, the two together took the serving loop's own
         # time from ~0.065 to ~0.02 ms a round (perf/results/service_probe_h100_defer.md, humaneval_h100_outbox.md).
-        # drain_waits (where the sinks are cheap: the engine process's pipe): the engine thread runs those calls itself
-        # while each device wait's work is still on the device, what is left going to the outbox thread as before
-        # (Outbox.drain); DDTREE_OUTBOX_DRAIN=0 / 1 (a diagnostic) turns it off / on
-        drain = os.environ.get("DDTREE_OUTBOX_DRAIN", "")
+        # DDTREE_OUTBOX_DRAIN=1 (an option, off until measured on the GPU; for sinks that are cheap, as the engine
+        # process's pipe): the engine thread runs those calls itself while each device wait's work is still on the
+        # device, what is left going to the outbox thread as before (Outbox.drain)
         self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"), gate=self._gate,
                               defer=os.environ.get("DDTREE_OUTBOX_WAKE", "round") != "put",
-                              drain=drain == "1" or (drain == "" and drain_waits))
+                              drain=os.environ.get("DDTREE_OUTBOX_DRAIN", "0") == "1")
         if self._gate is not None:
             self._gate.on_open = self._outbox.flush
         engine.wait_work = self._outbox.drain if self._outbox.drains else None
