@@ -378,19 +378,33 @@ def request_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def turn_ratios(result: dict, variant: dict, key: str, name: str) -> list[float]:
+    """A variant's Triton / in process, turn by turn: over the in-process pass of the same turn where the run made
+    one a turn (in_process_turns), else over the one pass before the Triton phase."""
+    paired, first = result.get("in_process_turns"), _speed(result, "in_process", key, name)[0]
+    ratios = []
+    for i, turn in enumerate(variant["turns"]):
+        speed = turn.get(key, {}).get(name, {}).get("tokens_per_s")
+        local = paired[i].get(key, {}).get(name, {}).get("tokens_per_s") if paired and i < len(paired) else first
+        if speed and local:
+            ratios.append(speed / local)
+    return ratios
+
+
 def variants_table(result: dict) -> str:
     """Triton / in process per server variant (--triton-variant), turn by turn, and the median of the turns."""
-    variants = result["triton_variants"]
+    variants, paired = result["triton_variants"], result.get("in_process_turns")
     lines = ["Triton / in process by server variant, in turns (" + "; ".join(
         f"{name}: {' '.join(f'{k}={v}' for k, v in v['env'].items()) or 'as configured'}" for name, v in variants.items())
-        + "):", "", "| method | T | " + " | ".join(f"{name}: turns | {name}: median" for name in variants) + " |",
-        "|---|---|" + "---|---|" * len(variants)]
+        + "; " + ("each turn over that turn's in-process pass, run before its servers in odd turns, after them in even "
+                  "ones" if paired else "every turn over the one in-process pass before the Triton phase")
+        + "):", "", "| method | T | " + ("in process: tok/s by turn | " if paired else "")
+        + " | ".join(f"{name}: turns | {name}: median" for name in variants) + " |",
+        "|---|---|" + ("---|" if paired else "") + "---|---|" * len(variants)]
     for key, name in _rows(result):
-        local = _speed(result, "in_process", key, name)[0]
-        cells = []
+        cells = [" / ".join(_fmt(turn.get(key, {}).get(name, {}).get("tokens_per_s")) for turn in paired)] if paired else []
         for variant in variants.values():
-            speeds = [turn.get(key, {}).get(name, {}).get("tokens_per_s") for turn in variant["turns"]]
-            ratios = [s / local for s in speeds if s and local]
+            ratios = turn_ratios(result, variant, key, name)
             cells += [" / ".join(_fmt(r, ".3f") for r in ratios) or "-",
                       _fmt(statistics.median(ratios) if ratios else None, ".3f")]
         lines.append(f"| {name} | {key} | " + " | ".join(cells) + " |")
@@ -518,6 +532,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "generation model alone, the prompt as text: no pre- and postprocessing steps)")
     parser.add_argument("--triton-turns", type=int, default=1, help="how many times the Triton phase runs the base "
                         "server and each --triton-variant, in turns")
+    parser.add_argument("--in-process-turns", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --triton-turns > 1, variants or models: the in-process engine kept loaded beside the "
+                        "servers (its GPU memory twice over) and its speed pass run again in every turn, each turn's "
+                        "Triton speeds over that turn's in-process ones (--no-in-process-turns: over the one pass "
+                        "before the Triton phase)")
     add_freeze_heap_arg(parser)   # for the in-process speed phase
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="humaneval_cpu")
@@ -584,6 +603,12 @@ def phase(result: dict, name: str):
     result["load_average"][name] = os.getloadavg()[0]
 
 
+def in_process_pass(engine: Engine, args: argparse.Namespace, prompt_ids: list[list[int]], methods: list[Method]) -> dict:
+    """One more in-process speed pass (a Triton turn's own reference): results[T][method] as speed_in_process's."""
+    with frozen_heap(args.freeze_heap):
+        return speed_in_process(engine, prompt_ids, methods, args.speed_temperatures, args.max_new_tokens, args.seed)[0]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out_dir = Path(args.out)
@@ -631,13 +656,19 @@ def main(argv: list[str] | None = None) -> dict:
                                                                     args.speed_temperatures, args.max_new_tokens,
                                                                     args.seed)
         write_results(out_dir, args.name, result, table(result))
-    del engine
-    gc.collect()
+    variants, models, texts = [("base", {})] + args.triton_variants, args.triton_models, {}
+    in_turns = (args.in_process_turns and not args.skip_in_process_speed and not args.skip_triton
+                and (len(variants) > 1 or args.triton_turns > 1 or len(models) > 1))
+    if not in_turns:
+        del engine
+        gc.collect()
     if not args.skip_triton:
-        variants, models, texts = [("base", {})] + args.triton_variants, args.triton_models, {}
         result["triton_models"] = models
         with phase(result, "triton_speed"):
             for turn in range(args.triton_turns):
+                if in_turns and turn % 2 == 0:   # the turn's in-process pass before its servers, the next turn's after
+                    result.setdefault("in_process_turns", []).append(
+                        in_process_pass(engine, args, speed_ids, speed_methods))
                 for name, env in variants:   # in turns: each variant's server after the other's, turn after turn
                     # each server's log beside the results (its warm-up, its requests): a run cut off keeps them
                     log_path = out_dir / f"{args.name}_server_{name}_{turn + 1}.log"
@@ -653,6 +684,8 @@ def main(argv: list[str] | None = None) -> dict:
                             result.setdefault("triton_variants", {}).setdefault(label, {"env": env, "turns": []})
                             result["triton_variants"][label]["turns"].append(measured[model])
                     write_results(out_dir, args.name, result, table(result))
+                if in_turns and turn % 2 == 1:
+                    result["in_process_turns"].append(in_process_pass(engine, args, speed_ids, speed_methods))
         compare_triton(result, tokenizer, in_process_ids, texts, speed_ids)
     result["plots"] = plot(result, out_dir, args.name)
     write_results(out_dir, args.name, result, table(result))

@@ -58,3 +58,9 @@ def test_humaneval_asks_the_ensemble_and_the_generation_model_alone(tiny_models,
     md = (tmp_path / "he.md").read_text()
     assert "triton/in-process, ensemble | tok/s Triton, ddtree |" in md
     assert "| ddtree-4 | 0 | ddtree |" in md   # the request table's row through the generation model alone
+    # the turn's own in-process pass (the engine kept beside the server): each turn's ratios over it, not the first pass
+    (paired,) = result["in_process_turns"]
+    assert set(paired["0"]) == {"ar", "dflash", "ddtree-4"}
+    ratios = humaneval.turn_ratios(result, result["triton_variants"]["base"], "0", "dflash")
+    assert ratios == [result["triton"]["0"]["dflash"]["tokens_per_s"] / paired["0"]["dflash"]["tokens_per_s"]]
+    assert "each turn over that turn's in-process pass" in md and "in process: tok/s by turn" in md

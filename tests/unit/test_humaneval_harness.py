@@ -154,3 +154,14 @@ def test_request_split_takes_the_means_of_a_window():
     split = request_split(before, after)
     assert split["ttft_ms"] == pytest.approx(10.0) and split["latency_ms"] == pytest.approx(100.0)
     assert split["queue_ms"] is None   # nothing counted in the window
+
+
+def test_triton_turns_are_divided_by_their_own_in_process_pass_where_the_run_made_one():
+    speed = lambda tps: {"0": {"dflash": {"tokens_per_s": tps}}}  # noqa: E731
+    variant = {"env": {}, "turns": [speed(90.0), speed(99.0)]}
+    result = {"in_process": speed(100.0), "triton_variants": {"base": variant}}
+    assert humaneval.turn_ratios(result, variant, "0", "dflash") == [0.9, 0.99]     # the one pass before
+    result["in_process_turns"] = [speed(100.0), speed(110.0)]
+    assert humaneval.turn_ratios(result, variant, "0", "dflash") == [0.9, 0.9]      # each turn's own
+    table = humaneval.variants_table({**result, "acceptance": {}})
+    assert "| dflash | 0 | 100.0 / 110.0 | 0.900 / 0.900 | 0.900 |" in table
