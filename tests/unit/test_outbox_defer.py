@@ -70,6 +70,22 @@ def test_deferred_calls_go_late_when_no_device_wait_comes(monkeypatch):
     outbox.close(5.0)
 
 
+def serve_all(service, tokenizer, cases: dict) -> dict:  # noqa: F811 (tokenizer: the fixture's name)
+    """cases: name -> (sampling, stream), each served on a thread of its own at once; their sinks, then the service
+    shut down."""
+    results = {}
+    try:
+        threads = [threading.Thread(target=lambda name=name, case=case: results.__setitem__(
+            name, serve(service, tokenizer, *case))) for name, case in cases.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        service.shutdown()
+    return results
+
+
 def test_service_builds_text_on_the_outbox_and_streams_the_same(engine, tokenizer, monkeypatch):  # noqa: F811
     """Several requests at once, each mode, streamed and not, one with a stop string (its text stays on the engine
     thread: its end waits on it): every text is the request's free-running greedy text."""
@@ -82,7 +98,6 @@ def test_service_builds_text_on_the_outbox_and_streams_the_same(engine, tokenize
         return add(stream, output, *args)
 
     monkeypatch.setattr(serving._Stream, "add", recording_add)
-    results: dict[str, object] = {}
     cases = {f"{mode}-{stream}": ({"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": mode, "tree_budget": 8}, stream)
              for mode in ("ar", "dflash", "ddtree") for stream in (True, False)}
     free = {mode: engine.generate_ids(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, mode=mode,
@@ -93,15 +108,7 @@ def test_service_builds_text_on_the_outbox_and_streams_the_same(engine, tokenize
                      True)
     service = GenerationService(engine, tokenizer, max_queue_size=8)   # after the free runs: one thread steps the engine
     assert service._outbox.defer and engine.wait_gate is service._outbox.gate
-    try:
-        threads = [threading.Thread(target=lambda name=name, case=case: results.__setitem__(
-            name, serve(service, tokenizer, *case))) for name, case in cases.items()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    finally:
-        service.shutdown()
+    results = serve_all(service, tokenizer, cases)
     for name, (sampling, stream) in cases.items():
         sink = results[name]
         text = decode(tokenizer, free[sampling["mode"]])
@@ -332,17 +339,8 @@ def test_a_draining_service_streams_the_same(engine, tokenizer, monkeypatch, dra
                                                              tree_budget=8)).output_ids for mode in ("ar", "ddtree")}
     service = GenerationService(engine, tokenizer, max_queue_size=4)
     assert (engine.wait_work is not None) is (drain == "1")
-    results = {}
-    try:
-        threads = [threading.Thread(target=lambda mode=mode: results.__setitem__(mode, serve(
-            service, tokenizer, {"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": mode, "tree_budget": 8}, True)))
-            for mode in free]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    finally:
-        service.shutdown()
+    results = serve_all(service, tokenizer, {mode: ({"max_tokens": MAX_TOKENS, "ignore_eos": True, "mode": mode,
+                                                     "tree_budget": 8}, True) for mode in free})
     assert engine.wait_work is None
     for mode, ids in free.items():
         assert "".join(results[mode].texts) == decode(tokenizer, ids), mode
