@@ -1168,7 +1168,8 @@ class Engine:
             return lambda: True
         if self._wait_event is None:
             self._wait_event = torch.cuda.Event()
-        self._wait_event.record()
+        # on this engine's device whatever the calling thread's current one (a replica on cuda:1)
+        self._wait_event.record(torch.cuda.current_stream(self.device))
         return self._wait_event.query
 
     @contextlib.contextmanager
