@@ -667,8 +667,9 @@ def main(argv: list[str] | None = None) -> dict:
         with phase(result, "triton_speed"):
             for turn in range(args.triton_turns):
                 if in_turns and turn % 2 == 0:   # the turn's in-process pass before its servers, the next turn's after
+                    # (the first turn's: the pass just run, whose texts the servers' are compared with)
                     result.setdefault("in_process_turns", []).append(
-                        in_process_pass(engine, args, speed_ids, speed_methods))
+                        result["in_process"] if turn == 0 else in_process_pass(engine, args, speed_ids, speed_methods))
                 for name, env in variants:   # in turns: each variant's server after the other's, turn after turn
                     # each server's log beside the results (its warm-up, its requests): a run cut off keeps them
                     log_path = out_dir / f"{args.name}_server_{name}_{turn + 1}.log"
