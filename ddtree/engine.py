@@ -328,10 +328,6 @@ class Engine:
         # set while a round's host waits on the device (None: nobody asks): GenerationService's outbox does its
         # Python work inside these windows, not while this thread prepares and launches a round (ddtree.serving.Outbox)
         self.wait_gate: threading.Event | None = None
-        # called as this thread starts each of those waits, with a function that returns a test of whether the device
-        # has run what was launched (GenerationService: its deferred outbox calls run on this thread while it has not)
-        self.wait_work: Callable[[Callable[[], Callable[[], bool]]], None] | None = None
-        self._wait_event = None   # the test's CUDA event, made once
         self._ahead: QueuedStep | None = None   # ar_lookahead: the running `ar` requests' next steps, queued
         self._firsts: list[FirstTokens] = []    # this step's prefilled groups' first tokens, read after its round
 
@@ -1161,17 +1157,6 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _device_ready(self) -> Callable[[], bool]:
-        """A test of whether the device has run everything launched so far (an event recorded now; on the CPU,
-        where every operation ran as it was called, always true)."""
-        if self.device.type != "cuda":
-            return lambda: True
-        if self._wait_event is None:
-            self._wait_event = torch.cuda.Event()
-        # on this engine's device whatever the calling thread's current one (a replica on cuda:1)
-        self._wait_event.record(torch.cuda.current_stream(self.device))
-        return self._wait_event.query
-
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
         """Around a round's device-to-host read: wait_gate open while this thread waits on the device (the read
@@ -1180,8 +1165,6 @@ class Engine:
         if gate is None:
             yield
             return
-        if self.wait_work is not None:
-            self.wait_work(self._device_ready)
         gate.set()
         try:
             yield

@@ -228,23 +228,14 @@ class Outbox:
     engine's) calls are held in a list and handed over when the gate opens (DeviceWaitGate.on_open: the engine's next
     device wait, or its idle wait), one wake-up of the outbox thread a round; otherwise every put wakes it, and the
     thread takes the GIL at the engine thread's next launch only to find the gate closed and wait again. Calls from
-    other threads go at once.
+    other threads go at once."""
 
-    drain (with defer; DDTREE_OUTBOX_DRAIN=1, not yet measured on the GPU): the owner thread runs its deferred calls
-    itself as each device wait starts, one by one while the device is still busy (drain()); those left when it is done
-    go to the outbox thread as before. Meant for the engine in its child process (ddtree.engine_process), whose sends
-    are pipe writes of tens of microseconds: no second thread then takes the GIL as the engine thread's wait ends."""
-
-    def __init__(self, inline: bool = False, gate: threading.Event | None = None, defer: bool = False,
-                 drain: bool = False) -> None:
+    def __init__(self, inline: bool = False, gate: threading.Event | None = None, defer: bool = False) -> None:
         self.inline = inline
         self.gate = gate
         self.defer = defer and gate is not None and not inline
-        self.drains = drain and self.defer
         self.owner: int | None = None     # the thread whose calls are deferred (the engine thread, once it runs)
         self._pending: collections.deque = collections.deque()
-        self._handed = 0     # batches of deferred calls handed to the outbox thread (flush) ...
-        self._done = 0       # ... and of those, the ones it has run: while they differ, the owner drains nothing
         self._closing = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ddtree-outbox", daemon=True)
@@ -268,19 +259,7 @@ class Outbox:
         except IndexError:
             pass
         if batch:
-            self._handed += 1
             self._queue.put(batch)
-
-    def drain(self, device_ready) -> None:
-        """On the owner thread as it starts waiting on the device: its deferred calls, in order, while the device is
-        busy (device_ready() makes the test, called only where there are calls). Not while the outbox thread still has
-        a batch of the owner's earlier calls: a request's responses keep their order."""
-        if not self.drains or not self._pending or self._handed != self._done:
-            return
-        ready = device_ready()
-        while self._pending and not ready():
-            _, call, args = self._pending.popleft()
-            self._call(call, args)
 
     def flush_late(self) -> None:
         """Once a loop: deferred calls that have waited GATE_WAIT_S for a device wait go anyway (steps that never wait)."""
@@ -303,8 +282,6 @@ class Outbox:
                     if wait_s > 0:
                         self.gate.wait(wait_s)
                 self._call(call, args)
-            if isinstance(item, list):
-                self._done += 1
 
     def close(self, timeout_s: float) -> None:
         """Send what is queued (without waiting for the gate), then stop."""
@@ -372,15 +349,12 @@ class GenerationService:
         # outbox, in those waits (DDTREE_OUTBOX_TEXT=0: on the engine thread; =1: on the outbox even ungated). On the
         # H100 through Triton, with the engine in its child process, the two together took the serving loop's own
         # time from ~0.065 to ~0.02 ms a round (perf/results/service_probe_h100_defer.md, humaneval_h100_outbox.md).
-        # DDTREE_OUTBOX_DRAIN=1 (an option, off until measured on the GPU; for sinks that are cheap, as the engine
-        # process's pipe): the engine thread runs those calls itself while each device wait's work is still on the
-        # device, what is left going to the outbox thread as before (Outbox.drain)
+        # Running those calls on the engine thread itself while each device wait's work was still on the device
+        # (tried 2026-12-06) made the child's drafting rounds slower, not faster: service_probe_h100_drain.md
         self._outbox = Outbox(inline=os.environ.get("DDTREE_INLINE_SENDS", "0") not in ("", "0"), gate=self._gate,
-                              defer=os.environ.get("DDTREE_OUTBOX_WAKE", "round") != "put",
-                              drain=os.environ.get("DDTREE_OUTBOX_DRAIN", "0") == "1")
+                              defer=os.environ.get("DDTREE_OUTBOX_WAKE", "round") != "put")
         if self._gate is not None:
             self._gate.on_open = self._outbox.flush
-        engine.wait_work = self._outbox.drain if self._outbox.drains else None
         text = os.environ.get("DDTREE_OUTBOX_TEXT", "")
         self._text_on_outbox = text not in ("", "0") or (text == "" and self._gate is not None)
         if on_stats is not None:
@@ -453,7 +427,6 @@ class GenerationService:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._jobs.put(None)
         self._worker.join(timeout_s)
-        self.engine.wait_work = None
         self._outbox.close(timeout_s)
         self._stalls.close()
 

@@ -19,10 +19,7 @@ against `alone`). This runs the same requests, one at a time, on one engine, in 
 - `pipe-wake-put`, `pipe-text-engine`, `pipe-before`: `pipe` with DDTREE_OUTBOX_WAKE=put (every outbox call wakes the
   outbox thread, rather than the engine thread's calls handed over at its device waits, one wake-up a round),
   DDTREE_OUTBOX_TEXT=0 (every response built on the engine thread, rather than those of requests without stop strings
-  on the outbox), both (the serving loop before 0941207, whose service_probe_h100_defer.md measured these as options);
-  `pipe-drain`: `pipe` with DDTREE_OUTBOX_DRAIN=1 (the engine thread runs its calls itself while each device wait's
-  work is still on the device, the rest on the outbox thread; the `child` side's child takes this process's
-  environment, so `DDTREE_OUTBOX_DRAIN=1 python perf/service_probe.py ...` runs it there too).
+  on the outbox), both (the serving loop before 0941207, whose service_probe_h100_defer.md measured these as options).
 
 Per side and method: tokens/s and ms a round of each stage (draft, verify, host, and the serving loop's own work:
 serve), the median over the turns, and each side's tokens/s against `alone` turn by turn. With --parts, the serving
@@ -63,14 +60,12 @@ from perf.common import ROOT, add_model_args, header, write_results  # noqa: E40
 from perf.humaneval import encode_prompts, environment, load_problems  # noqa: E402
 
 SIDES = ("alone", "thread", "service", "pipe", "pipe-inline", "pipe-nogate", "pipe-wake-put", "pipe-text-engine",
-         "pipe-before", "pipe-drain", "child")
+         "pipe-before", "child")
 SIDE_ENV = {"pipe-inline": {"DDTREE_INLINE_SENDS": "1"}, "pipe-nogate": {"DDTREE_OUTBOX_GATE": "0"},
             "pipe-wake-put": {"DDTREE_OUTBOX_WAKE": "put"}, "pipe-text-engine": {"DDTREE_OUTBOX_TEXT": "0"},
-            "pipe-before": {"DDTREE_OUTBOX_WAKE": "put", "DDTREE_OUTBOX_TEXT": "0"},
-            "pipe-drain": {"DDTREE_OUTBOX_DRAIN": "1"}}
+            "pipe-before": {"DDTREE_OUTBOX_WAKE": "put", "DDTREE_OUTBOX_TEXT": "0"}}
 # each serving side starts from these (its own settings on top): the service's defaults
-SERVICE_ENV = {"DDTREE_INLINE_SENDS": "0", "DDTREE_OUTBOX_GATE": "", "DDTREE_OUTBOX_WAKE": "", "DDTREE_OUTBOX_TEXT": "",
-               "DDTREE_OUTBOX_DRAIN": ""}
+SERVICE_ENV = {"DDTREE_INLINE_SENDS": "0", "DDTREE_OUTBOX_GATE": "", "DDTREE_OUTBOX_WAKE": "", "DDTREE_OUTBOX_TEXT": ""}
 FLAGS = {flag: True for flag in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
                                  "return_acceptance_stats")}
 STAGES = ("draft", "verify", "host")
