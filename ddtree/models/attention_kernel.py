@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.models.kernels import pdl
+
 TARGET_PROGRAMS = 264   # about two programs per SM on an H200 (132 SMs): keys are split until the grid has this many
 
 
@@ -26,7 +28,10 @@ def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
                   sq_r, sq_q, sq_h, sk_s, sk_n, sk_h, sv_s, sv_n, sv_h, sm_r, sm_q,
                   reqs, rows_q, keys, split, scale,
                   KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  M_BLOCKS: tl.constexpr, PRECISION: tl.constexpr):
+                  M_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_split, i_b = tl.program_id(0), tl.program_id(1)
     r = i_b // (KVH * M_BLOCKS)
     i_kvh = (i_b // M_BLOCKS) % KVH
@@ -72,7 +77,10 @@ def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
 
 
 @triton.jit
-def _join_kernel(o_part, lse_part, out, splits, rows, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _join_kernel(o_part, lse_part, out, splits, rows, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)                                  # one (request, query row, head) of rows of them
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(lse_part + s * rows + i, mask=s < splits, other=float("-inf"))
@@ -111,16 +119,19 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     splits = triton.cdiv(keys, split)
     o_part = torch.empty(splits, r, rows_q, heads, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(splits, r, rows_q, heads, dtype=torch.float32, device=q.device)
+    use_pdl = pdl(q.device)
     _split_kernel[(splits, programs)](
         q, k, v, mask, slots, o_part, lse_part, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(1), r, rows_q, keys, split, scale,
         KVH=kvh, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks,
         # float32 inputs multiply in float32 (tl.dot's default rounds them to TF32: ~1e-3 off SDPA, which a float32
         # engine's static forward, tested against its dynamic one, must not be); bf16 and fp16 are unaffected
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if d * block_m >= 16384 else 4)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, num_warps=8 if d * block_m >= 16384 else 4,
+        launch_pdl=use_pdl)
     out = torch.empty(r, rows_q, heads, d, dtype=q.dtype, device=q.device)
     _join_kernel[(r * rows_q * heads,)](o_part, lse_part, out, splits, r * rows_q * heads, D=d,
-                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)
+                                        BLOCK_S=max(2, triton.next_power_of_2(splits)), PDL=use_pdl, num_warps=4,
+                                        launch_pdl=use_pdl)
     return out
 
 
@@ -149,7 +160,11 @@ def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.co
 @triton.jit
 def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_slot, write_pos,
                     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, sk_s, sk_p, sk_kh, sv_s, sv_p, sv_kh, eps, slots, positions,
-                    s_slot, s_pos, HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+                    s_slot, s_pos, HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                    PDL: tl.constexpr):
+    if PDL:   # before any load or store: the norms' weights are loaded beside the heads' (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     n, h = tl.program_id(0), tl.program_id(1)
     dtype = q_out.dtype.element_ty
     d = tl.arange(0, D)
@@ -187,12 +202,13 @@ def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: tor
     assert cos.shape == sin.shape == (n, r) and cos.stride() == sin.stride() and cos.stride(1) == 1, "cos, sin"
     assert d == triton.next_power_of_2(d) and r % 2 == 0 and r <= d, (d, r)
     q_out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    use_pdl = pdl(q.device)
     _prepare_kernel[(n, heads + kvh)](
         q, k, v, q_out, q_weight, k_weight, cos, sin, pool_k, pool_v, write_slot, write_pos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), eps,
         pool_k.shape[0], pool_k.shape[1], write_slot.stride(0), write_pos.stride(0), HQ=heads, D=d, R=r,
-        ZERO_CENTERED=zero_centered, num_warps=2 if d <= 256 else 4)
+        ZERO_CENTERED=zero_centered, PDL=use_pdl, num_warps=2 if d <= 256 else 4, launch_pdl=use_pdl)
     return q_out
 
 

@@ -13,9 +13,10 @@ CUDA graph pays once at capture and a dynamic forward (a prompt's prefill) would
 
 `emulate_precision_casts` keeps inductor's numerics those of eager (it rounds where eager rounds to bf16),
 so a compiled forward decodes what the eager one does up to kernel-order effects, as any kernel change.
-`DDTREE_COMPILE=0` turns compilation off (perf/gpu_ratios.py measures both). The first call of each chain for a
-new shape compiles it (a few seconds, cached on disk by inductor): the static forwards' first run, which is
-their warm-up before capture, pays that.
+`DDTREE_COMPILE=0` turns compilation off (perf/gpu_ratios.py measures both); with `DDTREE_PDL=1` on Hopper
+(kernels.pdl) the chains compile with inductor's triton.enable_pdl (chain_pdl), a second compiled form beside the
+first. The first call of each chain for a new shape compiles it (a few seconds, cached on disk by inductor): the
+static forwards' first run, which is their warm-up before capture, pays that.
 """
 
 from __future__ import annotations
@@ -63,24 +64,47 @@ def static():
         _here.on = before
 
 
+@functools.cache
+def _inductor_pdl() -> bool:
+    """Whether this torch's inductor takes the option triton.enable_pdl (its kernels launched with PDL, each waiting
+    on the grid before it where it reads what that grid wrote); logged once where it does not."""
+    from torch._inductor import config as inductor_config
+
+    if "triton.enable_pdl" in inductor_config.get_config_copy():
+        return True
+    logger.warning("DDTREE_PDL: torch %s's inductor has no triton.enable_pdl: the compiled chains launch without PDL",
+                   torch.__version__)
+    return False
+
+
+def chain_pdl(device: torch.device) -> bool:
+    """Whether the chains compiled for `device` launch with PDL: where our kernels do (kernels.pdl, DDTREE_PDL read at
+    each call) and inductor can."""
+    from ddtree.models import kernels
+
+    return kernels.pdl(device) and _inductor_pdl()
+
+
 def fused(fn: Callable) -> Callable:
-    """fn compiled for CUDA tensors (its first argument decides) within `static()`, fn itself otherwise."""
-    compiled: Callable | None = None
+    """fn compiled for CUDA tensors (its first argument decides) within `static()`, fn itself otherwise; compiled
+    once per PDL setting (chain_pdl, chosen at each call: a graph captured under DDTREE_PDL=1 holds PDL launches)."""
+    compiled: dict[bool, Callable] = {}
 
     @functools.wraps(fn)
     def wrapper(*args):
-        nonlocal compiled
         if not (args[0].is_cuda and getattr(_here, "on", False) and enabled()) or torch.is_grad_enabled():
             return fn(*args)   # off CUDA, outside static forwards, or training (eager autograd)
-        if compiled is None:
+        use_pdl = chain_pdl(args[0].device)
+        if use_pdl not in compiled:
             from torch._dynamo import config as dynamo_config
             from torch._inductor import config as inductor_config
 
             inductor_config.emulate_precision_casts = True
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-            compiled = torch.compile(fn, fullgraph=True)
-            logger.info("compiling %s for CUDA (torch.compile, inductor)", fn.__name__)
-        return compiled(*args)
+            compiled[use_pdl] = (torch.compile(fn, fullgraph=True, options={"triton.enable_pdl": True}) if use_pdl
+                                 else torch.compile(fn, fullgraph=True))
+            logger.info("compiling %s for CUDA (torch.compile, inductor%s)", fn.__name__, ", PDL" if use_pdl else "")
+        return compiled[use_pdl](*args)
 
     wrapper.eager = fn
     return wrapper
@@ -229,7 +253,7 @@ def shifted_window(conv_state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([conv_state[:, 1:], x.transpose(0, 1).to(conv_state.dtype)], dim=1)
 
 
-__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "compute_dtype", "conv_steps", "conv_steps_pooled",
+__all__ = ["add_rms_norm", "add_zero_centered_rms_norm", "chain_pdl", "compute_dtype", "conv_steps", "conv_steps_pooled",
            "conv_windows", "conv_windows_into", "conv_windows_pooled_into", "enabled", "fused", "gated_rms_norm",
            "gdn_gates", "gdn_gates_into", "in_static", "rms_norm", "rms_norm_rotary", "rotary", "shifted_window", "sigmoid_gate",
            "silu_mul", "static", "zero_centered_norm_partial_rotary", "zero_centered_rms_norm"]

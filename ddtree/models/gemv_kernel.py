@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.models.kernels import pdl
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K, prologue), the best measured on the H200 for the 27B shapes
 # (perf/results/gemv_h200.md, gemv_h200_prologues_partial.log); others use (N, K, None)'s, else DEFAULT (within 2% of the
 # best plain configuration on every 27B shape)
@@ -83,12 +85,55 @@ def _silu(v):
 
 
 @triton.jit
+def _gemv_step(acc, squares, w_first, k0, x_rows, a_rows, p_ptr, w_ptr, offs_n, n_ok, stride_wn, offs_k, m_ok, K,
+               stride_ag, rstd, eps, dtype, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
+               GROUP: tl.constexpr, NORM_FIRST: tl.constexpr, FIRST: tl.constexpr):
+    """One BLOCK_K step of _gemv_kernel's loop from k0: the prologue's input tile times the weight's, into acc (and
+    the norms' squares): (acc, squares). FIRST: the weight's tile is w_first, loaded already (the peeled first step)."""
+    k = k0 + offs_k
+    k_ok = k < K
+    ok = m_ok[:, None] & k_ok[None, :]
+    v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
+    if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # x * p now, times the row's rstd after the sum
+        squares += v * v
+        v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    elif PRO == 1 or PRO == 2:
+        p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if PRO == 1:
+            v = (v * rstd * p).to(dtype).to(tl.float32)
+        else:
+            v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
+    elif PRO == 3:
+        u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
+    elif PRO == 4:
+        g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
+        v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
+        z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
+        r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
+        v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
+        p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
+        v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
+    if FIRST:
+        w = w_first
+    else:
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    acc += w.to(tl.float32) * v
+    return acc, squares
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  a_ptr, stride_am, stride_ag, p_ptr, add_ptr, stride_addm, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
-                 ADD: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr, NORM_FIRST: tl.constexpr):
+                 ADD: tl.constexpr, GROUP: tl.constexpr, NORM_K: tl.constexpr, NORM_FIRST: tl.constexpr,
+                 PEEL: tl.constexpr, PDL: tl.constexpr):
     """out[1, N] = prologue(x, a, p)[1, K] @ w[N, K].T: the row (BLOCK_M 1, kept two-dimensional) multiplied
-    elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end."""
+    elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end. PEEL: the weight's first tile loaded before
+    anything else and its step taken out of the loop; PDL (with PEEL): between that load and the rest, the wait for
+    the grid before (kernels.pdl)."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -96,6 +141,12 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
+    if PEEL:   # the weight is read-only: its first tile may stream in while the kernel before finishes
+        w_first = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
+                          other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     a_rows = a_ptr + offs_m[:, None] * stride_am
     rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
@@ -108,35 +159,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1, keep_dims=True) / K + eps)
     squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)   # the statistic gathered in the main loop instead
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        ok = m_ok[:, None] & k_ok[None, :]
-        v = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)       # [BLOCK_M, BLOCK_K]
-        if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # x * p now, times the row's rstd after the sum
-            squares += v * v
-            v = v * tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        elif PRO == 1 or PRO == 2:
-            p = tl.load(p_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            if PRO == 1:
-                v = (v * rstd * p).to(dtype).to(tl.float32)
-            else:
-                v = ((v * rstd).to(dtype).to(tl.float32) * p).to(dtype).to(tl.float32)
-        elif PRO == 3:
-            u = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-            v = (_silu(v).to(dtype).to(tl.float32) * u).to(dtype).to(tl.float32)
-        elif PRO == 4:
-            g = tl.load(a_rows + ((k // GROUP) * stride_ag + k % GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
-            v = (v * tl.sigmoid(g).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        elif PRO == 5:   # BLOCK_K is a multiple of GROUP: each step holds whole groups
-            z = tl.load(a_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-            v3 = tl.reshape(v, [BLOCK_M, BLOCK_K // GROUP, GROUP])
-            r = 1.0 / tl.sqrt(tl.sum(v3 * v3, axis=2, keep_dims=True) / GROUP + eps)
-            v = tl.reshape((v3 * r).to(dtype).to(tl.float32), [BLOCK_M, BLOCK_K])
-            p = tl.load(p_ptr + k % GROUP).to(tl.float32)[None, :]
-            v = ((v * p).to(dtype).to(tl.float32) * _silu(z)).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * v
+    if PEEL:
+        acc, squares = _gemv_step(acc, squares, w_first, 0, x_rows, a_rows, p_ptr, w_ptr, offs_n, n_ok, stride_wn, offs_k,
+                                  m_ok, K, stride_ag, rstd, eps, dtype, BLOCK_M, BLOCK_K, PRO, GROUP, NORM_FIRST, True)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            acc, squares = _gemv_step(acc, squares, acc, k0, x_rows, a_rows, p_ptr, w_ptr, offs_n, n_ok, stride_wn,
+                                      offs_k, m_ok, K, stride_ag, rstd, eps, dtype, BLOCK_M, BLOCK_K, PRO, GROUP,
+                                      NORM_FIRST, False)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc, squares = _gemv_step(acc, squares, acc, k0, x_rows, a_rows, p_ptr, w_ptr, offs_n, n_ok, stride_wn,
+                                      offs_k, m_ok, K, stride_ag, rstd, eps, dtype, BLOCK_M, BLOCK_K, PRO, GROUP,
+                                      NORM_FIRST, False)
     y = tl.sum(acc, axis=1)
     if (PRO == 1 or PRO == 2) and not NORM_FIRST:   # rstd is one number per row: out of the sum, applied once
         y = y / tl.sqrt(tl.sum(squares) / K + eps)
@@ -146,13 +180,38 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
+def _rows_step(acc, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+               IEEE: tl.constexpr, SWAP: tl.constexpr, FIRST: tl.constexpr):
+    """One BLOCK_K step of _rows_kernel's loop from k0 into acc ([BLOCK_N, BLOCK_M] with SWAP, else [BLOCK_M,
+    BLOCK_N]). FIRST: the weight's tile is w_first, loaded already (the peeled first step)."""
+    k = k0 + offs_k
+    k_ok = k < K
+    v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if FIRST:
+        w = w_first
+    else:
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if SWAP:
+        if IEEE:
+            acc = tl.dot(w.to(tl.float32), tl.trans(v.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(v), acc)
+    elif IEEE:
+        acc = tl.dot(v.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(v, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, SWAP: tl.constexpr):
+                 IEEE: tl.constexpr, SWAP: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
     weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
     product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
-    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension."""
+    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. PEEL, PDL: as
+    _gemv_kernel's."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -161,25 +220,26 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     if SWAP:
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < K
-        v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if SWAP:
-            if IEEE:
-                acc_t = tl.dot(w.to(tl.float32), tl.trans(v.to(tl.float32)), acc_t, input_precision="ieee")
-            else:
-                acc_t = tl.dot(w, tl.trans(v), acc_t)
-        elif IEEE:
-            acc = tl.dot(v.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(v, tl.trans(w), acc)
+    if PEEL:   # the weight's first tile before the wait (PDL), its step out of the loop
+        w_first = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
+                          other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                         IEEE, SWAP, True)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
     if SWAP:
-        acc = tl.trans(acc_t)
+        acc = tl.trans(acc)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
@@ -237,13 +297,14 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
-                eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None
-                ) -> torch.Tensor:
+                eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
+                _peel: bool | None = None) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
-    kernel's form (None: swap_ab's)."""
+    kernel's form (None: swap_ab's). Launched with PDL where kernels.pdl says (the first weight tile loaded before the
+    wait, its step peeled off the loop); _peel (tests): the peeled form without PDL (None: with PDL alone)."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -251,6 +312,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     if add is not None:
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    use_pdl = pdl(x.device)
+    peel = use_pdl if _peel is None else (_peel or use_pdl)
     if m > 1:
         block_m = rows_block(m)
         swap = swap_ab(block_m) if swap is None else swap
@@ -262,7 +325,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, num_warps=warps, num_stages=stages)
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, PEEL=peel, PDL=use_pdl, num_warps=warps,
+            num_stages=stages, launch_pdl=use_pdl)
         return out
     mode = PROLOGUES[prologue]
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
@@ -276,6 +340,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         x if a is None else a, 0 if a is None else a.stride(0), a.stride(1) if mode == 4 else 0,
         x if p is None else p, x if add is None else add, 0 if add is None else add.stride(0), eps,
         BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, PRO=mode, ADD=add is not None, GROUP=group,
-        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS)), NORM_FIRST=norm_first(),
-        num_warps=warps, num_stages=stages)
+        NORM_K=min(triton.next_power_of_2(k), max(block_k, NORM_ELEMENTS)), NORM_FIRST=norm_first(), PEEL=peel,
+        PDL=use_pdl, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
     return out

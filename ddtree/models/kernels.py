@@ -48,6 +48,34 @@ def _fla_fused_recurrent() -> Callable | None:
     return fused_recurrent_gated_delta_rule
 
 
+def pdl(device: torch.device) -> bool:
+    """Whether our Triton kernels launch on `device` with Programmatic Dependent Launch (PDL, Hopper sm90+): each
+    launched with launch_pdl (the CUDA launch attribute programmatic stream serialization), so it may start while the
+    kernel before it in the stream finishes, and inside, once it has loaded what it may (read-only weights),
+    tl.extra.cuda.gdc_wait() (until the previous grid has completed and its writes are visible) and
+    tl.extra.cuda.gdc_launch_dependents() (the next PDL launch may start once every program of this grid called it
+    or exited). In a CUDA-graph-captured forward (hundreds of small kernels back to back) a kernel's launch and its
+    first weight loads then overlap the previous kernel's tail. Each kernel keeps to these rules, which make it
+    race-free whatever launches before or after it:
+    1. every program calls gdc_wait() unconditionally (no early return before it), before any load of a buffer that
+       another kernel writes (activations, K/V caches, recurrent and conv state pools, tree inputs, scratch) and
+       before any store; only loads of read-only weights (model parameters) may come before it;
+    2. gdc_launch_dependents() right after gdc_wait(), never before it (a kernel launched early can then only run past
+       its own wait once every grid before it has completed: the chain's transitivity rests on it);
+    3. with PDL off a kernel's code and launch are those without it (the PDL constexpr False).
+    True only where DDTREE_PDL is set (not "" or "0"), read at each launch (a CUDA graph captured while it is set
+    holds PDL launches), and `device` is a CUDA device of compute capability 9 or more. Off by default until
+    measured (perf/gpu_ratios.py's variant `static-pdl`); the compiled chains (ddtree.models.fused) follow it too."""
+    if os.environ.get("DDTREE_PDL", "") in ("", "0") or device.type != "cuda":
+        return False
+    return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def tree_gdn_kernel(device: torch.device) -> Callable | None:
     """Our Triton kernel for the paths form (ddtree.models.tree_kernel.batched_tree_paths: every request's paths in one
     call, each from its own committed state, read in place) on `device`, or None: CUDA only, where fla runs (the
@@ -278,6 +306,6 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 __all__ = [
     "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
-    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "qkv_kernel", "step_gdn_kernel",
+    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "pdl", "qkv_kernel", "step_gdn_kernel",
     "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
 ]

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.models.kernels import pdl
+
 INDEX_BITS = 20   # a candidate's position in the key's low bits: grids and depth x width up to 2**20 entries
 
 
@@ -43,7 +45,10 @@ def _sort_key(score, index, INDEX_BITS: tl.constexpr):
 def _tree_build_kernel(lp_ptr, ids_ptr, slot_ptr, rank_ptr, cand_ptr, sorted_ptr, score_ptr, slots_ptr, ranks_ptr,
                        node_ptr, tokens_ptr, parents_ptr, depths_ptr, depth_limit, k, grid_size,
                        WIDTH: tl.constexpr, W_P: tl.constexpr, G_P: tl.constexpr, DW_P: tl.constexpr,
-                       INDEX_BITS: tl.constexpr):
+                       INDEX_BITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     mask_bits = (1 << INDEX_BITS) - 1
     g = tl.arange(0, G_P)
     g_ok = g < grid_size
@@ -89,9 +94,12 @@ def _tree_build_kernel(lp_ptr, ids_ptr, slot_ptr, rank_ptr, cand_ptr, sorted_ptr
 @triton.jit
 def _tree_inputs_kernel(inputs_ptr, tokens_ptr, parents_ptr, depths_ptr, head_ptr, paths_ptr, children_ptr, first_ptr,
                         WIDTH: tl.constexpr, R_P: tl.constexpr, NUM_PATHS: tl.constexpr, MAX_LEN: tl.constexpr,
-                        TOK_P: tl.constexpr, B_P: tl.constexpr):
+                        TOK_P: tl.constexpr, B_P: tl.constexpr, PDL: tl.constexpr):
     """verify_rows' head [3, WIDTH + 1] and, with NUM_PATHS, tree_paths_device's (tokens, cu_seqlens, node_pos) from
     the build's tokens, parents and depths; children (zeros, [R_P]) and first ([R_P]) are scratch."""
+    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = WIDTH + 1
     root = tl.load(inputs_ptr)
     start = tl.load(inputs_ptr + 1)
@@ -173,10 +181,12 @@ def build_tree_kernel(log_probs: torch.Tensor, token_ids: torch.Tensor, width: i
     if scratch is None:
         scratch = TreeBuildScratch(depth_limit, width, slot_of.shape[0], log_probs.device)
     s = scratch
+    use_pdl = pdl(log_probs.device)
     _tree_build_kernel[(1,)](
         log_probs, token_ids, slot_of, rank_of, s.cand, s.sorted, s.scores, s.slots, s.ranks, s.node,
         s.tokens, s.parents, s.depths, depth_limit, k, slot_of.shape[0],
-        WIDTH=width, W_P=s.w_p, G_P=s.g_p, DW_P=s.dw_p, INDEX_BITS=INDEX_BITS, num_warps=4)
+        WIDTH=width, W_P=s.w_p, G_P=s.g_p, DW_P=s.dw_p, INDEX_BITS=INDEX_BITS, PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl)
     return s.tokens, s.parents, s.depths
 
 
@@ -190,10 +200,11 @@ def tree_inputs_kernel(inputs: torch.Tensor, scratch: TreeBuildScratch, num_path
     head = torch.empty(3, width + 1, dtype=torch.long, device=inputs.device)
     paths = (torch.empty(num_paths * max_len + num_paths + 1 + width + 1, dtype=torch.long, device=inputs.device)
              if num_paths else head)
+    use_pdl = pdl(inputs.device)
     _tree_inputs_kernel[(1,)](inputs, s.tokens, s.parents, s.depths, head, paths, s.children, s.first,
                               WIDTH=width, R_P=s.r_p, NUM_PATHS=num_paths, MAX_LEN=max_len,
                               TOK_P=triton.next_power_of_2(max(num_paths * max_len, 1)),
-                              B_P=triton.next_power_of_2(num_paths + 1), num_warps=4)
+                              B_P=triton.next_power_of_2(num_paths + 1), PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     return head, paths if num_paths else None
 
 

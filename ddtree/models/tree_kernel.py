@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ddtree.models.gdn import L2_EPS
+from ddtree.models.kernels import pdl
 
 # Launch shape: a narrow block of value columns per program and one warp (as fla's fused recurrent kernel), so a
 # tree's few paths still fill the GPU (HV x paths x dv / BLOCK_V programs). perf/tree_kernel_bench.py sweeps these:
@@ -68,7 +69,10 @@ def _softplus(x):
 def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_first, path_last, tokens, scale, eps,
                   qk_row, v_row, gate_row, decay, dt_bias, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
-                  GATED: tl.constexpr):
+                  GATED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_v, i_path, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     if STEPS:   # one token per sequence (row i_path), its new state written over the old one
@@ -147,10 +151,11 @@ def batched_tree_paths(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     o = (torch.empty if steps else torch.zeros)(v.shape, dtype=v.dtype, device=v.device)
     decay, dt_bias = gates if gates is not None else (g, beta)   # unread without gates
     grid = (triton.cdiv(dv, block_v), n if steps else path_first.shape[0], hv)
+    use_pdl = pdl(v.device)
     _paths_kernel[grid](q, k, v, g, beta, o, states, states.stride(0), path_state, path_first, path_last, tokens,
                         dk**-0.5, L2_EPS, q.stride(0), v.stride(0), g.stride(0), decay, dt_bias,
                         H=h, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, STAGES=num_stages,
-                        STEPS=steps, GATED=gates is not None, num_warps=num_warps)
+                        STEPS=steps, GATED=gates is not None, PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
     return o
 
 
@@ -169,7 +174,10 @@ def steps_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.T
 def _chunk_kernel(q, k, v, g, beta, o, states, state_stride, tree_state, tree_row0, tree_rows, anc, anc_tree, anc_row,
                   scale, eps, qk_row, v_row, gate_row, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, FACTORS: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     row0 = tl.load(tree_row0 + i_t).to(tl.int64)
@@ -288,16 +296,20 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     precision = precision or ("tf32x3" if v.dtype == torch.float32 else "tf32")
     grid = (triton.cdiv(dv, block_v), tree_row0.shape[0], hv)
+    use_pdl = pdl(v.device)
     _chunk_kernel[grid](q, k, v, g, beta, o, states, states.stride(0), tree_state, tree_row0, tree_rows, ancestors,
                         ancestors.stride(0), ancestors.stride(1), dk**-0.5, L2_EPS, q.stride(0), v.stride(0), g.stride(0),
                         H=h, HV=hv, K=dk, V=dv, BK=min(block_k, max(16, triton.next_power_of_2(dk))), BN=bn, BV=block_v,
-                        FACTORS=factors, PRECISION=precision, num_warps=num_warps)
+                        FACTORS=factors, PRECISION=precision, PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
     return o
 
 
 @triton.jit
 def _conv_steps_kernel(x, pool, slots, weight, out, C, x_row, pool_slot, pool_channel, weight_row,
-                       KW: tl.constexpr, BLOCK_C: tl.constexpr):
+                       KW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # before any load or store: the conv weights' loads sit among the window's (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_c, r = tl.program_id(0), tl.program_id(1)
     c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
@@ -324,15 +336,19 @@ def conv_steps_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.T
     assert conv_pool.shape[1] == c and conv_pool.stride(2) == 1 and weight.shape == (c, kw) and weight.stride(1) == 1
     x = _rows_apart(x)
     out = torch.empty(r, c, dtype=x.dtype, device=x.device)
+    use_pdl = pdl(x.device)
     _conv_steps_kernel[(triton.cdiv(c, block_c), r)](x, conv_pool, slots, weight, out, c, x.stride(0),
                                                      conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
-                                                     KW=kw, BLOCK_C=block_c)
+                                                     KW=kw, BLOCK_C=block_c, PDL=use_pdl, launch_pdl=use_pdl)
     return out
 
 
 @triton.jit
 def _conv_windows_kernel(x, pool, slots, weight, window, out, x_out, C, x_row, pool_slot, pool_channel, weight_row,
-                         out_row, x_out_row, committed, KW: tl.constexpr, BLOCK_C: tl.constexpr):
+                         out_row, x_out_row, committed, KW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # before any load or store: the conv weights' loads sit among the window's (kernels.pdl)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i_c, n = tl.program_id(0), tl.program_id(1)
     c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
@@ -365,10 +381,11 @@ def conv_windows_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch
     assert window.shape == (n, kw) and window.is_contiguous() and out.shape == x_out.shape == (n, c), "shapes"
     assert out.stride(1) == 1 and x_out.stride(1) == 1, "rows of out, x_out contiguous"
     x = _rows_apart(x)
+    use_pdl = pdl(x.device)
     _conv_windows_kernel[(triton.cdiv(c, block_c), n)](x, conv_pool, slots, weight, window, out, x_out, c, x.stride(0),
                                                        conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
                                                        out.stride(0), x_out.stride(0), slots.shape[0] * kw, KW=kw,
-                                                       BLOCK_C=block_c)
+                                                       BLOCK_C=block_c, PDL=use_pdl, launch_pdl=use_pdl)
 
 
 def _node_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor

@@ -134,3 +134,35 @@ def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
         for swap in (False, True):
             torch.testing.assert_close(module.linear_rows(x[:rows], w, swap=swap), F.linear(x[:rows], w), rtol=1e-5,
                                        atol=1e-4)
+
+
+# PDL's form (kernels.pdl): the weight's first tile loaded first, its step peeled off the loop (linear_rows' _peel
+# alone: the interpreter cannot run the wait between them). The same products summed in the same order as the single
+# loop's, so the outputs are exactly equal.
+@pytest.mark.parametrize("norm_first", ["0", "1"])
+@pytest.mark.parametrize("k, config", [(1000, (16, 256, 4, 2)), (120, (8, 128, 4, 3)), (512, (8, 128, 4, 3))])
+def test_the_peeled_gemv_computes_what_its_loop_computes(k, config, norm_first, monkeypatch):
+    """Every prologue, over several steps with a partial last one, one partial step, and whole steps."""
+    monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
+    linear_rows = gemv_module().linear_rows
+    w = torch.randn(23, k, generator=torch.Generator().manual_seed(k))
+    x, cases = prologue_cases(k, 23, 8, seed=k)
+    for prologue, kwargs, _, _ in cases:
+        loop = linear_rows(x, w, config, prologue=prologue, _peel=False, **kwargs)
+        peeled = linear_rows(x, w, config, prologue=prologue, _peel=True, **kwargs)
+        assert torch.equal(peeled, loop), prologue
+
+
+@pytest.mark.parametrize("rows", [2, 16, 17])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("k, config", [(300, (16, 128, 4, 3)), (100, (32, 128, 4, 2))])
+def test_the_peeled_rows_kernel_computes_what_its_loop_computes(rows, swap, k, config):
+    """The few-rows kernel in both forms, with and without the residual add, over several steps and one partial one."""
+    linear_rows = gemv_module().linear_rows
+    gen = torch.Generator().manual_seed(rows * k)
+    x, w, add = torch.randn(rows, k, generator=gen), torch.randn(37, k, generator=gen), torch.randn(rows, 37, generator=gen)
+    for residual in (None, add):
+        loop = linear_rows(x, w, config, swap=swap, add=residual, _peel=False)
+        peeled = linear_rows(x, w, config, swap=swap, add=residual, _peel=True)
+        assert torch.equal(peeled, loop), residual is None
+        torch.testing.assert_close(loop, F.linear(x, w) + (0 if residual is None else residual), rtol=1e-5, atol=1e-4)
