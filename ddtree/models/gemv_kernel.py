@@ -79,6 +79,14 @@ def norm_first() -> bool:
     return os.environ.get("DDTREE_GEMV_NORM_FIRST", "0") not in ("", "0")
 
 
+def peel_first() -> bool:
+    """Whether a PDL launch (kernels.pdl) loads the weight's first tile before its wait (the step peeled off the loop)
+    or waits first and keeps the one loop (DDTREE_PDL_PEEL=0). On an H100 at 27B dims with the tile first, PDL made the
+    `ar` round 0.986x and `dflash`'s 0.967x, but `ddtree-16`'s 1.075x (17 rows in the swapped form; 3 turns,
+    perf/results/gpu_ratios_h100_pdl.md); gpu_ratios' variant static-pdlwait measures the other form."""
+    return os.environ.get("DDTREE_PDL_PEEL", "1") not in ("", "0")
+
+
 @triton.jit
 def _silu(v):
     return v / (1.0 + tl.exp(-v))
@@ -132,8 +140,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
                  PEEL: tl.constexpr, PDL: tl.constexpr):
     """out[1, N] = prologue(x, a, p)[1, K] @ w[N, K].T: the row (BLOCK_M 1, kept two-dimensional) multiplied
     elementwise into a [BLOCK_N, BLOCK_K] accumulator summed at the end. PEEL: the weight's first tile loaded before
-    anything else and its step taken out of the loop; PDL (with PEEL): between that load and the rest, the wait for
-    the grid before (kernels.pdl)."""
+    anything else and its step taken out of the loop; PDL: the wait for the grid before (kernels.pdl), after that load
+    where PEEL, else first."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -147,6 +155,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+    elif PDL:   # no early tile (peel_first off): the wait before any load
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     a_rows = a_ptr + offs_m[:, None] * stride_am
     rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
@@ -235,6 +246,9 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
             acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
                              IEEE, SWAP, False)
     else:
+        if PDL:   # no early tile (peel_first off): the wait before any load
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         for k0 in range(0, K, BLOCK_K):
             acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
                              IEEE, SWAP, False)
@@ -304,7 +318,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
     kernel's form (None: swap_ab's). Launched with PDL where kernels.pdl says (the first weight tile loaded before the
-    wait, its step peeled off the loop); _peel (tests): the peeled form without PDL (None: with PDL alone)."""
+    wait, its step peeled off the loop, unless peel_first() says not); _peel (tests): the form, peeled or not,
+    whatever PDL (None: peeled where PDL and peel_first())."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -313,7 +328,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     use_pdl = pdl(x.device)
-    peel = use_pdl if _peel is None else (_peel or use_pdl)
+    peel = (use_pdl and peel_first()) if _peel is None else _peel
     if m > 1:
         block_m = rows_block(m)
         swap = swap_ab(block_m) if swap is None else swap

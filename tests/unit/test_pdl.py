@@ -27,6 +27,17 @@ def test_pdl_needs_hopper(monkeypatch):
         assert kernels.pdl(torch.device("cuda", 0)) == on
 
 
+@pytest.mark.parametrize("value, peel", [(None, True), ("1", True), ("0", False), ("", False)])
+def test_pdl_peels_the_first_weight_tile_unless_told_not_to(value, peel, monkeypatch):
+    from ddtree.models import gemv_kernel
+
+    if value is None:
+        monkeypatch.delenv("DDTREE_PDL_PEEL", raising=False)
+    else:
+        monkeypatch.setenv("DDTREE_PDL_PEEL", value)
+    assert gemv_kernel.peel_first() is peel
+
+
 class _CudaLike:
     """A first argument that the fused wrapper takes for a CUDA tensor (this machine has none)."""
     is_cuda = True
