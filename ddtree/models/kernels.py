@@ -64,8 +64,10 @@ def pdl(device: torch.device) -> bool:
        its own wait once every grid before it has completed: the chain's transitivity rests on it);
     3. with PDL off a kernel's code and launch are those without it (the PDL constexpr False).
     True only where DDTREE_PDL is set (not "" or "0"), read at each launch (a CUDA graph captured while it is set
-    holds PDL launches), and `device` is a CUDA device of compute capability 9 or more. Off by default until
-    measured (perf/gpu_ratios.py's variant `static-pdl`); the compiled chains (ddtree.models.fused) follow it too."""
+    holds PDL launches), and `device` is a CUDA device of compute capability 9 or more; the compiled chains
+    (ddtree.models.fused) follow it too. Off by default: on an H100 at 27B dims it made the `ar` and `dflash` rounds
+    0.986x and 0.967x, but `ddtree-16`'s 1.075x (perf/results/gpu_ratios_h100_pdl.md; gpu_ratios' variants static-pdl
+    and static-pdlwait)."""
     if os.environ.get("DDTREE_PDL", "") in ("", "0") or device.type != "cuda":
         return False
     return _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
