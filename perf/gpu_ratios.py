@@ -65,7 +65,7 @@ HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
             "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree", "static-pdl",
-            "static-pdlwait")
+            "static-pdlwait", "static-pdlours")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -75,7 +75,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-gemv128": {"DDTREE_GEMV_ROWS": "128"}, "static-swap32": {"DDTREE_GEMV_ROWS": "32"},
     "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"}, "static-gemv16": {"DDTREE_GEMV_ROWS": "16"},
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}, "static-pdl": {"DDTREE_PDL": "1"},
-    "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"}}
+    "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
+    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -267,7 +268,8 @@ def table(result: dict) -> str:
              "static-pdl: our Triton kernels and the compiled chains launched with Programmatic Dependent Launch "
              "(DDTREE_PDL=1, Hopper: each kernel's launch and first weight loads overlapping the previous kernel's "
              "tail) instead of one after another; static-pdlwait: the same with each GEMV and few-rows kernel waiting "
-             "before its first weight tile (DDTREE_PDL_PEEL=0); "
+             "before its first weight tile (DDTREE_PDL_PEEL=0); static-pdlours: PDL for our kernels only, the "
+             "compiled chains launched as before (DDTREE_PDL_CHAINS=0); "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

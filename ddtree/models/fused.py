@@ -79,10 +79,12 @@ def _inductor_pdl() -> bool:
 
 def chain_pdl(device: torch.device) -> bool:
     """Whether the chains compiled for `device` launch with PDL: where our kernels do (kernels.pdl, DDTREE_PDL read at
-    each call) and inductor can."""
+    each call), inductor can, and DDTREE_PDL_CHAINS is not 0 (our kernels with PDL, the chains without: gpu_ratios'
+    variant static-pdlours)."""
     from ddtree.models import kernels
 
-    return kernels.pdl(device) and _inductor_pdl()
+    return (kernels.pdl(device) and os.environ.get("DDTREE_PDL_CHAINS", "1") not in ("", "0")
+            and _inductor_pdl())
 
 
 def fused(fn: Callable) -> Callable:

@@ -60,6 +60,10 @@ def test_fused_chains_compile_once_per_pdl_setting(monkeypatch):
             monkeypatch.setenv("DDTREE_PDL", value)
             assert chain(_CudaLike()) == want, value
     assert made == [{"fullgraph": True}, {"fullgraph": True, "options": {"triton.enable_pdl": True}}]
+    monkeypatch.setenv("DDTREE_PDL_CHAINS", "0")   # our kernels with PDL, the chains without
+    with fused.static(), torch.no_grad():
+        assert chain(_CudaLike()) == ("plain", 1)
+    assert kernels.pdl(_CudaLike.device)
 
 
 def test_inductor_takes_the_pdl_option():
