@@ -1,0 +1,151 @@
+"""What our matrix-product kernels take of an SM on Hopper, compiled offline (no GPU needed): shared memory, registers,
+spills, and the programs an SM holds at once, per 27B weight shape and form.
+
+The GEMV (`_gemv_kernel`, one row) and the few-rows kernel (`_rows_kernel`: 16 rows rows-first, 17 in the swapped
+form) are compiled for sm90 exactly as a launch compiles them (the configuration linear_rows picks, its pipeline's
+stages cut to fit, the 16-byte alignment a launch on these shapes specializes), then ptxas -v (Triton's own) reports
+registers and spills. Forms: `loop` (the default), `peel` (DDTREE_PDL=1: the first weight tile loaded before the wait,
+its step out of the loop), `wait` (DDTREE_PDL=1 with DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs:
+the fewest its shared memory (228 KB, 1 KB reserved a program), its registers (64K) and its threads (2048) allow.
+
+    python perf/kernel_resources.py --name kernel_resources_sm90
+
+Writes perf/results/<name>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.common import ROOT, header, write_results  # noqa: E402
+
+SM_SHARED = 233472        # bytes of shared memory an sm90 SM gives its programs (228 KB)
+SHARED_RESERVED = 1024    # ... less this much the system keeps per program
+SM_REGISTERS = 65536
+SM_THREADS = 2048
+SM_PROGRAMS = 32
+FORMS = {"loop": (False, False), "peel": (True, True), "wait": (False, True)}   # name: (PEEL, PDL)
+INTS_ALIGNED = ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm")   # multiples of 16 here
+
+
+def programs_per_sm(shared: int, registers: int, warps: int) -> dict[str, int]:
+    """How many programs of a kernel an SM holds at once, and what each resource alone would allow (registers are
+    allocated per warp in units of 256)."""
+    threads = 32 * warps
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    limits = {"shared": SM_SHARED // (shared + SHARED_RESERVED), "registers": SM_REGISTERS // (per_warp * warps),
+              "threads": SM_THREADS // threads, "cap": SM_PROGRAMS}
+    return {"programs": min(limits.values()), **limits}
+
+
+def compile_resources(kernel, constexprs: dict, warps: int, stages: int) -> dict:
+    """The kernel compiled for sm90 with these constexprs (every pointer and the strides and sizes in INTS_ALIGNED
+    16-byte aligned, as a launch on the 27B shapes specializes them): shared bytes, registers, spill bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = [p.name for p in kernel.params if not p.is_constexpr]
+    signature = {n: "*fp32" if n == "p_ptr" else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+                 for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in INTS_ALIGNED}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        report = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
+                                text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return {"shared": compiled.metadata.shared, "registers": registers, "spill_bytes": int(spills.group(1)) if spills else 0,
+            "async_copies": len(re.findall("async_copy_global_to_local", compiled.asm["ttgir"]))}
+
+
+def cases() -> list[dict]:
+    """Every 27B shape the default configurations name: the GEMV per (N, K, prologue), the few-rows kernel per (N, K)
+    at 16 rows rows-first and 17 in the swapped form."""
+    import triton
+
+    from ddtree.models import gemv_kernel as g
+
+    out = []
+    for (n, k, prologue), (block_n, block_k, warps, stages) in g.CONFIGS.items():
+        mode = g.PROLOGUES[prologue]
+        if mode == 5:
+            block_k = max(block_k, 128)
+        out.append({"kernel": "gemv", "shape": f"{n}x{k}", "prologue": prologue or "-", "rows": 1, "warps": warps,
+                    "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
+                        "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRO": mode, "ADD": False, "GROUP": 128,
+                        "NORM_K": min(triton.next_power_of_2(k), max(block_k, g.NORM_ELEMENTS)), "NORM_FIRST": False}})
+    for rows, swap, table, default in ((16, False, g.ROWS_CONFIGS, g.ROWS_DEFAULT), (17, True, g.SWAP_CONFIGS, g.SWAP_DEFAULT)):
+        shapes = sorted({(n, k) for n, k, _ in g.CONFIGS} | set(table))
+        for n, k in shapes:
+            block_m = g.rows_block(rows)
+            block_n, block_k, warps, stages = table.get((n, k), default)
+            block_k, stages = g.fit_shared(block_m, block_n, block_k, stages, 2)
+            out.append({"kernel": "rows swapped" if swap else "rows", "shape": f"{n}x{k}", "prologue": "-", "rows": rows,
+                        "warps": warps, "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
+                            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ADD": True, "IEEE": False,
+                            "SWAP": swap}})
+    return out
+
+
+def table(rows: list[dict], forms: list[str]) -> str:
+    head = ("| kernel | N x K | prologue | rows | config | "
+            + " | ".join(f"{f}: shared KB / registers / spills / programs an SM" for f in forms) + " |")
+    lines = [head, "|" + "---|" * (5 + len(forms))]
+    for r in rows:
+        cells = []
+        for f in forms:
+            x = r["forms"][f]
+            cells.append(f"{x['shared'] / 1024:.0f} / {x['registers']} / {x['spill_bytes']} / {x['occupancy']['programs']}"
+                         if "error" not in x else f"error: {x['error'][:60]}")
+        lines.append(f"| {r['kernel']} | {r['shape']} | {r['prologue']} | {r['rows']} | {tuple(r['config'])} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--forms", default=",".join(FORMS))
+    parser.add_argument("--kernels", default="gemv,rows,rows swapped")
+    parser.add_argument("--out", default=str(ROOT / "perf/results"))
+    parser.add_argument("--name", default="kernel_resources_sm90")
+    args = parser.parse_args()
+    from tqdm import tqdm
+
+    from ddtree.models import gemv_kernel as g
+
+    forms, kernels = args.forms.split(","), args.kernels.split(",")
+    todo = [c for c in cases() if c["kernel"] in kernels]
+    results = []
+    for case in tqdm(todo, desc="compiling for sm90"):
+        kernel = g._gemv_kernel if case["kernel"] == "gemv" else g._rows_kernel
+        entry = {k: v for k, v in case.items() if k != "constexprs"} | {"forms": {}}
+        for form in forms:
+            peel, pdl = FORMS[form]
+            try:
+                found = compile_resources(kernel, {**case["constexprs"], "PEEL": peel, "PDL": pdl}, case["warps"], case["stages"])
+                found["occupancy"] = programs_per_sm(found["shared"], found["registers"], case["warps"])
+            except Exception as e:   # one configuration that does not compile is a row of the table, not the end of the run
+                found = {"error": f"{type(e).__name__}: {e}"}
+            entry["forms"][form] = found
+        results.append(entry)
+    text = ("Compiled offline for sm90 (Triton's compiler and ptxas -v, no GPU); an SM's programs: the fewest its shared "
+            f"memory ({SM_SHARED // 1024} KB, {SHARED_RESERVED} bytes reserved a program), registers ({SM_REGISTERS}) "
+            f"and threads ({SM_THREADS}) allow.\n\n" + table(results, forms))
+    write_results(Path(args.out), args.name, {"header": header(), "forms": forms, "cases": results}, text)
+
+
+if __name__ == "__main__":
+    main()
