@@ -65,7 +65,7 @@ HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
             "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree", "static-pdl",
-            "static-pdlwait", "static-pdlours")
+            "static-pdlwait", "static-pdlall", "static-pdlours")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -76,6 +76,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-gemv32": {"DDTREE_GEMV_ROWS": "32", "DDTREE_GEMV_SWAP": "0"}, "static-gemv16": {"DDTREE_GEMV_ROWS": "16"},
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}, "static-pdl": {"DDTREE_PDL": "1"},
     "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
+    "static-pdlall": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "all"},
     "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
@@ -266,10 +267,12 @@ def table(result: dict) -> str:
              "static-treeops (whole rounds: --round-variants): the device tree's program as build_tree_device's "
              "tensor operations (DDTREE_TREE_BUILD_KERNEL=0) instead of two Triton launches; "
              "static-pdl: our Triton kernels and the compiled chains launched with Programmatic Dependent Launch "
-             "(DDTREE_PDL=1, Hopper: each kernel's launch and first weight loads overlapping the previous kernel's "
-             "tail) instead of one after another; static-pdlwait: the same with each GEMV and few-rows kernel waiting "
-             "before its first weight tile (DDTREE_PDL_PEEL=0); static-pdlours: PDL for our kernels only, the "
-             "compiled chains launched as before (DDTREE_PDL_CHAINS=0); "
+             "(DDTREE_PDL=1, Hopper: each kernel's launch and, in the GEMV and the rows-first few-rows kernel, its "
+             "first weight tile overlapping the previous kernel's tail) instead of one after another; "
+             "static-pdlwait: the same with every kernel waiting before its first weight tile (DDTREE_PDL_PEEL=0); "
+             "static-pdlall: the swapped few-rows kernel peeling its first tile too (DDTREE_PDL_PEEL=all, the form "
+             "measured as static-pdl at ad578d8); static-pdlours: PDL for our kernels only, the compiled chains "
+             "launched as before (DDTREE_PDL_CHAINS=0); "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

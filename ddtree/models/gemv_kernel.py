@@ -79,12 +79,16 @@ def norm_first() -> bool:
     return os.environ.get("DDTREE_GEMV_NORM_FIRST", "0") not in ("", "0")
 
 
-def peel_first() -> bool:
+def peel_first(swapped: bool = False) -> bool:
     """Whether a PDL launch (kernels.pdl) loads the weight's first tile before its wait (the step peeled off the loop)
-    or waits first and keeps the one loop (DDTREE_PDL_PEEL=0). On an H100 at 27B dims with the tile first, PDL made the
-    `ar` round 0.986x and `dflash`'s 0.967x, but `ddtree-16`'s 1.075x (17 rows in the swapped form; 3 turns,
-    perf/results/gpu_ratios_h100_pdl.md); gpu_ratios' variant static-pdlwait measures the other form."""
-    return os.environ.get("DDTREE_PDL_PEEL", "1") not in ("", "0")
+    or waits first and keeps the one loop: the GEMV and the rows-first few-rows kernel peel, the swapped form does not
+    (DDTREE_PDL_PEEL=0: none peels; =all: every form). On an H100 at 27B dims with every form peeled, PDL made the
+    `ar` round 0.986x and `dflash`'s 0.967x, but `ddtree-16`'s 1.075x (perf/results/gpu_ratios_h100_pdl.md), whose 17
+    rows go through the swapped form: there the peeled tile is a pipeline buffer more, 96 -> 120 KB of shared memory
+    on the 27B shapes, one program an SM where the loop holds two (perf/results/kernel_resources_sm90.md, compiled
+    offline); the rows-first form and the GEMV keep theirs."""
+    env = os.environ.get("DDTREE_PDL_PEEL", "1")
+    return env == "all" or (env not in ("", "0") and not swapped)
 
 
 @triton.jit
@@ -318,8 +322,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
     kernel's form (None: swap_ab's). Launched with PDL where kernels.pdl says (the first weight tile loaded before the
-    wait, its step peeled off the loop, unless peel_first() says not); _peel (tests): the form, peeled or not,
-    whatever PDL (None: peeled where PDL and peel_first())."""
+    wait, its step peeled off the loop, where peel_first() says); _peel (tests): the form, peeled or not, whatever PDL
+    (None: peeled where PDL and peel_first())."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -328,7 +332,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     use_pdl = pdl(x.device)
-    peel = (use_pdl and peel_first()) if _peel is None else _peel
     if m > 1:
         block_m = rows_block(m)
         swap = swap_ab(block_m) if swap is None else swap
@@ -337,6 +340,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                                                else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
         if config is None:   # the pipeline's stages of weight and input tiles within shared memory
             block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
+        peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -344,6 +348,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
             num_stages=stages, launch_pdl=use_pdl)
         return out
     mode = PROLOGUES[prologue]
+    peel = (use_pdl and peel_first()) if _peel is None else _peel
     block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)

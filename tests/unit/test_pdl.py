@@ -27,15 +27,18 @@ def test_pdl_needs_hopper(monkeypatch):
         assert kernels.pdl(torch.device("cuda", 0)) == on
 
 
-@pytest.mark.parametrize("value, peel", [(None, True), ("1", True), ("0", False), ("", False)])
-def test_pdl_peels_the_first_weight_tile_unless_told_not_to(value, peel, monkeypatch):
+@pytest.mark.parametrize("value, gemv, swapped", [(None, True, False), ("1", True, False), ("0", False, False),
+                                                  ("", False, False), ("all", True, True)])
+def test_pdl_peels_the_first_weight_tile_where_it_costs_no_programs_an_sm(value, gemv, swapped, monkeypatch):
+    """By default the GEMV and the rows-first few-rows kernel peel, the swapped form (a pipeline buffer more) does not."""
     from ddtree.models import gemv_kernel
 
     if value is None:
         monkeypatch.delenv("DDTREE_PDL_PEEL", raising=False)
     else:
         monkeypatch.setenv("DDTREE_PDL_PEEL", value)
-    assert gemv_kernel.peel_first() is peel
+    assert gemv_kernel.peel_first() is gemv
+    assert gemv_kernel.peel_first(swapped=True) is swapped
 
 
 class _CudaLike:
