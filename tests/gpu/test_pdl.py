@@ -13,12 +13,15 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a CUDA GPU of compute capability 9+ (PDL)")
 
 
-def test_pdl_launches_read_what_the_kernel_before_wrote(monkeypatch):
+@pytest.mark.parametrize("peel", ["1", "0", "all"])
+def test_pdl_launches_read_what_the_kernel_before_wrote(peel, monkeypatch):
     """GEMV and few-rows kernels chained in a graph (each reading the previous one's output, one through a torch
-    kernel), replayed on new inputs: float64's products; and each compiled for a PDL launch."""
+    kernel), replayed on new inputs: float64's products; and each compiled for a PDL launch. Every form of the wait:
+    after the first weight tile where peel_first says (DDTREE_PDL_PEEL), first otherwise."""
     from ddtree.models import gemv_kernel, kernels
 
     monkeypatch.setenv("DDTREE_PDL", "1")
+    monkeypatch.setenv("DDTREE_PDL_PEEL", peel)
     assert kernels.pdl(torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     ws = [(torch.randn(n, k, generator=gen) / k**0.5).cuda() for n, k in ((4096, 4096), (8192, 4096), (4096, 8192))]
