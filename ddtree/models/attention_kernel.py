@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.models.grid_wait import wait_for_previous_grid
 from ddtree.models.kernels import pdl
 
 TARGET_PROGRAMS = 264   # about two programs per SM on an H200 (132 SMs): keys are split until the grid has this many
@@ -29,9 +30,7 @@ def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
                   reqs, rows_q, keys, split, scale,
                   KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   M_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
     i_split, i_b = tl.program_id(0), tl.program_id(1)
     r = i_b // (KVH * M_BLOCKS)
     i_kvh = (i_b // M_BLOCKS) % KVH
@@ -78,9 +77,7 @@ def _split_kernel(q, k, v, mask, slots, o_part, lse_part,
 
 @triton.jit
 def _join_kernel(o_part, lse_part, out, splits, rows, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
     i = tl.program_id(0)                                  # one (request, query row, head) of rows of them
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(lse_part + s * rows + i, mask=s < splits, other=float("-inf"))
@@ -162,9 +159,7 @@ def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_sl
                     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, sk_s, sk_p, sk_kh, sv_s, sv_p, sv_kh, eps, slots, positions,
                     s_slot, s_pos, HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                     PDL: tl.constexpr):
-    if PDL:   # before any load or store: the norms' weights are loaded beside the heads' (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: the norms' weights are loaded beside the heads' (kernels.pdl)
     n, h = tl.program_id(0), tl.program_id(1)
     dtype = q_out.dtype.element_ty
     d = tl.arange(0, D)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.models.grid_wait import wait_for_previous_grid
 from ddtree.models.kernels import pdl
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) by (N, K, prologue), the best measured on the H200 for the 27B shapes
@@ -156,12 +157,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     if PEEL:   # the weight is read-only: its first tile may stream in while the kernel before finishes
         w_first = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
                           other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-    elif PDL:   # no early tile (peel_first off): the wait before any load
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     a_rows = a_ptr + offs_m[:, None] * stride_am
     rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
@@ -238,21 +234,17 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PEEL:   # the weight's first tile before the wait (PDL), its step out of the loop
+    if PEEL:   # the weight's first tile before the wait (PDL)
         w_first = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
                           other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
+    if PEEL:   # the first tile's step out of the loop
         acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
                          IEEE, SWAP, True)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
                              IEEE, SWAP, False)
     else:
-        if PDL:   # no early tile (peel_first off): the wait before any load
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         for k0 in range(0, K, BLOCK_K):
             acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
                              IEEE, SWAP, False)

@@ -56,7 +56,7 @@ def pdl(device: torch.device) -> bool:
     tl.extra.cuda.gdc_launch_dependents() (the next PDL launch may start once every program of this grid called it
     or exited). In a CUDA-graph-captured forward (hundreds of small kernels back to back) a kernel's launch and its
     first weight loads then overlap the previous kernel's tail. Each kernel keeps to these rules, which make it
-    race-free whatever launches before or after it:
+    race-free whatever launches before or after it (ddtree.models.grid_wait's wait_for_previous_grid makes the wait):
     1. every program calls gdc_wait() unconditionally (no early return before it), before any load of a buffer that
        another kernel writes (activations, K/V caches, recurrent and conv state pools, tree inputs, scratch) and
        before any store; only loads of read-only weights (model parameters) may come before it;

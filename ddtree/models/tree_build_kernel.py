@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree.models.grid_wait import wait_for_previous_grid
 from ddtree.models.kernels import pdl
 
 INDEX_BITS = 20   # a candidate's position in the key's low bits: grids and depth x width up to 2**20 entries
@@ -46,9 +47,7 @@ def _tree_build_kernel(lp_ptr, ids_ptr, slot_ptr, rank_ptr, cand_ptr, sorted_ptr
                        node_ptr, tokens_ptr, parents_ptr, depths_ptr, depth_limit, k, grid_size,
                        WIDTH: tl.constexpr, W_P: tl.constexpr, G_P: tl.constexpr, DW_P: tl.constexpr,
                        INDEX_BITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
     mask_bits = (1 << INDEX_BITS) - 1
     g = tl.arange(0, G_P)
     g_ok = g < grid_size
@@ -97,9 +96,7 @@ def _tree_inputs_kernel(inputs_ptr, tokens_ptr, parents_ptr, depths_ptr, head_pt
                         TOK_P: tl.constexpr, B_P: tl.constexpr, PDL: tl.constexpr):
     """verify_rows' head [3, WIDTH + 1] and, with NUM_PATHS, tree_paths_device's (tokens, cu_seqlens, node_pos) from
     the build's tokens, parents and depths; children (zeros, [R_P]) and first ([R_P]) are scratch."""
-    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
     rows = WIDTH + 1
     root = tl.load(inputs_ptr)
     start = tl.load(inputs_ptr + 1)

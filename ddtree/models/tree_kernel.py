@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ddtree.models.gdn import L2_EPS
+from ddtree.models.grid_wait import wait_for_previous_grid
 from ddtree.models.kernels import pdl
 
 # Launch shape: a narrow block of value columns per program and one warp (as fla's fused recurrent kernel), so a
@@ -70,9 +71,7 @@ def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_fi
                   qk_row, v_row, gate_row, decay, dt_bias, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
                   GATED: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
     i_v, i_path, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     if STEPS:   # one token per sequence (row i_path), its new state written over the old one
@@ -175,9 +174,7 @@ def _chunk_kernel(q, k, v, g, beta, o, states, state_stride, tree_state, tree_ro
                   scale, eps, qk_row, v_row, gate_row, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, FACTORS: tl.constexpr,
                   PRECISION: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
     i_v, i_t, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     row0 = tl.load(tree_row0 + i_t).to(tl.int64)
@@ -307,9 +304,7 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 @triton.jit
 def _conv_steps_kernel(x, pool, slots, weight, out, C, x_row, pool_slot, pool_channel, weight_row,
                        KW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # before any load or store: the conv weights' loads sit among the window's (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: the conv weights' loads sit among the window's (kernels.pdl)
     i_c, r = tl.program_id(0), tl.program_id(1)
     c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
@@ -346,9 +341,7 @@ def conv_steps_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.T
 @triton.jit
 def _conv_windows_kernel(x, pool, slots, weight, window, out, x_out, C, x_row, pool_slot, pool_channel, weight_row,
                          out_row, x_out_row, committed, KW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # before any load or store: the conv weights' loads sit among the window's (kernels.pdl)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous_grid(PDL)   # before any load or store: the conv weights' loads sit among the window's (kernels.pdl)
     i_c, n = tl.program_id(0), tl.program_id(1)
     c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
