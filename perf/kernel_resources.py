@@ -79,20 +79,18 @@ def cases() -> list[dict]:
     from ddtree.models import gemv_kernel as g
 
     out = []
-    for (n, k, prologue), (block_n, block_k, warps, stages) in g.CONFIGS.items():
+    for n, k, prologue in g.CONFIGS:
         mode = g.PROLOGUES[prologue]
-        if mode == 5:
-            block_k = max(block_k, 128)
+        block_n, block_k, warps, stages = g.gemv_config(n, k, prologue, 128)   # Qwen3.6's value heads: groups of 128
         out.append({"kernel": "gemv", "shape": f"{n}x{k}", "prologue": prologue or "-", "rows": 1, "warps": warps,
                     "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
                         "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRO": mode, "ADD": False, "GROUP": 128,
                         "NORM_K": min(triton.next_power_of_2(k), max(block_k, g.NORM_ELEMENTS)), "NORM_FIRST": False}})
-    for rows, swap, table, default in ((16, False, g.ROWS_CONFIGS, g.ROWS_DEFAULT), (17, True, g.SWAP_CONFIGS, g.SWAP_DEFAULT)):
+    for rows, swap, table in ((16, False, g.ROWS_CONFIGS), (17, True, g.SWAP_CONFIGS)):
         shapes = sorted({(n, k) for n, k, _ in g.CONFIGS} | set(table))
         for n, k in shapes:
             block_m = g.rows_block(rows)
-            block_n, block_k, warps, stages = table.get((n, k), default)
-            block_k, stages = g.fit_shared(block_m, block_n, block_k, stages, 2)
+            block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2)
             out.append({"kernel": "rows swapped" if swap else "rows", "shape": f"{n}x{k}", "prologue": "-", "rows": rows,
                         "warps": warps, "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
                             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ADD": True, "IEEE": False,

@@ -305,6 +305,29 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
     return block_k, stages
 
 
+def rows_config(n: int, k: int, block_m: int, swap: bool, itemsize: int,
+                config: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the few-rows kernel's programs of block_m rows over an [n, k] weight: the
+    given config as it is, else a DDTREE_GEMV_TUNED choice or the form's table (SWAP_CONFIGS, ROWS_CONFIGS), its
+    pipeline's stages cut to fit shared memory (fit_shared)."""
+    if config is not None:
+        return config
+    block_n, block_k, warps, stages = (tuned_configs(os.environ.get("DDTREE_GEMV_TUNED", "")).get((n, k, swap, block_m))
+                                       or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
+                                           else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
+    block_k, stages = fit_shared(block_m, block_n, block_k, stages, itemsize)
+    return block_n, block_k, warps, stages
+
+
+def gemv_config(n: int, k: int, prologue: str | None, group: int = 1,
+                config: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the GEMV over an [n, k] weight with this prologue: the given config, else
+    CONFIGS' for the shape and prologue, else the shape's plain one, else DEFAULT; "gated_norm" steps hold whole
+    groups (BLOCK_K at least group)."""
+    block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
+    return block_n, max(block_k, group) if PROLOGUES[prologue] == 5 else block_k, warps, stages
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
@@ -327,11 +350,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     if m > 1:
         block_m = rows_block(m)
         swap = swap_ab(block_m) if swap is None else swap
-        block_n, block_k, warps, stages = (config or tuned_configs(os.environ.get("DDTREE_GEMV_TUNED", "")).get((n, k, swap, block_m))
-                                           or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
-                                               else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
-        if config is None:   # the pipeline's stages of weight and input tiles within shared memory
-            block_k, stages = fit_shared(block_m, block_n, block_k, stages, x.element_size())
+        block_n, block_k, warps, stages = rows_config(n, k, block_m, swap, x.element_size(), config)
         peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
@@ -341,10 +360,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         return out
     mode = PROLOGUES[prologue]
     peel = (use_pdl and peel_first()) if _peel is None else _peel
-    block_n, block_k, warps, stages = config or CONFIGS.get((n, k, prologue), CONFIGS.get((n, k, None), DEFAULT))
     if mode == 5:
         assert k % group == 0 and group & (group - 1) == 0, (k, group)
-        block_k = max(block_k, group)
+    block_n, block_k, warps, stages = gemv_config(n, k, prologue, group, config)
     if a is not None:
         assert a.shape[0] == m and a.stride(-1) == 1, (a.shape, a.stride())
     _gemv_kernel[(triton.cdiv(n, block_n),)](
