@@ -98,6 +98,12 @@ def _silu(v):
 
 
 @triton.jit
+def _weight_tile(w_ptr, offs_n, n_ok, stride_wn, k, K):
+    """The weight's [BLOCK_N, BLOCK_K] tile at columns k (zeros past N and K)."""
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _gemv_step(acc, squares, w_first, k0, x_rows, a_rows, p_ptr, w_ptr, offs_n, n_ok, stride_wn, offs_k, m_ok, K,
                stride_ag, rstd, eps, dtype, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr,
                GROUP: tl.constexpr, NORM_FIRST: tl.constexpr, FIRST: tl.constexpr):
@@ -132,7 +138,7 @@ def _gemv_step(acc, squares, w_first, k0, x_rows, a_rows, p_ptr, w_ptr, offs_n, 
     if FIRST:
         w = w_first
     else:
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, k, K)
     acc += w.to(tl.float32) * v
     return acc, squares
 
@@ -155,8 +161,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     if PEEL:   # the weight is read-only: its first tile may stream in while the kernel before finishes
-        w_first = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
-                          other=0.0)
+        w_first = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, offs_k, K)
     wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     a_rows = a_ptr + offs_m[:, None] * stride_am
@@ -201,7 +206,7 @@ def _rows_step(acc, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_
     if FIRST:
         w = w_first
     else:
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, k, K)
     if SWAP:
         if IEEE:
             acc = tl.dot(w.to(tl.float32), tl.trans(v.to(tl.float32)), acc, input_precision="ieee")
@@ -235,8 +240,7 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PEEL:   # the weight's first tile before the wait (PDL)
-        w_first = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & (offs_k < K)[None, :],
-                          other=0.0)
+        w_first = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, offs_k, K)
     wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
     if PEEL:   # the first tile's step out of the loop
         acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
