@@ -10,8 +10,6 @@ rows. Variants:
   (more) (each shape's configurations timed first on that shape's weights alone);
 - ours_swap (more than one row, --forms swap): the few-rows kernel's swapped form (the weight's columns the tile's
   long side, as cuBLAS tiles skinny products), each shape at the best of SWAP_GRID;
-- ours_extra (--forms extra, rows one past a tile: 17): the rows-first form over the rows but the last, that one on the
-  CUDA cores from the same weight tiles (gemv_kernel.extra_row), each shape at the best of ROWS_GRID;
 - ours_prologues: the same with the prologue the engine gives each Linear (the chain before it: norm, silu * up,
   gated norm, sigmoid gate) and the residual add in the epilogue of the layer's output and down projections, each
   (shape, prologue) at its own best configuration; more than one row: the add alone (the few-rows kernel takes no
@@ -47,13 +45,7 @@ CONFIG_GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((4, 8, 16, 3
 ROWS_GRID = list(itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4)))
 # the swapped form's: the weight's columns are the tile's first dimension (Hopper's wgmma tiles are 64 of it a warp group)
 SWAP_GRID = list(itertools.product((16, 32, 64, 128, 256), (64, 128), (4, 8), (3, 4)))
-# the few-rows kernel's forms (more than one row): (variant name, linear_rows' form arguments, grid); a form's variant
-# with the prologue is its name + "_prologue" ("prologue" for "plain")
-FORMS = {"rows": ("plain", {"swap": False, "extra": False}, ROWS_GRID),
-         "swap": ("swap", {"swap": True, "extra": False}, SWAP_GRID),
-         "extra": ("extra", {"extra": True}, ROWS_GRID)}
 ROWS_TOP = 4
-VARIANTS = ("plain", "prologue", "swap", "swap_prologue", "extra", "extra_prologue")
 
 
 def read_bandwidth(gib: float = 4.0) -> float:
@@ -109,7 +101,7 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
     """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
     where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph); forms
     (more than one row): "rows" the few-rows kernel's rows-first form (variants plain, prologue), "swap" its swapped
-    one (swap, swap_prologue), "extra" the rows-first form with the last row on the CUDA cores (extra, extra_prologue)."""
+    one (swap, swap_prologue)."""
     from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block
 
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -121,19 +113,19 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
         x, kwargs = prologue_inputs(kind, rows, n, k, group, add, ws[0].dtype)
         gbytes = sum(w.numel() * w.element_size() for w in ws) / 1e9
         entry = {"weights": len(ws), "cublaslt_ms": graph_ms(lambda: [F.linear(x, w) for w in ws], repeats)}
-        variants = []   # (variant, its plain variant, linear_rows' arguments, grid)
+        variants = []
         for form in ("rows",) if rows == 1 else forms:
-            first, flags, grid = FORMS[form] if rows > 1 else ("plain", {}, CONFIG_GRID)
-            variants.append((first, first, flags, grid))
+            swap = {"swap": form == "swap"} if rows > 1 else {}
+            variants.append(("plain" if form == "rows" else "swap", swap))
             if kwargs:
-                variants.append(("prologue" if first == "plain" else f"{first}_prologue", first, {**kwargs, **flags}, grid))
-        for variant, first, kw, grid in variants:
-            times = {}
+                variants.append(("prologue" if form == "rows" else "swap_prologue", {**kwargs, **swap}))
+        for variant, kw in variants:
+            first = "swap" if variant.startswith("swap") else "plain"
+            times, grid = {}, CONFIG_GRID if rows == 1 else SWAP_GRID if first == "swap" else ROWS_GRID
             if rows > 1 and variant != first:
                 grid = [tuple(c) for c, _ in entry[first]["top"][:ROWS_TOP]]
             if rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
-                block_m = rows - 1 if kw.get("extra") else rows_block(rows)
-                grid = [c for c in grid if fit_shared(block_m, c[0], c[1], c[3], x.element_size()) == (c[1], c[3])]
+                grid = [c for c in grid if fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size()) == (c[1], c[3])]
             for config in grid:
                 try:
                     times[config] = graph_ms(lambda: [linear_rows(x, w, config, **kw) for w in ws], repeats)
@@ -147,7 +139,7 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
         chosen[(n, k, kind, group, add)] = entry
         print(f"{rows} rows {n}x{k} {kind}: cublaslt {entry['cublaslt_ms']:.3f} ms, "
               + ", ".join(f"{v} {entry[v]['ms']:.3f} ({entry[v]['tb_per_s']:.2f} TB/s) {tuple(entry[v]['config'])}"
-                          for v in VARIANTS if v in entry), flush=True)
+                          for v in ("plain", "prologue", "swap", "swap_prologue") if v in entry), flush=True)
     return chosen
 
 
@@ -166,12 +158,10 @@ def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: 
     finally:
         torch.backends.cuda.preferred_blas_library(before)
     first = next(iter(chosen.values()))
-    for name, form in (("ours", "rows"), ("ours_swap", "swap"), ("ours_extra", "extra")):
-        plain, flag, _ = FORMS[form]
-        pro = "prologue" if plain == "plain" else f"{plain}_prologue"
+    for name, plain, pro, swap in (("ours", "plain", "prologue", False), ("ours_swap", "swap", "swap_prologue", True)):
         if plain not in first:
             continue
-        flag = flag if rows > 1 else {}
+        flag = {"swap": swap} if rows > 1 else {}
         out[name] = graph_ms(lambda: [linear_rows(x, w, tuple(e[plain]["config"]), **flag) for w, x, _, e in plan],
                              repeats)
         out[f"{name}_prologues"] = graph_ms(lambda: [linear_rows(x, w, tuple(e.get(pro, e[plain])["config"]),
@@ -182,9 +172,8 @@ def whole_step(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: 
         ref = F.linear(x.float(), w.float())
         diffs[f"{n}x{k}"] = {"ours": (linear_rows(x, w).float() - ref).abs().max().item(),
                              "cublaslt": (F.linear(x, w).float() - ref).abs().max().item()}
-        for name, form in (("ours_swap", "swap"), ("ours_extra", "extra")):
-            if rows > 1 and FORMS[form][0] in first:
-                diffs[f"{n}x{k}"][name] = (linear_rows(x, w, **FORMS[form][1]).float() - ref).abs().max().item()
+        if rows > 1 and "swap" in first:
+            diffs[f"{n}x{k}"]["ours_swap"] = (linear_rows(x, w, swap=True).float() - ref).abs().max().item()
     out["max_abs_diff_vs_fp32"] = diffs
     return out
 
@@ -195,25 +184,22 @@ def table(result: dict) -> str:
              f" TB/s (read + written); a step's Linear weights {gb:.2f} GB (floor at copy bandwidth "
              f"{gb / result['copy_bytes_per_s'] * 1e12:.2f} ms)\n",
              "Every Linear of a step in one CUDA graph replay, ms (/ floor at copy bandwidth)\n",
-             "| rows | cublaslt | cublas | ours | ours with the prologues | ours swapped | ours swapped with the prologues "
-             "| ours extra row | ours extra row with the prologues |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| rows | cublaslt | cublas | ours | ours with the prologues | ours swapped | ours swapped with the prologues |",
+             "|---|---|---|---|---|---|---|"]
     floor = gb / result["copy_bytes_per_s"] * 1e12
-    variants = ("cublaslt", "cublas", "ours", "ours_prologues", "ours_swap", "ours_swap_prologues", "ours_extra",
-                "ours_extra_prologues")
+    variants = ("cublaslt", "cublas", "ours", "ours_prologues", "ours_swap", "ours_swap_prologues")
     for rows, step in result["steps"].items():
         lines.append(f"| {rows} | " + " | ".join(f"{step[v]:.3f} ({step[v] / floor:.3f})" if v in step else "-"
                                                  for v in variants) + " |")
     lines += ["", "Per weight shape and prologue (up to 16 of its weights in one graph), ms (TB/s), best configuration "
               "of ours (BLOCK_N, BLOCK_K, warps, stages)\n",
               "| rows | N x K | prologue | weights | cublaslt | ours | config | ours with the prologue | config "
-              "| ours swapped | config | swapped with the prologue | config | ours extra row | config "
-              "| extra row with the prologue | config |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| ours swapped | config | swapped with the prologue | config |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rows, shapes in result["shapes"].items():
         for key, s in shapes.items():
             cells = [f"{s[v]['ms']:.3f} ({s[v]['tb_per_s']:.2f}) | {tuple(s[v]['config'])}" if v in s else "- | -"
-                     for v in VARIANTS]
+                     for v in ("plain", "prologue", "swap", "swap_prologue")]
             lines.append(f"| {rows} | {key.rsplit(' ', 1)[0]} | {key.rsplit(' ', 1)[1]} | {s['weights']} | "
                          f"{s['cublaslt_ms']:.3f} ({s['cublaslt_tb_per_s']:.2f}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -223,8 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen36-27b")
     parser.add_argument("--rows", default="1", help="input rows, comma-separated (one: the GEMV; more: the few-rows kernel)")
-    parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure, comma-separated: rows, "
-                        "swap, extra (rows one past a tile)")
+    parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure: rows, swap or both")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")

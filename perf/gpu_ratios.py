@@ -65,7 +65,7 @@ HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
             "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree", "static-pdl",
-            "static-pdlwait", "static-pdlall", "static-pdlours", "static-extra", "static-pdlextra")
+            "static-pdlwait", "static-pdlall", "static-pdlours")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -77,8 +77,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}, "static-pdl": {"DDTREE_PDL": "1"},
     "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
     "static-pdlall": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "all"},
-    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"},
-    "static-extra": {"DDTREE_GEMV_EXTRA": "1"}, "static-pdlextra": {"DDTREE_PDL": "1", "DDTREE_GEMV_EXTRA": "1"}}
+    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -273,9 +272,7 @@ def table(result: dict) -> str:
              "static-pdlwait: the same with every kernel waiting before its first weight tile (DDTREE_PDL_PEEL=0); "
              "static-pdlall: the swapped few-rows kernel peeling its first tile too (DDTREE_PDL_PEEL=all, the form "
              "measured as static-pdl at ad578d8); static-pdlours: PDL for our kernels only, the compiled chains "
-             "launched as before (DDTREE_PDL_CHAINS=0); static-extra: a budget-16 tree's 17 rows as a rows-first tile "
-             "of 16 and the last row on the CUDA cores from the same weight tiles (DDTREE_GEMV_EXTRA=1) instead of "
-             "the swapped form's tile of 32; static-pdlextra: both; "
+             "launched as before (DDTREE_PDL_CHAINS=0); "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

@@ -2,9 +2,8 @@
 spills, and the programs an SM holds at once, per 27B weight shape and form.
 
 The GEMV (`_gemv_kernel`, one row) and the few-rows kernel (`_rows_kernel`: 16 rows rows-first, 17 in the swapped
-form, or 17 as a rows-first tile of 16 and an extra row on the CUDA cores) are compiled for sm90 exactly as a launch
-compiles them (the configuration linear_rows picks, its pipeline's stages cut to fit, the 16-byte alignment a launch
-on these shapes specializes), then ptxas -v (Triton's own) reports
+form) are compiled for sm90 exactly as a launch compiles them (the configuration linear_rows picks, its pipeline's
+stages cut to fit, the 16-byte alignment a launch on these shapes specializes), then ptxas -v (Triton's own) reports
 registers and spills. Forms: `loop` (the default), `peel` (DDTREE_PDL=1: the first weight tile loaded before the wait,
 its step out of the loop), `wait` (DDTREE_PDL=1 with DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs:
 the fewest its shared memory (228 KB, 1 KB reserved a program), its registers (64K) and its threads (2048) allow.
@@ -87,17 +86,15 @@ def cases() -> list[dict]:
                     "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
                         "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRO": mode, "ADD": False, "GROUP": 128,
                         "NORM_K": min(triton.next_power_of_2(k), max(block_k, g.NORM_ELEMENTS)), "NORM_FIRST": False}})
-    for name, rows, swap, extra, table in (("rows", 16, False, False, g.ROWS_CONFIGS),
-                                           ("rows swapped", 17, True, False, g.SWAP_CONFIGS),
-                                           ("rows extra", 17, False, True, g.ROWS_CONFIGS)):
+    for rows, swap, table in ((16, False, g.ROWS_CONFIGS), (17, True, g.SWAP_CONFIGS)):
         shapes = sorted({(n, k) for n, k, _ in g.CONFIGS} | set(table))
         for n, k in shapes:
-            block_m = rows - 1 if extra else g.rows_block(rows)
-            block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2, extra=extra)
-            out.append({"kernel": name, "shape": f"{n}x{k}", "prologue": "-", "rows": rows,
+            block_m = g.rows_block(rows)
+            block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2)
+            out.append({"kernel": "rows swapped" if swap else "rows", "shape": f"{n}x{k}", "prologue": "-", "rows": rows,
                         "warps": warps, "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
                             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ADD": True, "IEEE": False,
-                            "SWAP": swap, "EXTRA": extra}})
+                            "SWAP": swap}})
     return out
 
 
@@ -119,7 +116,7 @@ def table(rows: list[dict], forms: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--forms", default=",".join(FORMS))
-    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows extra")
+    parser.add_argument("--kernels", default="gemv,rows,rows swapped")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="kernel_resources_sm90")
     args = parser.parse_args()

@@ -196,11 +196,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
-def _rows_step(acc, extra, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
-               BLOCK_M: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, EXTRA: tl.constexpr, FIRST: tl.constexpr):
+def _rows_step(acc, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+               IEEE: tl.constexpr, SWAP: tl.constexpr, FIRST: tl.constexpr):
     """One BLOCK_K step of _rows_kernel's loop from k0 into acc ([BLOCK_N, BLOCK_M] with SWAP, else [BLOCK_M,
-    BLOCK_N]) and, with EXTRA, row BLOCK_M's product into extra ([BLOCK_N], on the CUDA cores): (acc, extra).
-    FIRST: the weight's tile is w_first, loaded already (the peeled first step)."""
+    BLOCK_N]). FIRST: the weight's tile is w_first, loaded already (the peeled first step)."""
     k = k0 + offs_k
     k_ok = k < K
     v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -208,9 +207,6 @@ def _rows_step(acc, extra, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok
         w = w_first
     else:
         w = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, k, K)
-    if EXTRA:   # the row past the tile's, from the weight tile the tensor cores read too
-        e = tl.load(x_ptr + BLOCK_M * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-        extra += tl.sum(w.to(tl.float32) * e[None, :], axis=1)
     if SWAP:
         if IEEE:
             acc = tl.dot(w.to(tl.float32), tl.trans(v.to(tl.float32)), acc, input_precision="ieee")
@@ -220,19 +216,18 @@ def _rows_step(acc, extra, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok
         acc = tl.dot(v.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
         acc = tl.dot(v, tl.trans(w), acc)
-    return acc, extra
+    return acc
 
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, SWAP: tl.constexpr, EXTRA: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M, or BLOCK_M + 1 with EXTRA): each program
-    streams its BLOCK_N columns of the weight once for all the rows, multiplying on the tensor cores (float32: IEEE
-    products, no TF32). SWAP: the product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows
-    its short one (as cuBLAS tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first
-    dimension. EXTRA (rows first only): the last row, one past the tile, multiplied on the CUDA cores from the same
-    weight tiles (extra_row). PEEL, PDL: as _gemv_kernel's."""
+                 IEEE: tl.constexpr, SWAP: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
+    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
+    product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
+    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. PEEL, PDL: as
+    _gemv_kernel's."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -244,37 +239,31 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    extra = tl.zeros([BLOCK_N], dtype=tl.float32)
     if PEEL:   # the weight's first tile before the wait (PDL)
         w_first = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, offs_k, K)
     wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
     if PEEL:   # the first tile's step out of the loop
-        acc, extra = _rows_step(acc, extra, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm,
-                                stride_wn, BLOCK_M, IEEE, SWAP, EXTRA, True)
+        acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                         IEEE, SWAP, True)
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            acc, extra = _rows_step(acc, extra, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm,
-                                    stride_wn, BLOCK_M, IEEE, SWAP, EXTRA, False)
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
     else:
         for k0 in range(0, K, BLOCK_K):
-            acc, extra = _rows_step(acc, extra, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm,
-                                    stride_wn, BLOCK_M, IEEE, SWAP, EXTRA, False)
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
     if SWAP:
         acc = tl.trans(acc)
     out_ok = m_ok[:, None] & n_ok[None, :]
     if ADD:   # the residual stream plus the product rounded, as `add + F.linear(...)` rounds
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
-        if EXTRA:
-            extra = tl.load(add_ptr + BLOCK_M * stride_addm + offs_n, mask=n_ok, other=0.0).to(tl.float32) + extra.to(dtype).to(tl.float32)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
-    if EXTRA:
-        tl.store(out_ptr + BLOCK_M * stride_om + offs_n, extra.to(dtype), mask=n_ok)
 
 
 @functools.cache
-def tuned_configs(spec: str) -> dict[tuple[int, int, str, int], tuple[int, int, int, int]]:
-    """The few-rows configurations a perf/gemv_bench.py result chose, by (N, K, form, rows a program's tile holds),
-    form "rows", "swap" or "extra" (rows_block(rows), or rows - 1 for "extra"):
+def tuned_configs(spec: str) -> dict[tuple[int, int, bool, int], tuple[int, int, int, int]]:
+    """The few-rows configurations a perf/gemv_bench.py result chose, by (N, K, swapped, rows_block(rows)):
     DDTREE_GEMV_TUNED=<its json>:<rows> (a benchmark's run measuring a search's choices before they are written into
     ROWS_CONFIGS or SWAP_CONFIGS; only for programs of that many rows); empty when unset."""
     if not spec:
@@ -285,10 +274,9 @@ def tuned_configs(spec: str) -> dict[tuple[int, int, str, int], tuple[int, int, 
     out = {}
     for key, entry in shapes.items():
         n, k = (int(d) for d in key.split(" ", 1)[0].split("x"))
-        for variant, form in (("plain", "rows"), ("swap", "swap"), ("extra", "extra")):
+        for variant, swapped in (("plain", False), ("swap", True)):
             if variant in entry:
-                block_m = int(rows) - 1 if form == "extra" else rows_block(int(rows))
-                out.setdefault((n, k, form, block_m), tuple(entry[variant]["config"]))
+                out.setdefault((n, k, swapped, rows_block(int(rows))), tuple(entry[variant]["config"]))
     return out
 
 
@@ -303,14 +291,6 @@ def swap_ab(block_m: int) -> bool:
     and at 65 the swapped one lost to cuBLAS (19.48 against 13.86). DDTREE_GEMV_SWAP=1 swaps every program, 0 none."""
     env = os.environ.get("DDTREE_GEMV_SWAP", "")
     return block_m == 32 if env == "" else env != "0"
-
-
-def extra_row(m: int) -> bool:
-    """Whether the few-rows kernel takes m rows as a rows-first program of m - 1 on the tensor cores and the last row
-    on the CUDA cores, from the same weight tiles (_rows_kernel's EXTRA): m one past a tile's rows (17: a budget-16
-    tree's root and nodes, which otherwise take a program of 32, swapped: swap_ab), when DDTREE_GEMV_EXTRA=1. Off by
-    default: not yet measured on a GPU."""
-    return os.environ.get("DDTREE_GEMV_EXTRA", "0") not in ("", "0") and m > 16 and (m - 1) & (m - 2) == 0
 
 
 def rows_block(m: int) -> int:
@@ -330,20 +310,15 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
 
 
 def rows_config(n: int, k: int, block_m: int, swap: bool, itemsize: int,
-                config: tuple[int, int, int, int] | None = None, extra: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) of the few-rows kernel's programs of block_m rows (and an extra one: extra)
-    over an [n, k] weight: the given config as it is, else a DDTREE_GEMV_TUNED choice or the form's table
-    (SWAP_CONFIGS, ROWS_CONFIGS; with extra, at least a warp per 2048 elements of the weight tile, which the extra
-    row's product holds in registers: 4 warps over 64 x 256 spill, offline for sm90, perf/kernel_resources.py), its
+                config: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the few-rows kernel's programs of block_m rows over an [n, k] weight: the
+    given config as it is, else a DDTREE_GEMV_TUNED choice or the form's table (SWAP_CONFIGS, ROWS_CONFIGS), its
     pipeline's stages cut to fit shared memory (fit_shared)."""
     if config is not None:
         return config
-    form = "extra" if extra else "swap" if swap else "rows"
-    tuned = tuned_configs(os.environ.get("DDTREE_GEMV_TUNED", "")).get((n, k, form, block_m))
-    block_n, block_k, warps, stages = tuned or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
-                                                else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT))
-    if extra and not tuned:
-        warps = max(warps, block_n * block_k // 2048)
+    block_n, block_k, warps, stages = (tuned_configs(os.environ.get("DDTREE_GEMV_TUNED", "")).get((n, k, swap, block_m))
+                                       or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
+                                           else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
     block_k, stages = fit_shared(block_m, block_n, block_k, stages, itemsize)
     return block_n, block_k, warps, stages
 
@@ -360,13 +335,12 @@ def gemv_config(n: int, k: int, prologue: str | None, group: int = 1,
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
-                extra: bool | None = None, _peel: bool | None = None) -> torch.Tensor:
+                _peel: bool | None = None) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
-    kernel's form (None: swap_ab's); extra: its last row on the CUDA cores beside a rows-first tile of the others
-    (None: extra_row's; then swap is False). Launched with PDL where kernels.pdl says (the first weight tile loaded before the
+    kernel's form (None: swap_ab's). Launched with PDL where kernels.pdl says (the first weight tile loaded before the
     wait, its step peeled off the loop, where peel_first() says); _peel (tests): the form, peeled or not, whatever PDL
     (None: peeled where PDL and peel_first())."""
     m, k = x.shape
@@ -378,16 +352,14 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     use_pdl = pdl(x.device)
     if m > 1:
-        extra = extra_row(m) if extra is None else extra
-        block_m = m - 1 if extra else rows_block(m)
-        assert not extra or (block_m >= 16 and block_m & (block_m - 1) == 0), m
-        swap = False if extra else swap_ab(block_m) if swap is None else swap
-        block_n, block_k, warps, stages = rows_config(n, k, block_m, swap, x.element_size(), config, extra)
+        block_m = rows_block(m)
+        swap = swap_ab(block_m) if swap is None else swap
+        block_n, block_k, warps, stages = rows_config(n, k, block_m, swap, x.element_size(), config)
         peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, EXTRA=extra, PEEL=peel, PDL=use_pdl, num_warps=warps,
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, PEEL=peel, PDL=use_pdl, num_warps=warps,
             num_stages=stages, launch_pdl=use_pdl)
         return out
     mode = PROLOGUES[prologue]

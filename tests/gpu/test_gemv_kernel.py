@@ -17,8 +17,7 @@ pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("norm_first", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
-@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (65, "0"), (16, "1"), (17, "1"), (65, "1"), (17, "extra"),
-                                        (33, "extra")])
+@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (65, "0"), (16, "1"), (17, "1"), (65, "1")])
 def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, rows, swap, monkeypatch):
     """Each prologue's Linear == F.linear of the eager chain's output (which rounds to dtype where the prologue
     rounds; the norms' default form does not round their input), plus the residual stream where the epilogue adds
@@ -26,10 +25,7 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
     from ddtree.models.gemv_kernel import linear_rows
 
     monkeypatch.setenv("DDTREE_GEMV_NORM_FIRST", norm_first)
-    if swap == "extra":   # the last row on the CUDA cores beside a rows-first tile (gemv_kernel.extra_row)
-        monkeypatch.setenv("DDTREE_GEMV_EXTRA", "1")
-    else:
-        monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)   # more than one row: the few-rows kernel's form
+    monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)   # more than one row: the few-rows kernel's form
 
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k**0.5).to("cuda", dtype)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -44,11 +40,11 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
             assert (got - want.float()).abs().max() <= tolerance * scale, f"{prologue} {dtype} {n}x{k} {rows} rows"
 
 
-@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (17, "1"), (17, "extra")])
+@pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (17, "1")])
 def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
     from ddtree.models.gemv_kernel import linear_rows
 
-    monkeypatch.setenv("DDTREE_GEMV_EXTRA" if swap == "extra" else "DDTREE_GEMV_SWAP", "1" if swap == "extra" else swap)
+    monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)
 
     x, w = torch.randn(rows, 4096, device="cuda"), torch.randn(1000, 4096, device="cuda")
     linear_rows(x, w)
@@ -71,13 +67,3 @@ def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_model
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", tiny_config(family, tiny_models, tmp_path),
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=6)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_engine_with_the_extra_row_form_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
-    """Greedy tokens (fp32, static forwards with graphs) with a budget-16 tree's 17 rows as a tile of 16 and an extra
-    row (DDTREE_GEMV_EXTRA=1) == in the swapped form's tile of 32."""
-    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
-
-    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_EXTRA", tiny_config(family, tiny_models, tmp_path),
-                                      [("ddtree", 16)], seed=6)

@@ -39,27 +39,6 @@ def test_linear_rows_equals_f_linear(m, n, k, config, swap):
     torch.testing.assert_close(linear_rows(x, w, config, swap=swap, add=add), add + F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m, n, k, config", [(17, 37, 300, (16, 128, 4, 3)), (17, 64, 512, None), (33, 10, 1030, (8, 256, 4, 2))])
-@pytest.mark.parametrize("peel", [False, True])
-def test_the_extra_row_form_equals_f_linear(m, n, k, config, peel):
-    """17 and 33 rows as a rows-first tile of 16 / 32 plus the last row on the CUDA cores (extra=True), partial tiles,
-    the first tile peeled or not, with and without the residual; and extra_row's choice under DDTREE_GEMV_EXTRA."""
-    gen = torch.Generator().manual_seed(m * k)
-    x = torch.randn(m, 2 * k, generator=gen)[:, ::2].contiguous()
-    w, add = torch.randn(n, k, generator=gen), torch.randn(m, n, generator=gen)
-    linear_rows = gemv_module().linear_rows
-    for residual in (None, add):
-        out = linear_rows(x, w, config, add=residual, extra=True, _peel=peel)
-        torch.testing.assert_close(out, F.linear(x, w) + (0 if residual is None else residual), rtol=1e-5, atol=1e-4)
-
-
-def test_extra_row_is_chosen_only_one_past_a_tile(monkeypatch):
-    extra_row = gemv_module().extra_row
-    assert not any(extra_row(m) for m in range(1, 129))   # off by default
-    monkeypatch.setenv("DDTREE_GEMV_EXTRA", "1")
-    assert [m for m in range(1, 129) if extra_row(m)] == [17, 33, 65]
-
-
 def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
                    rows: int = 1):
     """x [rows, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
@@ -144,22 +123,17 @@ def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
     import json
 
     module = gemv_module()
-    shapes = {"17": {"64x512 None": {"plain": {"config": [16, 128, 4, 2]}, "swap": {"config": [32, 64, 4, 2]},
-                                     "extra": {"config": [16, 64, 8, 2]}}}}
+    shapes = {"17": {"64x512 None": {"plain": {"config": [16, 128, 4, 2]}, "swap": {"config": [32, 64, 4, 2]}}}}
     path = tmp_path / "gemv.json"
     path.write_text(json.dumps({"shapes": shapes}))
-    assert module.tuned_configs(f"{path}:17") == {(64, 512, "rows", 32): (16, 128, 4, 2), (64, 512, "swap", 32): (32, 64, 4, 2),
-                                                  (64, 512, "extra", 16): (16, 64, 8, 2)}
-    assert module.rows_config(64, 512, 16, False, 4) != (16, 64, 8, 2)   # 16 rows: not the extra row's choice
+    assert module.tuned_configs(f"{path}:17") == {(64, 512, False, 32): (16, 128, 4, 2), (64, 512, True, 32): (32, 64, 4, 2)}
     assert module.tuned_configs("") == {}
     monkeypatch.setenv("DDTREE_GEMV_TUNED", f"{path}:17")
     x, w = torch.randn(17, 512), torch.randn(64, 512)
-    assert module.rows_config(64, 512, 16, False, 4, extra=True) == (16, 64, 8, 2)
     for rows in (17, 16):   # 16 rows: a program of 16, not the one tuned
         for swap in (False, True):
             torch.testing.assert_close(module.linear_rows(x[:rows], w, swap=swap), F.linear(x[:rows], w), rtol=1e-5,
                                        atol=1e-4)
-    torch.testing.assert_close(module.linear_rows(x, w, extra=True), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 # PDL's form (kernels.pdl): the weight's first tile loaded first, its step peeled off the loop (linear_rows' _peel
