@@ -2,11 +2,12 @@
 spills, and the programs an SM holds at once, per 27B weight shape and form.
 
 The GEMV (`_gemv_kernel`, one row) and the few-rows kernel (`_rows_kernel`: 16 rows rows-first, 17 in the swapped
-form) are compiled for sm90 exactly as a launch compiles them (the configuration linear_rows picks, its pipeline's
-stages cut to fit, the 16-byte alignment a launch on these shapes specializes), then ptxas -v (Triton's own) reports
-registers and spills. Forms: `loop` (the default), `peel` (DDTREE_PDL=1: the first weight tile loaded before the wait,
-its step out of the loop), `wait` (DDTREE_PDL=1 with DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs:
-the fewest its shared memory (228 KB, 1 KB reserved a program), its registers (64K) and its threads (2048) allow.
+form; "norm": its NORM form on the Linears after a norm) are compiled for sm90 exactly as a launch compiles them
+(the configuration linear_rows picks, its pipeline's stages cut to fit, the 16-byte alignment a launch on these
+shapes specializes), then ptxas -v (Triton's own) reports registers and spills. Forms: `loop` (the default), `peel`
+(DDTREE_PDL=1: the first weight tile loaded before the wait, its step out of the loop), `wait` (DDTREE_PDL=1 with
+DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs: the fewest its shared memory (228 KB, 1 KB
+reserved a program), its registers (64K) and its threads (2048) allow.
 
     python perf/kernel_resources.py --name kernel_resources_sm90
 
@@ -33,7 +34,7 @@ SM_REGISTERS = 65536
 SM_THREADS = 2048
 SM_PROGRAMS = 32
 FORMS = {"loop": (False, False), "peel": (True, True), "wait": (False, True)}   # name: (PEEL, PDL)
-INTS_ALIGNED = ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm")   # multiples of 16 here
+INTS_ALIGNED = ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")   # multiples of 16 here
 
 
 def programs_per_sm(shared: int, registers: int, warps: int) -> dict[str, int]:
@@ -91,10 +92,12 @@ def cases() -> list[dict]:
         for n, k in shapes:
             block_m = g.rows_block(rows)
             block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2)
-            out.append({"kernel": "rows swapped" if swap else "rows", "shape": f"{n}x{k}", "prologue": "-", "rows": rows,
-                        "warps": warps, "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
-                            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ADD": True, "IEEE": False,
-                            "SWAP": swap}})
+            for norm in (False, True) if (n, k, "norm") in g.CONFIGS else (False,):
+                name = ("rows swapped" if swap else "rows") + (" norm" if norm else "")
+                out.append({"kernel": name, "shape": f"{n}x{k}", "prologue": "-", "rows": rows, "warps": warps,
+                            "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
+                                "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ADD": not norm,
+                                "IEEE": False, "SWAP": swap, "NORM": norm}})
     return out
 
 
@@ -116,7 +119,7 @@ def table(rows: list[dict], forms: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--forms", default=",".join(FORMS))
-    parser.add_argument("--kernels", default="gemv,rows,rows swapped")
+    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows norm,rows swapped norm")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="kernel_resources_sm90")
     args = parser.parse_args()

@@ -39,6 +39,26 @@ def test_linear_rows_equals_f_linear(m, n, k, config, swap):
     torch.testing.assert_close(linear_rows(x, w, config, swap=swap, add=add), add + F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [2, 16, 17])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("k, config", [(300, (16, 128, 4, 3)), (512, None)])
+def test_the_rows_kernel_norm_form_equals_the_norm_then_the_product(rows, swap, k, config):
+    """norm_input: x = h * p, each row's product scaled by h's rstd == F.linear(zero_centered_rms_norm(h, p)); the
+    first tile peeled or not (the same sums), with the residual added too."""
+    from ddtree.models import fused
+
+    linear_rows = gemv_module().linear_rows
+    gen = torch.Generator().manual_seed(rows * k)
+    h, w, add = torch.randn(rows, k, generator=gen), torch.randn(37, k, generator=gen), torch.randn(rows, 37, generator=gen)
+    p = 1.0 + 0.1 * torch.randn(k, generator=gen)
+    want = F.linear(fused.zero_centered_rms_norm.eager(h, p, 1e-6), w)
+    for residual in (None, add):
+        loop = linear_rows(h * p, w, config, swap=swap, add=residual, norm_input=h, eps=1e-6, _peel=False)
+        peeled = linear_rows(h * p, w, config, swap=swap, add=residual, norm_input=h, eps=1e-6, _peel=True)
+        assert torch.equal(peeled, loop)
+        torch.testing.assert_close(loop, want + (0 if residual is None else residual), rtol=1e-5, atol=1e-4)
+
+
 def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
                    rows: int = 1):
     """x [rows, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
