@@ -65,7 +65,7 @@ HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
             "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree", "static-pdl",
-            "static-pdlwait", "static-pdlall", "static-pdlours")
+            "static-pdlwait", "static-pdlall", "static-pdlours", "static-rowsnorm")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -77,7 +77,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}, "static-pdl": {"DDTREE_PDL": "1"},
     "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
     "static-pdlall": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "all"},
-    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}}
+    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}, "static-rowsnorm": {"DDTREE_ROWS_NORM": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -272,7 +272,9 @@ def table(result: dict) -> str:
              "static-pdlwait: the same with every kernel waiting before its first weight tile (DDTREE_PDL_PEEL=0); "
              "static-pdlall: the swapped few-rows kernel peeling its first tile too (DDTREE_PDL_PEEL=all, the form "
              "measured as static-pdl at ad578d8); static-pdlours: PDL for our kernels only, the compiled chains "
-             "launched as before (DDTREE_PDL_CHAINS=0); "
+             "launched as before (DDTREE_PDL_CHAINS=0); static-rowsnorm: a few rows' zero-centered norms in the "
+             "NORM form of the Linears that read them, their input scaled in the epilogue of the Linear before "
+             "(DDTREE_ROWS_NORM=1) instead of the norms' own kernels; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

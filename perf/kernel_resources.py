@@ -55,7 +55,7 @@ def compile_resources(kernel, constexprs: dict, warps: int, stages: int) -> dict
     from triton.compiler import ASTSource
 
     names = [p.name for p in kernel.params if not p.is_constexpr]
-    signature = {n: "*fp32" if n == "p_ptr" else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+    signature = {n: "*fp32" if n in ("p_ptr", "s_ptr") else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
                  for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in INTS_ALIGNED}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
@@ -97,7 +97,7 @@ def cases() -> list[dict]:
                 out.append({"kernel": name, "shape": f"{n}x{k}", "prologue": "-", "rows": rows, "warps": warps,
                             "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
                                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ADD": not norm,
-                                "IEEE": False, "SWAP": swap, "NORM": norm}})
+                                "IEEE": False, "SWAP": swap, "NORM": norm, "SCALE": False}})
     return out
 
 

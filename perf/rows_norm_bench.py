@@ -5,7 +5,8 @@ In a verify of 16 or 17 rows each layer's input norm and post-attention norm run
 few-rows kernel 2-3x slower (perf/results/gemv_rows_h200.md, gpu_ratios_h200_rowpro.md). The NORM form
 (gemv_kernel.linear_rows' norm_input) leaves the product's input untouched: it takes x = h * p, which the kernel
 before it would write beside h, and gathers each row's statistic from h with a load of its own, applying rstd to the
-product's sum. This measures whether that costs less than the norm's kernel, before any model is wired for it.
+product's sum. This measures whether that costs less than the norm's kernel, the Linears alone; the engine's use
+(DDTREE_ROWS_NORM=1, kernels.rows_norm) in whole rounds: perf/gpu_ratios.py --round-variants static-rowsnorm.
 
 Every Linear of the random Qwen3.6-27B-shaped target that follows a norm (each layer's fused input projections and
 its MLP's gate/up; perf/gemv_bench.linears' "norm"), with its own weights, in forward order, one CUDA graph per

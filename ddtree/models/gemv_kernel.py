@@ -226,16 +226,17 @@ def _rows_step(acc, squares, w_first, k0, x_ptr, w_ptr, h_ptr, offs_m, m_ok, off
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm, h_ptr,
-                 stride_hm, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ADD: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, NORM: tl.constexpr, PEEL: tl.constexpr,
-                 PDL: tl.constexpr):
+                 stride_hm, eps, s_ptr, scaled_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, NORM: tl.constexpr,
+                 SCALE: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
     weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
     product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
     tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. NORM: x is a
     norm's input already scaled by its weight (h * p, rounded) and each row's product is multiplied by h's rstd,
-    1 / sqrt(mean(h^2) + eps), gathered from h's tiles in the loop (linear_rows' norm_input). PEEL, PDL: as
-    _gemv_kernel's."""
+    1 / sqrt(mean(h^2) + eps), gathered from h's tiles in the loop (linear_rows' norm_input). SCALE: the output
+    (rounded) times s [N] as well, rounded, into scaled (the next norm's NORM input: linear_rows' scale_out). PEEL,
+    PDL: as _gemv_kernel's."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -270,6 +271,10 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
+    if SCALE:
+        s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(scaled_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 (acc.to(dtype).to(tl.float32) * s[None, :]).to(dtype), mask=out_ok)
 
 
 @functools.cache
@@ -346,14 +351,17 @@ def gemv_config(n: int, k: int, prologue: str | None, group: int = 1,
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
-                norm_input: torch.Tensor | None = None, _peel: bool | None = None) -> torch.Tensor:
+                norm_input: torch.Tensor | None = None, scale_out: torch.Tensor | None = None,
+                _peel: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
     kernel's form (None: swap_ab's). norm_input (more than one row): h, x being h * p rounded (p a norm's weight):
     the product of rmsnorm(h) * p, each row's statistic gathered from h in the kernel's loop and applied to its sum
-    (_rows_kernel's NORM; the norm's kernel before it saved where the kernel before that writes h * p). Launched
+    (_rows_kernel's NORM; the norm's kernel before it saved where the kernel before that writes h * p). scale_out
+    (more than one row): s [N], and the output's product with it returned too: (out, out * s rounded), the next
+    norm's NORM input written by the kernel that writes the stream it normalizes. Launched
     with PDL where kernels.pdl says (the first weight tile loaded before the wait, its step peeled off the loop, where
     peel_first() says); _peel (tests): the form, peeled or not, whatever PDL (None: peeled where PDL and
     peel_first())."""
@@ -362,9 +370,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
     assert m == 1 or prologue is None, "the few-rows kernel takes no prologue"
     assert norm_input is None or (m > 1 and norm_input.shape == x.shape and norm_input.stride(1) == 1), "norm_input: rows > 1"
+    assert scale_out is None or (m > 1 and scale_out.shape == (n,)), "scale_out: rows > 1, one number a column"
     if add is not None:
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    scaled = None if scale_out is None else torch.empty_like(out)
     use_pdl = pdl(x.device)
     if m > 1:
         block_m = rows_block(m)
@@ -374,10 +384,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         _rows_kernel[(triton.cdiv(n, block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), x if norm_input is None else norm_input,
-            0 if norm_input is None else norm_input.stride(0), eps, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, NORM=norm_input is not None, PEEL=peel,
-            PDL=use_pdl, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
-        return out
+            0 if norm_input is None else norm_input.stride(0), eps, x if scale_out is None else scale_out,
+            out if scaled is None else scaled, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ADD=add is not None,
+            IEEE=weight.dtype == torch.float32, SWAP=swap, NORM=norm_input is not None, SCALE=scaled is not None,
+            PEEL=peel, PDL=use_pdl, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
+        return out if scaled is None else (out, scaled)
     mode = PROLOGUES[prologue]
     peel = (use_pdl and peel_first()) if _peel is None else _peel
     if mode == 5:

@@ -139,6 +139,15 @@ def gemv_kernel(device: torch.device) -> Callable | None:
     return _gemv_kernel()
 
 
+def rows_norm() -> bool:
+    """Whether static forwards of a few rows (through the few-rows kernel) take Qwen3.5's zero-centered norms in the
+    NORM form of the Linear that reads each (gemv_kernel.linear_rows' norm_input, the input scaled by the norm's
+    weight in the epilogue of the Linear that wrote the stream: scale_out) instead of the norm's own kernel (129 of
+    them in a 27B verify): DDTREE_ROWS_NORM=1. Off by default: not yet measured on a GPU (perf/rows_norm_bench.py,
+    perf/gpu_ratios.py --round-variants static-rowsnorm)."""
+    return os.environ.get("DDTREE_ROWS_NORM", "0") not in ("", "0")
+
+
 def gemv_max_rows() -> int:
     """The most rows of a static forward whose Linears go through our kernels (gemv_kernel: one row through the GEMV,
     up to this many through its few-rows kernel, which streams each weight once for all of them); more go through

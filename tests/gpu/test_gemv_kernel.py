@@ -81,6 +81,15 @@ def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
     assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_hybrid_engine_with_the_rows_norm_form_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with the zero-centered norms of a few rows in the NORM form of
+    the Linears that read them (DDTREE_ROWS_NORM=1, kernels.rows_norm) == with the norms' own kernels."""
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_ROWS_NORM", tiny_config("hybrid", tiny_models, tmp_path),
+                                      [("dflash", 1), ("ddtree", 16)], seed=7)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with the Linears of up to gemv_max_rows() rows through our

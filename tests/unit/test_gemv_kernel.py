@@ -57,6 +57,11 @@ def test_the_rows_kernel_norm_form_equals_the_norm_then_the_product(rows, swap, 
         peeled = linear_rows(h * p, w, config, swap=swap, add=residual, norm_input=h, eps=1e-6, _peel=True)
         assert torch.equal(peeled, loop)
         torch.testing.assert_close(loop, want + (0 if residual is None else residual), rtol=1e-5, atol=1e-4)
+    # the next norm's input written beside the stream: out * s, one scale a column
+    s = 1.0 + 0.1 * torch.randn(37, generator=gen)
+    out, scaled = linear_rows(h * p, w, config, swap=swap, add=add, norm_input=h, eps=1e-6, scale_out=s)
+    assert torch.equal(out, linear_rows(h * p, w, config, swap=swap, add=add, norm_input=h, eps=1e-6))
+    assert torch.equal(scaled, out * s)
 
 
 def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -136,6 +141,34 @@ def test_engines_with_linears_through_the_kernels_decode_what_they_decode_withou
     assert {p for _, p, _ in calls} == want, set(calls)
     assert {add for _, _, add in calls} == {True, False}   # residual adds in epilogues, the others plain
 
+
+
+def test_hybrid_engine_with_the_rows_norm_form_decodes_what_it_decodes_without(tiny_models, tmp_path, monkeypatch):
+    """DDTREE_ROWS_NORM=1: a hybrid's trees and drafter blocks through the few-rows kernel take every zero-centered norm
+    but the first layer's in the NORM form of the Linear that reads it, its input written by the epilogue of the
+    Linear before (no norm computed apart for those); greedy `ddtree` and `dflash` tokens as without it."""
+    from ddtree.engine import Engine
+    from ddtree.models import layers
+    from tests.unit.test_batching import static_cpu_config
+
+    config = static_cpu_config("hybrid", tiny_models, tmp_path, max_num_seqs=1)
+    kernel = gemv_module().linear_rows
+    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: kernel)
+    vocab = Engine(config).target.config.vocab_size
+    rng = random.Random(5)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))],
+             SamplingParams(max_tokens=5, mode=mode, tree_budget=6, ignore_eos=True)) for mode in ("ddtree", "dflash")]
+    expected = [run_together(Engine(config), [job]) for job in jobs]
+    calls = []
+    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: lambda x, w, **k: calls.append(
+        (x.shape[0], k.get("norm_input") is not None, k.get("scale_out") is not None)) or kernel(x, w, **k))
+    monkeypatch.setenv("DDTREE_ROWS_NORM", "1")
+    assert [run_together(Engine(config), [job]) for job in jobs] == expected
+    normed = [rows for rows, norm, _ in calls if norm]
+    assert normed and min(normed) > 1 and any(scale for _, _, scale in calls)
+    # every target forward of a few rows: each layer's two norms in the NORM form but the first layer's input norm
+    layers_ = Engine(config).target.config.num_hidden_layers
+    assert len(normed) % (2 * layers_ - 1) == 0, (len(normed), layers_)
 
 
 def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
