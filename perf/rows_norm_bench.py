@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.tree_kernel_bench import capture, replay_ms  # noqa: E402
 
 VARIANTS = ("norm+rows", "rows NORM", "rows")
 EPS = 1e-6
@@ -88,32 +89,6 @@ def differences(weights: list[torch.Tensor], inputs: dict) -> dict:
     return out
 
 
-def graph(fn):
-    """fn captured in a CUDA graph (warmed up eagerly first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def replay_ms(g: torch.cuda.CUDAGraph, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def table(result: dict) -> str:
     lines = [f"{result['linears']} Linears after a norm ({result['weight_bytes'] / 1e9:.2f} GB of weights), one CUDA "
              f"graph per variant, {result['turns']} turns of {result['repeats']} replays (median of the turns' medians, "
@@ -156,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     generator = torch.Generator().manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
         fns, inputs = step_fns(weights, rows, generator)
-        graphs = {v: graph(fn) for v, fn in tqdm(fns.items(), desc=f"{rows} rows: capturing")}
+        graphs = {v: capture(fn) for v, fn in tqdm(fns.items(), desc=f"{rows} rows: capturing")}
         turns = []
         for turn in tqdm(range(args.turns), desc=f"{rows} rows: turns"):
             order = VARIANTS[turn % len(VARIANTS):] + VARIANTS[:turn % len(VARIANTS)]

@@ -47,6 +47,11 @@ def make_trees(budget: int, count: int, peak: float, seed: int) -> list[list[int
 
 def graph_ms(fn, repeats: int) -> float:
     """Median ms of one replay of a CUDA graph of fn (warmed up eagerly first)."""
+    return replay_ms(capture(fn), repeats)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, run eagerly twice first (compiles, allocator warm-up) on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -56,6 +61,11 @@ def graph_ms(fn, repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+    """Median ms of `repeats` replays of graph, after two untimed ones."""
     times = []
     for _ in range(repeats + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
