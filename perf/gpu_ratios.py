@@ -77,11 +77,12 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}, "static-pdl": {"DDTREE_PDL": "1"},
     "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
     "static-pdlall": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "all"},
-    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}, "static-rowsnorm": {"DDTREE_ROWS_NORM": "1"}}
+    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}, "static-rowsnorm": {"DDTREE_ROWS_NORM": "1"},
+    "static-draftearly": {"DDTREE_DRAFT_EARLY": "1"}}   # with ROUND_SETTINGS' draft_ahead: whole rounds only
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
-                  "static-draftahead": {"draft_ahead": True}}
+                  "static-draftahead": {"draft_ahead": True}, "static-draftearly": {"draft_ahead": True}}
 GOALS = {"ar_over_floor": 1.10, "ar_round_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -288,7 +289,9 @@ def table(result: dict) -> str:
              "lm_head; static-arahead (whole rounds in turns only): a lone greedy `ar` request's next step queued "
              "before its token is read (ar_lookahead=True; on CUDA the default); static-noahead: without it "
              "(ar_lookahead=False); static-draftahead (whole rounds in turns only): a lone request's next draft launched as soon "
-             "as its round's acceptance is known, before that round's commit (draft_ahead=True).", "",
+             "as its round's acceptance is known, before that round's commit (draft_ahead=True); static-draftearly "
+             "(whole rounds in turns only): that draft queued behind the verify from an acceptance on the device, "
+             "before the round's read (draft_ahead=True, DDTREE_DRAFT_EARLY=1).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | ar round / floor | uncompiled ar / floor | "
              "dynamic ar / floor | ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -468,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--round-variants", default="",
                         help="environment variants (of --variants' list) whose whole rounds to measure too; with "
                              "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k, static-arahead, static-noahead, "
-                             "static-draftahead)")
+                             "static-draftahead, static-draftearly)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)

@@ -604,6 +604,32 @@ class StaticDrafter:
             cache.length += size
         return hidden[: len(caches)]
 
+    def queued(self, cache, kept: torch.Tensor, count: torch.Tensor, bonus: torch.Tensor, mask_id: int
+               ) -> torch.Tensor | None:
+        """One request's pass whose new context rows and block root are known only on the device (a round's next
+        draft queued before the round's read: Engine._queue_draft): kept[:count] appended to cache's context, the
+        block [bonus, mask, ...] drafted; kept  # [rows, features] (rows: a block's, row_bucket(block), the most a
+        round accepts), count, bonus  # [1] long. The program at the key bucket of the most context it may reach.
+        cache.length is not advanced: the caller adds count once it has read it. None where no program fits."""
+        rows, b = kept.shape[0], self.block
+        max_len = cache.pool.k.shape[2]
+        keys = key_bucket(cache.length + rows, max_len)
+        if keys is None or cache.length + rows > max_len or rows != row_bucket(b):
+            return None
+        reqs = batch_bucket(1) if self.scratch is not None else 1
+        key = ("draft", reqs, rows, keys)
+        program = self.graphs.program(key, lambda: self._make(cache.pool, reqs, rows, keys, kept))
+        host = program.host.numpy()
+        ids, length, m, slot, src = np.split(host, np.cumsum([reqs * b, reqs, reqs, reqs]))
+        ids[:], length[:], m[:], src[:] = 0, 0, 0, 0     # padding: empty contexts in the scratch slot
+        slot[:] = self.scratch if self.scratch is not None else 0
+        ids[1:b] = mask_id                                # ids[0], the root, and m[0] come from the device
+        length[0], slot[0] = cache.length, cache.slot
+        src[:rows] = np.arange(rows)
+        program.extra["staged"][:rows].copy_(kept)
+        hidden = self.graphs.run(key, program, ((0, bonus), (reqs * b + reqs, count)))
+        return hidden[:1]
+
     def _make(self, pool, reqs: int, rows: int, keys: int, taps: torch.Tensor) -> Program:
         b = self.block
         host, inputs = self.graphs.new_inputs(reqs * b + 3 * reqs + reqs * rows)
