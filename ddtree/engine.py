@@ -673,11 +673,10 @@ class Engine:
         parts = times.commit_parts   # the stage's host time by part: they add up to it
         parts[0] += t_accepted - t_commit
         if self.draft_ahead and verified is not None:
-            # the features kept and the request advanced first, then the next round's draft launched, then this
+            # the request advanced and its features kept first, then the next round's draft launched, then this
             # round's cache commit: the device drafts while the host launches the commit, reports and starts the next
-            # round (the commit stays ahead of the next verify in stream order)
-            # (an early draft, queued before the read: taken instead where it stands, its features in the drafter's
-            # context already; _take_early)
+            # round (the commit stays ahead of the next verify in stream order); an early draft, queued before the
+            # read, is taken instead where it stands (its features in the drafter's context already: _take_early)
             old_starts = [seq.start for seq in seqs]
             outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
             t_advanced = time.perf_counter()
