@@ -1045,20 +1045,29 @@ class Engine:
         tree on the device, with no request waiting for a free slot (the next step would admit it). The drafter's pass
         appends the pending features to its context and drafts the block; what it leaves, the next round takes
         (_take_draft_ahead) or undoes."""
-        if len(seqs) != 1 or (self.waiting and self.free_slots):   # a request about to join the batch
-            return
-        seq = seqs[0]
-        if seq.request.finish_reason is not None or seq.request.params.mode not in ("dflash", "ddtree"):
-            return
-        plan = self._device_tree_plan(seqs)
+        plan = self._ahead_plan(seqs[0]) if len(seqs) == 1 else None
         if plan is None:
             return
+        seq = seqs[0]
         cache = self.draft_caches[seq.slot]
         length, pending = cache.length, list(seq.pending_taps)
         self._events.record("draft")
         hidden = self._draft_hidden(seqs)
         self._draft_ahead = DraftAhead(seq, seq.start, plan, hidden, length, pending)
         self.stage_times.drafts_ahead += 1
+
+    def _ahead_plan(self, seq: Sequence) -> tuple | None:
+        """The next round's device plan (_device_tree_plan) of a lone request whose next draft may run ahead of its
+        round (_launch_draft_ahead, _take_early): a `dflash` or `ddtree` request still running, with no request
+        waiting for a free slot (the next step would admit it, and the batch would not take the draft); else None."""
+        if (self._joining() or seq.request.finish_reason is not None
+                or seq.request.params.mode not in ("dflash", "ddtree")):
+            return None
+        return self._device_tree_plan([seq])
+
+    def _joining(self) -> bool:
+        """Whether a waiting request joins the batch at the next step (a slot is free for it)."""
+        return bool(self.waiting and self.free_slots)
 
     def _accept_on_device(self, seq: Sequence, head: torch.Tensor, choices: torch.Tensor, taps: torch.Tensor | None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -1068,7 +1077,7 @@ class Engine:
         round ends the request (its last token), another is about to join, or there is nothing to draft with."""
         params, request = seq.request.params, seq.request
         if (params.mode not in ("dflash", "ddtree") or taps is None or self.static_drafter is None
-                or (self.waiting and self.free_slots) or request.num_output_tokens + 1 >= seq.max_tokens):
+                or self._joining() or request.num_output_tokens + 1 >= seq.max_tokens):
             return None
         path, count, bonus = accept_greedy_device(head, choices, row_bucket(self.drafter.block_size))
         return taps.index_select(0, path), count, bonus   # a copy: the verify's buffer is the next verify's
@@ -1098,9 +1107,7 @@ class Engine:
             logger.warning("request %s: the device's acceptance (%d) differs from the host's (%d); draft dropped",
                            seq.request.request_id, early.count, len(accepted))
             return False
-        if seq.request.finish_reason is not None or (self.waiting and self.free_slots):
-            return False
-        plan = self._device_tree_plan([seq])
+        plan = self._ahead_plan(seq)
         if plan is None:
             return False
         cache = self.draft_caches[seq.slot]
