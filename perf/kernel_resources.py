@@ -92,12 +92,15 @@ def cases() -> list[dict]:
         for n, k in shapes:
             block_m = g.rows_block(rows)
             block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2)
-            for norm in (False, True) if (n, k, "norm") in g.CONFIGS else (False,):
-                name = ("rows swapped" if swap else "rows") + (" norm" if norm else "")
+            glu = (k, n // 2) in shapes   # a gated MLP's gate and up: the down projection reads N // 2 columns
+            forms = [(False, False)] + [(True, False)] * ((n, k, "norm") in g.CONFIGS) + [(False, True)] * glu
+            for norm, silu_up in forms:
+                name = ("rows swapped" if swap else "rows") + (" norm" if norm else "") + (" glu" if silu_up else "")
                 out.append({"kernel": name, "shape": f"{n}x{k}", "prologue": "-", "rows": rows, "warps": warps,
                             "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
-                                "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ADD": not norm,
-                                "IEEE": False, "SWAP": swap, "NORM": norm, "SCALE": False}})
+                                "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                "ADD": not (norm or silu_up), "IEEE": False, "SWAP": swap, "NORM": norm, "SCALE": False,
+                                "GLU": silu_up}})
     return out
 
 
@@ -119,7 +122,7 @@ def table(rows: list[dict], forms: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--forms", default=",".join(FORMS))
-    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows norm,rows swapped norm")
+    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows norm,rows swapped norm,rows glu,rows swapped glu")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="kernel_resources_sm90")
     args = parser.parse_args()

@@ -148,6 +148,14 @@ def rows_norm() -> bool:
     return os.environ.get("DDTREE_ROWS_NORM", "0") not in ("", "0")
 
 
+def rows_glu() -> bool:
+    """Whether static forwards of a few rows take a gated MLP's silu(gate) * up in the epilogue of its fused gate/up
+    product (gemv_kernel.linear_rows' glu) instead of the chain's own kernel after it (64 of them in a 27B verify, and
+    the [rows, 2 x 17408] product written and read again): DDTREE_ROWS_GLU=1. Off by default: not yet measured on a
+    GPU (perf/gpu_ratios.py --round-variants static-rowsglu)."""
+    return os.environ.get("DDTREE_ROWS_GLU", "0") not in ("", "0")
+
+
 def gemv_max_rows() -> int:
     """The most rows of a static forward whose Linears go through our kernels (gemv_kernel: one row through the GEMV,
     up to this many through its few-rows kernel, which streams each weight once for all of them); more go through

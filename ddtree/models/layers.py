@@ -117,20 +117,23 @@ class GatedNormed(Prologue):
 
 
 def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+           scale: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[add +] module(x), x a tensor or a Prologue; in a static forward on CUDA (through_gemv) one row through our
     GEMV kernel with the prologue and the add in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8%
     slower on the H200, and each prologue or add is a kernel less), a few through its few-rows kernel with the add in
     it (the prologue's chain before it, but for a zero-centered norm whose scaled input is there: the kernel's NORM
     form). scale [out_features] (the next norm's, kernels.rows_norm): (out, out * scale rounded), the second written
-    by the few-rows kernel's epilogue."""
+    by the few-rows kernel's epilogue. glu (a few rows through the few-rows kernel only; kernels.rows_glu): module is a
+    gated MLP's fused gate/up and the output silu(gate) * up, from the kernel's epilogue."""
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
         if isinstance(x, Prologue) and x.shape[0] == 1:
             return _scaled(kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add), scale)
         if isinstance(x, NormedRows) and x.scaled is not None and x.KIND == "norm":
-            return kernel(x.scaled, module.weight, norm_input=x.x.contiguous(), eps=x.eps, add=add, scale_out=scale)
-        return kernel(materialize(x).contiguous(), module.weight, add=add, scale_out=scale)
+            return kernel(x.scaled, module.weight, norm_input=x.x.contiguous(), eps=x.eps, add=add, scale_out=scale,
+                          glu=glu)
+        return kernel(materialize(x).contiguous(), module.weight, add=add, scale_out=scale, glu=glu)
+    assert not glu, "glu: only through the few-rows kernel"
     out = module(materialize(x))
     return _scaled(out if add is None else add + out, scale)
 
@@ -193,6 +196,10 @@ class GatedMLP(FusedProjections, nn.Module):
                 scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The MLP's output [plus the residual stream, added in the down projection's epilogue] [and its product with
         scale: layers.linear]."""
+        fused_proj = getattr(self, "fused_proj", None)
+        if (fused_proj is not None and fused_proj.bias is None and x.shape[0] > 1 and kernels.rows_glu()
+                and through_gemv(x)):   # silu(gate) * up in the few-rows kernel's epilogue (kernels.rows_glu)
+            return linear(linear(x, fused_proj, glu=True), self.down_proj, residual, scale)
         gate, up = self.project(x)
         return linear(SiluMul(gate, up), self.down_proj, residual, scale)
 

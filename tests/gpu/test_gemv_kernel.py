@@ -62,6 +62,37 @@ def test_rows_norm_form_equals_the_norm_then_the_product_on_the_gpu(dtype, n, k,
     assert (got - want).abs().max() <= tolerance * want.abs().max().clamp(min=1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(17408, 5120), (300, 1000)])
+@pytest.mark.parametrize("rows, swap", [(16, "0"), (17, "1"), (16, "1"), (17, "0")])
+def test_rows_glu_form_equals_the_product_then_silu_times_up_on_the_gpu(dtype, n, k, rows, swap, monkeypatch):
+    """linear_rows(x, [gate; up], glu=True) == fused.silu_mul(*F.linear(x, [gate; up]).split(n)): to float32 rounding
+    in float32; in bf16 to a bf16 ulp or two of the output's scale (the epilogue rounds gate, up, silu and the
+    product where the chain does; the products' sums differ from cuBLAS's in their order only)."""
+    from ddtree.models import fused
+    from ddtree.models.gemv_kernel import linear_rows
+
+    monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)
+    gen = torch.Generator().manual_seed(n + k + rows)
+    w = (torch.randn(2 * n, k, generator=gen) / k**0.5).to("cuda", dtype)
+    x = torch.randn(rows, k, generator=gen).to("cuda", dtype)
+    with torch.inference_mode():
+        want = fused.silu_mul.eager(*F.linear(x, w).split(n, dim=-1)).float()
+        got = linear_rows(x, w, glu=True).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert got.shape == want.shape and (got - want).abs().max() <= tolerance * want.abs().max().clamp(min=1.0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_engine_with_the_rows_glu_form_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with each gated MLP's silu(gate) * up of a few rows in the
+    epilogue of its gate/up product (DDTREE_ROWS_GLU=1, kernels.rows_glu) == with the chain's own kernel."""
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_ROWS_GLU", tiny_config(family, tiny_models, tmp_path),
+                                      [("dflash", 1), ("ddtree", 16)], seed=8)
+
+
 @pytest.mark.parametrize("rows, swap", [(1, "0"), (16, "0"), (17, "1")])
 def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
     from ddtree.models.gemv_kernel import linear_rows

@@ -171,6 +171,62 @@ def test_hybrid_engine_with_the_rows_norm_form_decodes_what_it_decodes_without(t
     assert len(normed) % (2 * layers_ - 1) == 0, (len(normed), layers_)
 
 
+@pytest.mark.parametrize("rows", [2, 16, 17])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("n, k, config", [(37, 300, (16, 128, 4, 3)), (64, 512, None), (5, 64, (32, 64, 4, 2))])
+def test_the_rows_kernel_glu_form_equals_the_product_then_silu_times_up(rows, swap, n, k, config):
+    """glu: weight = [gate; up] ([2n, k]) and out = silu(x @ gate.T) * (x @ up.T) [rows, n], partial tiles of the
+    interleaved columns too (n = 37: 19 columns of each in the last program of 32; n = 5: one program, most of it
+    past n); in the NORM form as well (x = h * p)."""
+    from ddtree.models import fused
+
+    linear_rows = gemv_module().linear_rows
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(2 * n, k, generator=gen) / k**0.5
+    gate, up = F.linear(x, w).split(n, dim=-1)
+    got = linear_rows(x, w, config, swap=swap, glu=True)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, fused.silu_mul.eager(gate, up), rtol=1e-5, atol=1e-5)
+    p = 1.0 + 0.1 * torch.randn(k, generator=gen)
+    gate, up = F.linear(fused.zero_centered_rms_norm.eager(x, p, 1e-6), w).split(n, dim=-1)
+    torch.testing.assert_close(linear_rows(x * p, w, config, swap=swap, norm_input=x, eps=1e-6, glu=True),
+                               fused.silu_mul.eager(gate, up), rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError, match="glu"):
+        linear_rows(x, w, config, glu=True, add=torch.zeros(rows, n))
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
+    """DDTREE_ROWS_GLU=1: each gated MLP of the static forwards of a few rows (trees, `dflash` verifies, the drafter's
+    blocks) takes silu(gate) * up in the epilogue of its fused gate/up product, no chain apart; greedy `ddtree` and
+    `dflash` tokens as without it."""
+    from ddtree.engine import Engine
+    from ddtree.models import layers
+    from tests.unit.test_batching import static_cpu_config
+
+    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=1)
+    kernel = gemv_module().linear_rows
+    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: kernel)
+    vocab = Engine(config).target.config.vocab_size
+    rng = random.Random(7)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))],
+             SamplingParams(max_tokens=5, mode=mode, tree_budget=6, ignore_eos=True)) for mode in ("ddtree", "dflash")]
+    calls, chains = [], []
+    eager = layers.SiluMul.eager
+    monkeypatch.setattr(layers.SiluMul, "eager", lambda self: chains.append(self.shape[0]) or eager(self))
+    expected = [run_together(Engine(config), [job]) for job in jobs]
+    chains_without = len(chains)
+    chains.clear()
+    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: lambda x, w, **k: calls.append(
+        (x.shape[0], k.get("glu", False))) or kernel(x, w, **k))
+    monkeypatch.setenv("DDTREE_ROWS_GLU", "1")
+    assert [run_together(Engine(config), [job]) for job in jobs] == expected
+    glu = [rows for rows, on in calls if on]
+    assert glu and min(glu) > 1
+    # each MLP taken in the epilogue is a chain less (the rest: prefills, the drafter's unfused MLPs)
+    assert len(chains) == chains_without - len(glu), (len(chains), chains_without, len(glu))
+
+
 def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
     """DDTREE_GEMV_TUNED=<gemv_bench json>:<rows> gives linear_rows the configurations that run chose, per form."""
     import json
