@@ -143,21 +143,31 @@ def test_engines_with_linears_through_the_kernels_decode_what_they_decode_withou
 
 
 
+def drafting_jobs_through_the_kernels(kind: str, tiny_models, tmp_path, monkeypatch, seed: int):
+    """(config, linear_rows, jobs): a static CPU engine config of the family whose Linears go through our kernels
+    (Triton's interpreter) from now on, and a greedy `ddtree` and a `dflash` request on random prompts."""
+    from ddtree.engine import Engine
+    from ddtree.models import layers
+    from tests.unit.test_batching import static_cpu_config
+
+    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=1)
+    kernel = gemv_module().linear_rows
+    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: kernel)
+    vocab = Engine(config).target.config.vocab_size
+    rng = random.Random(seed)
+    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))],
+             SamplingParams(max_tokens=5, mode=mode, tree_budget=6, ignore_eos=True)) for mode in ("ddtree", "dflash")]
+    return config, kernel, jobs
+
+
 def test_hybrid_engine_with_the_rows_norm_form_decodes_what_it_decodes_without(tiny_models, tmp_path, monkeypatch):
     """DDTREE_ROWS_NORM=1: a hybrid's trees and drafter blocks through the few-rows kernel take every zero-centered norm
     but the first layer's in the NORM form of the Linear that reads it, its input written by the epilogue of the
     Linear before (no norm computed apart for those); greedy `ddtree` and `dflash` tokens as without it."""
     from ddtree.engine import Engine
     from ddtree.models import layers
-    from tests.unit.test_batching import static_cpu_config
 
-    config = static_cpu_config("hybrid", tiny_models, tmp_path, max_num_seqs=1)
-    kernel = gemv_module().linear_rows
-    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: kernel)
-    vocab = Engine(config).target.config.vocab_size
-    rng = random.Random(5)
-    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))],
-             SamplingParams(max_tokens=5, mode=mode, tree_budget=6, ignore_eos=True)) for mode in ("ddtree", "dflash")]
+    config, kernel, jobs = drafting_jobs_through_the_kernels("hybrid", tiny_models, tmp_path, monkeypatch, seed=5)
     expected = [run_together(Engine(config), [job]) for job in jobs]
     calls = []
     monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: lambda x, w, **k: calls.append(
@@ -202,15 +212,8 @@ def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, ti
     `dflash` tokens as without it."""
     from ddtree.engine import Engine
     from ddtree.models import layers
-    from tests.unit.test_batching import static_cpu_config
 
-    config = static_cpu_config(kind, tiny_models, tmp_path, max_num_seqs=1)
-    kernel = gemv_module().linear_rows
-    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: kernel)
-    vocab = Engine(config).target.config.vocab_size
-    rng = random.Random(7)
-    jobs = [([rng.randrange(vocab - 1) for _ in range(rng.randint(3, 12))],
-             SamplingParams(max_tokens=5, mode=mode, tree_budget=6, ignore_eos=True)) for mode in ("ddtree", "dflash")]
+    config, kernel, jobs = drafting_jobs_through_the_kernels(kind, tiny_models, tmp_path, monkeypatch, seed=7)
     calls, chains = [], []
     eager = layers.SiluMul.eager
     monkeypatch.setattr(layers.SiluMul, "eager", lambda self: chains.append(self.shape[0]) or eager(self))
