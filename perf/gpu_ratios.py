@@ -65,7 +65,8 @@ HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
             "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree", "static-pdl",
-            "static-pdlwait", "static-pdlall", "static-pdlours", "static-rowsnorm", "static-rowsglu")
+            "static-pdlwait", "static-pdlall", "static-pdlours", "static-rowsnorm", "static-rowsglu", "static-treegates",
+            "static-fusedall")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -78,7 +79,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
     "static-pdlall": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "all"},
     "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}, "static-rowsnorm": {"DDTREE_ROWS_NORM": "1"},
-    "static-rowsglu": {"DDTREE_ROWS_GLU": "1"},
+    "static-rowsglu": {"DDTREE_ROWS_GLU": "1"}, "static-treegates": {"DDTREE_TREE_GATES": "1"},
+    "static-fusedall": {"DDTREE_ROWS_NORM": "1", "DDTREE_ROWS_GLU": "1", "DDTREE_TREE_GATES": "1"},
     "static-draftearly": {"DDTREE_DRAFT_EARLY": "1"}}   # with ROUND_SETTINGS' draft_ahead: whole rounds only
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
@@ -278,6 +280,8 @@ def table(result: dict) -> str:
              "NORM form of the Linears that read them, their input scaled in the epilogue of the Linear before "
              "(DDTREE_ROWS_NORM=1) instead of the norms' own kernels; static-rowsglu: a few rows' silu(gate) * up "
              "in the epilogue of each MLP's gate/up product (DDTREE_ROWS_GLU=1) instead of the chain's own kernel; "
+             "static-treegates: a tree batch's GDN gates computed by the conv's kernel (DDTREE_TREE_GATES=1) instead of "
+             "their own compiled kernel; static-fusedall: those three together; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

@@ -261,6 +261,14 @@ def conv_windows_kernel(device: torch.device) -> Callable | None:
     return _conv_windows_kernel()
 
 
+def tree_gates() -> bool:
+    """Whether a tree batch's GDN gates (fused.gdn_gates_into: beta and g from the raw projections, into the commit
+    stash) are computed by the conv's kernel (conv_windows_kernel, tree_kernel.conv_windows_in_place's gates) instead
+    of a compiled kernel of their own, 48 kernels less a 27B verify: DDTREE_TREE_GATES=1. Off by default: not yet
+    measured on a GPU (perf/gpu_ratios.py --round-variants static-treegates)."""
+    return os.environ.get("DDTREE_TREE_GATES", "0") not in ("", "0")
+
+
 @functools.cache
 def _conv_windows_kernel() -> Callable:
     from ddtree.models.tree_kernel import conv_windows_in_place

@@ -57,6 +57,7 @@ from ddtree.models.kernels import (
     step_gdn_kernel,
     steps_gdn_kernel,
     tree_chunk_kernel,
+    tree_gates,
     tree_gdn_kernel,
 )
 from ddtree.models.layers import (
@@ -427,8 +428,11 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         mixed, z, b, a = self.project(x)                                     # mixed  # [n, conv_dim] pre-conv
         if trees is not None:   # the gates go straight into the batch's commit stash (no copies after them)
             beta, g = trees.stash.beta[slot], trees.stash.g[slot]
-            fused.gdn_gates_into(b, a, self.decay_rate(self.A_log), self.dt_bias, beta, g)
-            o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees)
+            gates = (b, a, self.decay_rate(self.A_log), self.dt_bias, beta, g)
+            if not (tree_gates() and conv_windows_kernel(x.device) is not None):
+                fused.gdn_gates_into(*gates)
+                gates = None   # else computed by the conv's kernel (kernels.tree_gates)
+            o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees, gates)
         else:
             o = self._sequences(mixed, b, a, segments, slot, layouts, stashes)
         return linear(GatedNormed(self.norm, o.reshape(n, hv * dv).to(x.dtype), z, dv), self.out_proj, residual, scale)
@@ -475,15 +479,16 @@ class GatedDeltaNet(FusedProjections, nn.Module):
         return o
 
     def _trees(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, pool: "RecurrentPool", slot: int,
-               trees: TreeBatch) -> torch.Tensor:
+               trees: TreeBatch, gates: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Every tree of the forward at GDN layer `slot` (TreeBatch): one conv over all rows (each window into its own
         request's committed one) that writes its output and its inputs into the batch's commit stash (g and beta are
         there already: forward), one call of our chunk kernel (each tree whole from its slot's state, read in place)
-        or of our paths kernel (each path from it). The same values as `_core` computes for each tree alone."""
+        or of our paths kernel (each path from it). The same values as `_core` computes for each tree alone. gates: g
+        and beta not yet computed, their inputs for the conv's kernel (kernels.tree_gates)."""
         qkv = trees.stash.qkv[slot]   # the committed windows read from the pool by the conv's kernel (column r * K + i)
         conv = conv_windows_kernel(mixed.device) or fused.conv_windows_pooled_into
         conv(mixed, pool.conv[:, slot], trees.slots, self.conv_weight(self.conv1d.weight), trees.window, qkv,
-             trees.stash.x[slot])
+             trees.stash.x[slot], **({} if gates is None else {"gates": gates}))
         q, k, v = self._heads(qkv)
         if trees.chunks is not None:
             return trees.chunks(q, k, v, g, beta, trees.row0, trees.rows, trees.ancestors, pool.state[:, slot],

@@ -340,9 +340,22 @@ def conv_steps_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.T
 
 @triton.jit
 def _conv_windows_kernel(x, pool, slots, weight, window, out, x_out, C, x_row, pool_slot, pool_channel, weight_row,
-                         out_row, x_out_row, committed, KW: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                         out_row, x_out_row, committed, b, a, decay, dt_bias, beta_out, g_out, gate_row, beta_row,
+                         g_row, KW: tl.constexpr, BLOCK_C: tl.constexpr, HV: tl.constexpr, BLOCK_HV: tl.constexpr,
+                         GATES: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_grid(PDL)   # before any load or store: the conv weights' loads sit among the window's (kernels.pdl)
     i_c, n = tl.program_id(0), tl.program_id(1)
+    if GATES:   # row n's gates from the raw projections b, a, as fused.gdn_gates_into writes them (its first program)
+        if i_c == 0:
+            h = tl.arange(0, BLOCK_HV)
+            h_ok = h < HV
+            raw_b = tl.load(b + n * gate_row + h, mask=h_ok, other=0.0)
+            beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype)   # rounded as torch's, in b's dtype
+            tl.store(beta_out + n * beta_row + h, beta.to(beta_out.dtype.element_ty), mask=h_ok)
+            raw_a = (tl.load(a + n * gate_row + h, mask=h_ok, other=0.0).to(tl.float32)
+                     + tl.load(dt_bias + h, mask=h_ok, other=0.0).to(tl.float32))
+            g = tl.load(decay + h, mask=h_ok, other=0.0) * _softplus(raw_a)
+            tl.store(g_out + n * g_row + h, g.to(g_out.dtype.element_ty), mask=h_ok)
     c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -362,23 +375,35 @@ def _conv_windows_kernel(x, pool, slots, weight, window, out, x_out, C, x_row, p
 
 
 def conv_windows_in_place(x: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
-                          window: torch.Tensor, out: torch.Tensor, x_out: torch.Tensor, block_c: int = 256) -> None:
+                          window: torch.Tensor, out: torch.Tensor, x_out: torch.Tensor, block_c: int = 256,
+                          gates: tuple[torch.Tensor, ...] | None = None) -> None:
     """fused.conv_windows_pooled_into as one kernel: each row's causal conv + SiLU over its window (a tree node's
     ancestors, then the committed inputs), the committed inputs read where they lie in the recurrent pool (slot r's
     window at slots[r]), written into out [N, C] and x copied into x_out [N, C] (a tree batch's commit stash).
     x # [N, C] (rows any stride apart); conv_pool # [S, C, K]; slots # [R] long; weight # [C, K]; window # [N, K]
-    long, entry i < R * K: slot i // K's committed input i % K, else row i - R * K of x. Sums in float32."""
+    long, entry i < R * K: slot i // K's committed input i % K, else row i - R * K of x. Sums in float32.
+    gates: (b, a, decay_rate, dt_bias, beta_out, g_out): the rows' GDN gates as well, fused.gdn_gates_into's (b, a
+    [N, HV] with one row stride, each row contiguous: the raw projections; decay_rate, dt_bias [HV]; written into
+    beta_out, g_out [N, HV]), a kernel less a layer (kernels.tree_gates)."""
     n, c = x.shape
     kw = conv_pool.shape[2]
     assert conv_pool.shape[1] == c and conv_pool.stride(2) == 1 and weight.shape == (c, kw) and weight.stride(1) == 1
     assert window.shape == (n, kw) and window.is_contiguous() and out.shape == x_out.shape == (n, c), "shapes"
     assert out.stride(1) == 1 and x_out.stride(1) == 1, "rows of out, x_out contiguous"
     x = _rows_apart(x)
+    b, a, decay, dt_bias, beta_out, g_out = gates if gates is not None else (x,) * 6   # unread without gates
+    hv = b.shape[1] if gates is not None else 1
+    if gates is not None:
+        assert b.shape == a.shape == beta_out.shape == g_out.shape == (n, hv) and b.stride() == a.stride(), "gates"
+        assert b.stride(1) == beta_out.stride(1) == g_out.stride(1) == 1 and decay.shape == dt_bias.shape == (hv,)
     use_pdl = pdl(x.device)
     _conv_windows_kernel[(triton.cdiv(c, block_c), n)](x, conv_pool, slots, weight, window, out, x_out, c, x.stride(0),
                                                        conv_pool.stride(0), conv_pool.stride(1), weight.stride(0),
-                                                       out.stride(0), x_out.stride(0), slots.shape[0] * kw, KW=kw,
-                                                       BLOCK_C=block_c, PDL=use_pdl, launch_pdl=use_pdl)
+                                                       out.stride(0), x_out.stride(0), slots.shape[0] * kw, b, a, decay,
+                                                       dt_bias, beta_out, g_out, b.stride(0), beta_out.stride(0),
+                                                       g_out.stride(0), KW=kw, BLOCK_C=block_c, HV=hv,
+                                                       BLOCK_HV=triton.next_power_of_2(hv), GATES=gates is not None,
+                                                       PDL=use_pdl, launch_pdl=use_pdl)
 
 
 def _node_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor

@@ -238,3 +238,48 @@ def test_conv_windows_in_place_equals_the_tree_conv(module):
     tolerance = 2e-2 if CUDA else 1e-5
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
     assert torch.equal(got_x, want_x)
+
+
+def test_conv_windows_in_place_writes_the_gates_of_the_gates_chain(module):
+    """With gates (DDTREE_TREE_GATES) the conv's kernel writes each row's beta and g from the raw projections b, a
+    (bf16 column slices of one output on a GPU, at Qwen3.6-27B's 48 value heads) as fused.gdn_gates_into's eager form:
+    beta rounded to bf16 as torch's sigmoid rounds it, g in float32; the conv as without."""
+    from ddtree.models import fused
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    gen = torch.Generator().manual_seed(10)
+    c, kw, slots, n, hv = 10240 if CUDA else 300, 4, torch.tensor([3, 0]), 17, 48
+    x = torch.randn(n, c, generator=gen).to(DEVICE, dtype)
+    pool = torch.randn(5, c, kw, generator=gen).to(DEVICE, dtype)
+    weight = (torch.randn(c, kw, generator=gen) * 0.5).to(DEVICE, dtype)
+    window = torch.randint(0, 2 * kw + n, (n, kw), generator=gen)
+    window[:, -1] = 2 * kw + torch.arange(n)
+    window, slots = window.to(DEVICE), slots.to(DEVICE)
+    projections = (torch.randn(n, 2 * hv + 5, generator=gen) * 6).to(DEVICE, dtype)
+    b, a = projections[:, 5:5 + hv], projections[:, 5 + hv:]
+    decay_rate = (-torch.rand(hv, generator=gen) * 4).to(DEVICE)
+    dt_bias = torch.randn(hv, generator=gen).to(DEVICE, dtype)
+    want, want_x = torch.empty(n, c, device=DEVICE, dtype=dtype), torch.empty(n, c, device=DEVICE, dtype=dtype)
+    fused.conv_windows_pooled_into.eager(x, pool, slots, weight, window, want, want_x)
+    want_beta, want_g = torch.empty(n, hv, device=DEVICE, dtype=dtype), torch.empty(n, hv, device=DEVICE)
+    fused.gdn_gates_into.eager(b, a, decay_rate, dt_bias, want_beta, want_g)
+    got, got_x = torch.empty_like(want), torch.empty_like(want_x)
+    beta, g = torch.empty_like(want_beta), torch.empty_like(want_g)
+    module.conv_windows_in_place(x, pool, slots, weight, window, got, got_x, gates=(b, a, decay_rate, dt_bias, beta, g))
+    tolerance = 2e-2 if CUDA else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(got_x, want_x)
+    torch.testing.assert_close(beta.float(), want_beta.float(), rtol=0, atol=2 ** -8)   # one bf16 ulp below 1 at most
+    torch.testing.assert_close(g, want_g, rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_engine_with_the_gates_in_the_conv_kernel_decodes_what_it_decodes_without(tiny_models, monkeypatch,
+                                                                                          tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with a tree batch's gates from the conv's kernel
+    (DDTREE_TREE_GATES=1, kernels.tree_gates) == from their own compiled kernel."""
+    if not CUDA:
+        pytest.skip("the engine's tree kernels run on CUDA")
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_TREE_GATES", tiny_config("hybrid", tiny_models, tmp_path),
+                                      [("dflash", 1), ("ddtree", 16)], seed=9)

@@ -50,12 +50,13 @@ def forward_and_commit(target, caches, slots, starts, parents, ids, positions):
     return logits, pool.state.clone(), pool.conv.clone()
 
 
-@pytest.mark.parametrize("form", ["paths", "chunks"])
+@pytest.mark.parametrize("form", ["paths", "chunks", "chunks+gates"])
 @pytest.mark.parametrize("slots", [[3, 0, 4], [2, 1, 0]])   # scattered slots (gathered), a run of slots (a view)
 def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slots, form, tmp_path, monkeypatch):
     """Trees of different sizes in one TreeBatch through our paths kernel, or through the chunk kernel (whole trees,
-    tree_kernel.batched_tree_chunks), against each tree alone on the torch masked form."""
-    from ddtree.models import qwen3_5
+    tree_kernel.batched_tree_chunks), against each tree alone on the torch masked form; chunks+gates: the gates by the
+    conv's kernel too (DDTREE_TREE_GATES=1, no gates kernel of their own)."""
+    from ddtree.models import fused, qwen3_5
 
     target_path, _ = make_hybrid(tmp_path)
     target = qwen3_5.HybridTarget.from_pretrained(target_path)
@@ -80,18 +81,23 @@ def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slot
     kernel, batches, make = tree_kernel_module().batched_tree_paths, [], qwen3_5.TreeBatch.of
     monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
     monkeypatch.setattr(qwen3_5, "tree_gdn_kernel", lambda device: kernel)
-    chunks, chunk_calls = tree_kernel_module().batched_tree_chunks, []
+    chunks, chunk_calls, chunked = tree_kernel_module().batched_tree_chunks, [], form.startswith("chunks")
     monkeypatch.setattr(qwen3_5, "tree_chunk_kernel",
-                        lambda device: (lambda *a: chunk_calls.append(1) or chunks(*a)) if form == "chunks" else None)
+                        lambda device: (lambda *a: chunk_calls.append(1) or chunks(*a)) if chunked else None)
     conv = tree_kernel_module().conv_windows_in_place   # with the chunk form, the conv through our kernel too
     monkeypatch.setattr(qwen3_5, "conv_windows_kernel",
-                        lambda device: (lambda *a: chunk_calls.append(1) or conv(*a)) if form == "chunks" else None)
+                        lambda device: (lambda *a, **k: chunk_calls.append(1) or conv(*a, **k)) if chunked else None)
+    gates_kernels, gates_into = [], fused.gdn_gates_into
+    monkeypatch.setattr(fused, "gdn_gates_into", lambda *a: gates_kernels.append(1) or gates_into(*a))
+    monkeypatch.setenv("DDTREE_TREE_GATES", "1" if form == "chunks+gates" else "0")
     monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
     replays, replay = [], qwen3_5.replay_batch
     monkeypatch.setattr(qwen3_5, "replay_batch", lambda base, paths, *a: replays.append(len(paths)) or replay(base, paths, *a))
     batched = run()
     assert batches == [3] and replays == [3], (batches, replays)   # one kernel call per layer, one replay
-    assert len(chunk_calls) == (2 * target.config.layer_types.count("linear_attention") if form == "chunks" else 0)
+    gdn_layers = target.config.layer_types.count("linear_attention")
+    assert len(chunk_calls) == (2 * gdn_layers if chunked else 0)
+    assert len(gates_kernels) == (0 if form == "chunks+gates" else gdn_layers)
     for name, got, want in zip(("logits", "states", "conv windows"), batched, masked):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
     assert not torch.equal(masked[1], committed[0]), "the commits moved the states"
@@ -174,6 +180,37 @@ def test_conv_windows_in_place_equal_the_compiled_tree_conv():
     kernels.conv_windows_in_place(x, pool[:, 0], slots, weight, window, got, got_x, block_c=128)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_x, want_x) and torch.equal(pool, before)
+
+
+def test_conv_windows_in_place_writes_the_gates_as_the_gates_chain_does():
+    """With gates (kernels.tree_gates) the conv's kernel also writes each row's beta and g from the raw projections b,
+    a (column slices of one output, read where they lie) as fused.gdn_gates_into writes them, the conv unchanged."""
+    from ddtree.models import fused
+
+    kernels = tree_kernel_module()
+    gen = torch.Generator().manual_seed(8)
+    c, kw, slots, n, hv = 300, 4, torch.tensor([3, 0, 4]), 7, 6
+    x = torch.randn(n, c + 5, generator=gen)[:, 5:]
+    pool = torch.randn(6, 2, c, kw, generator=gen)
+    weight = torch.randn(c, kw, generator=gen)
+    committed = slots.shape[0] * kw
+    window = torch.randint(0, committed + n, (n, kw), generator=gen)
+    window[:, -1] = committed + torch.arange(n)
+    projections = torch.randn(n, 3 + 2 * hv, generator=gen)
+    b, a = projections[:, 3:3 + hv], projections[:, 3 + hv:] * 12   # softplus's both branches
+    a = projections[:, 3 + hv:].copy_(a)
+    decay_rate, dt_bias = -torch.rand(hv, generator=gen) * 4, torch.randn(hv, generator=gen)
+    want, want_x, want_beta, want_g = torch.zeros(n, c), torch.zeros(n, c), torch.zeros(n, hv), torch.zeros(n, hv)
+    fused.conv_windows_pooled_into.eager(x, pool[:, 0], slots, weight, window, want, want_x)
+    fused.gdn_gates_into.eager(b, a, decay_rate, dt_bias, want_beta, want_g)
+    got, got_x, beta, g = torch.zeros(n, c), torch.zeros(n, c), torch.zeros(2, n, hv), torch.zeros(2, n, hv)
+    kernels.conv_windows_in_place(x, pool[:, 0], slots, weight, window, got, got_x, block_c=128,
+                                  gates=(b, a, decay_rate, dt_bias, beta[1], g[1]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_x, want_x)
+    torch.testing.assert_close(beta[1], want_beta, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g[1], want_g, rtol=1e-5, atol=1e-6)
+    assert not beta[0].any() and not g[0].any()   # each row's gates where its own stash layer says
 
 
 def test_the_paths_kernel_reads_strided_rows_as_contiguous_ones():
