@@ -217,20 +217,28 @@ def test_a_batch_of_trees_through_the_kernel_decodes_what_each_decodes_alone(mon
         assert request.output_ids == expected[i], f"request {i} budget {jobs[i][1].tree_budget}"
 
 
-def test_conv_windows_in_place_equals_the_tree_conv(module):
-    """A tree batch's GDN conv through our kernel (conv_windows_in_place, bf16 on a GPU) == fused.conv_windows_pooled_
-    into's eager form at Qwen3.6-27B's conv width: the output and the stash copy of the input."""
-    from ddtree.models import fused
-
+def conv_case(seed: int) -> tuple:
+    """(x, pool, slots, weight, window, generator) of a 17-row tree batch's conv at Qwen3.6-27B's conv width (bf16) on
+    a GPU, 300 channels in float32 elsewhere: two requests' committed windows in a pool of 5, each row's window mixing
+    them with rows of x, its own input last."""
     dtype = torch.bfloat16 if CUDA else torch.float32
-    gen = torch.Generator().manual_seed(9)
+    gen = torch.Generator().manual_seed(seed)
     c, kw, slots, n = 10240 if CUDA else 300, 4, torch.tensor([3, 0]), 17
     x = torch.randn(n, c, generator=gen).to(DEVICE, dtype)
     pool = torch.randn(5, c, kw, generator=gen).to(DEVICE, dtype)
     weight = (torch.randn(c, kw, generator=gen) * 0.5).to(DEVICE, dtype)
     window = torch.randint(0, 2 * kw + n, (n, kw), generator=gen)
     window[:, -1] = 2 * kw + torch.arange(n)
-    window, slots = window.to(DEVICE), slots.to(DEVICE)
+    return x, pool, slots.to(DEVICE), weight, window.to(DEVICE), gen
+
+
+def test_conv_windows_in_place_equals_the_tree_conv(module):
+    """A tree batch's GDN conv through our kernel (conv_windows_in_place, bf16 on a GPU) == fused.conv_windows_pooled_
+    into's eager form at Qwen3.6-27B's conv width: the output and the stash copy of the input."""
+    from ddtree.models import fused
+
+    x, pool, slots, weight, window, _ = conv_case(seed=9)
+    n, c, dtype = *x.shape, x.dtype
     want, want_x = torch.empty(n, c, device=DEVICE, dtype=dtype), torch.empty(n, c, device=DEVICE, dtype=dtype)
     fused.conv_windows_pooled_into.eager(x, pool, slots, weight, window, want, want_x)
     got, got_x = torch.empty_like(want), torch.empty_like(want_x)
@@ -246,15 +254,8 @@ def test_conv_windows_in_place_writes_the_gates_of_the_gates_chain(module):
     beta rounded to bf16 as torch's sigmoid rounds it, g in float32; the conv as without."""
     from ddtree.models import fused
 
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    gen = torch.Generator().manual_seed(10)
-    c, kw, slots, n, hv = 10240 if CUDA else 300, 4, torch.tensor([3, 0]), 17, 48
-    x = torch.randn(n, c, generator=gen).to(DEVICE, dtype)
-    pool = torch.randn(5, c, kw, generator=gen).to(DEVICE, dtype)
-    weight = (torch.randn(c, kw, generator=gen) * 0.5).to(DEVICE, dtype)
-    window = torch.randint(0, 2 * kw + n, (n, kw), generator=gen)
-    window[:, -1] = 2 * kw + torch.arange(n)
-    window, slots = window.to(DEVICE), slots.to(DEVICE)
+    x, pool, slots, weight, window, gen = conv_case(seed=10)
+    (n, c), dtype, hv = x.shape, x.dtype, 48
     projections = (torch.randn(n, 2 * hv + 5, generator=gen) * 6).to(DEVICE, dtype)
     b, a = projections[:, 5:5 + hv], projections[:, 5 + hv:]
     decay_rate = (-torch.rand(hv, generator=gen) * 4).to(DEVICE)
