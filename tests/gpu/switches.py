@@ -19,16 +19,18 @@ def tiny_config(family: str, tiny_models, tmp_path):
                         device="cuda")
 
 
-def assert_switch_keeps_greedy_tokens(monkeypatch, variable: str, config, cases: list[tuple[str, int]], seed: int) -> None:
+def assert_switch_keeps_greedy_tokens(monkeypatch, variable: str | tuple[str, ...], config, cases: list[tuple[str, int]],
+                                      seed: int) -> None:
     """Greedy tokens of each (mode, budget) with environment `variable` = 0 == with it = 1 (fresh engines, so each
-    captures its own graphs under its setting)."""
+    captures its own graphs under its setting); a tuple: those variables switched together."""
     from ddtree.engine import Engine
     from ddtree.sampling_params import SamplingParams
 
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
     outputs = {}
     for value in ("0", "1"):
-        monkeypatch.setenv(variable, value)
+        for name in (variable,) if isinstance(variable, str) else variable:
+            monkeypatch.setenv(name, value)
         engine = Engine(config)
         outputs[value] = [engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=40,
                                                                      ignore_eos=True)).output_ids for mode, budget in cases]

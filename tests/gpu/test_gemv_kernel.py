@@ -121,6 +121,16 @@ def test_hybrid_engine_with_the_rows_norm_form_decodes_what_it_decodes_without(t
                                       [("dflash", 1), ("ddtree", 16)], seed=7)
 
 
+def test_hybrid_engine_with_every_verify_fusion_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
+    """The NORM form, the GLU form and the GDN gates in the conv's kernel on together (gpu_ratios' static-fusedall):
+    greedy tokens (fp32, static forwards with graphs) == all three off."""
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    assert_switch_keeps_greedy_tokens(monkeypatch, ("DDTREE_ROWS_NORM", "DDTREE_ROWS_GLU", "DDTREE_TREE_GATES"),
+                                      tiny_config("hybrid", tiny_models, tmp_path), [("dflash", 1), ("ddtree", 16)],
+                                      seed=11)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with the Linears of up to gemv_max_rows() rows through our

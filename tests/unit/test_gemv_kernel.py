@@ -205,11 +205,12 @@ def test_the_rows_kernel_glu_form_equals_the_product_then_silu_times_up(rows, sw
         linear_rows(x, w, config, glu=True, add=torch.zeros(rows, n))
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind, norm", [("dense", False), ("hybrid", False), ("hybrid", True)])
+def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, norm, tiny_models, tmp_path, monkeypatch):
     """DDTREE_ROWS_GLU=1: each gated MLP of the static forwards of a few rows (trees, `dflash` verifies, the drafter's
     blocks) takes silu(gate) * up in the epilogue of its fused gate/up product, no chain apart; greedy `ddtree` and
-    `dflash` tokens as without it."""
+    `dflash` tokens as without it; norm: with the NORM form on too (DDTREE_ROWS_NORM=1: the gate/up products of the
+    target's verifies in both forms at once)."""
     from ddtree.engine import Engine
     from ddtree.models import layers
 
@@ -221,11 +222,13 @@ def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, ti
     chains_without = len(chains)
     chains.clear()
     monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: lambda x, w, **k: calls.append(
-        (x.shape[0], k.get("glu", False))) or kernel(x, w, **k))
+        (x.shape[0], k.get("glu", False), k.get("norm_input") is not None)) or kernel(x, w, **k))
     monkeypatch.setenv("DDTREE_ROWS_GLU", "1")
+    monkeypatch.setenv("DDTREE_ROWS_NORM", "1" if norm else "0")
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
-    glu = [rows for rows, on in calls if on]
+    glu = [rows for rows, on, _ in calls if on]
     assert glu and min(glu) > 1
+    assert any(on and normed for _, on, normed in calls) == norm   # both forms in one launch
     # each MLP taken in the epilogue is a chain less (the rest: prefills, the drafter's unfused MLPs)
     assert len(chains) == chains_without - len(glu), (len(chains), chains_without, len(glu))
 
