@@ -2,12 +2,12 @@
 spills, and the programs an SM holds at once, per 27B weight shape and form.
 
 The GEMV (`_gemv_kernel`, one row) and the few-rows kernel (`_rows_kernel`: 16 rows rows-first, 17 in the swapped
-form; "norm": its NORM form on the Linears after a norm) are compiled for sm90 exactly as a launch compiles them
-(the configuration linear_rows picks, its pipeline's stages cut to fit, the 16-byte alignment a launch on these
-shapes specializes), then ptxas -v (Triton's own) reports registers and spills. Forms: `loop` (the default), `peel`
-(DDTREE_PDL=1: the first weight tile loaded before the wait, its step out of the loop), `wait` (DDTREE_PDL=1 with
-DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs: the fewest its shared memory (228 KB, 1 KB
-reserved a program), its registers (64K) and its threads (2048) allow.
+form; "norm": its NORM form on the Linears after a norm; "glu": its GLU form on the MLPs' gate/up products) are
+compiled for sm90 exactly as a launch compiles them (the configuration linear_rows picks, its pipeline's stages cut
+to fit, the 16-byte alignment a launch on these shapes specializes), then ptxas -v (Triton's own) reports registers
+and spills. Forms: `loop` (the default), `peel` (DDTREE_PDL=1: the first weight tile loaded before the wait, its
+step out of the loop), `wait` (DDTREE_PDL=1 with DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs:
+the fewest its shared memory (228 KB, 1 KB reserved a program), its registers (64K) and its threads (2048) allow.
 
     python perf/kernel_resources.py --name kernel_resources_sm90
 
