@@ -150,6 +150,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
     # the engine's static forward (CUDA graphs on CUDA) is what it serves batch 1 with; the dynamic forward is
     # measured beside it to show what the graphs buy
     forwards, errors, variants = args.forwards.split(","), {}, set(args.variants.split(","))
+    if args.turns_only:   # the whole rounds in turns alone: no verify curve, no variants' verifies, no separate rounds
+        forwards, variants = [], set()
     verify = {forward: measure_verify(target, args.device, args.budgets, args.prompt_len, args.repeats,
                                       static=forward == "static", profile=(16, 64))
               for forward in forwards}
@@ -196,7 +198,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
                                                    **ROUND_SETTINGS["static-hosttree"])
     round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV or f in ROUND_SETTINGS]
     round_turns = {}
-    if args.round_turns and "static" in forwards:
+    if args.round_turns and ("static" in forwards or args.turns_only):
         # the static forward's rounds and its variants' in turns (pairs under the same machine state)
         round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
                                  args.dtype, round_budgets, args.prompt_len, args.rounds,
@@ -218,29 +220,31 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
             batched["ar (fla steps)"] = measure_batched_rounds(target, drafter, args.device, args.dtype, args.batches,
                                                                args.prompt_len, args.rounds, modes=(("ar", 1),))["ar"]
     floor_ms = floor_bytes / bandwidth * 1e3
-    ratios = {"ar_over_floor": verify["static"]["ar_step_ms"] / floor_ms,
+    ar_step_ms = verify["static"]["ar_step_ms"] if "static" in verify else float("nan")   # NaN: --turns-only
+    ratios = {"ar_over_floor": ar_step_ms / floor_ms,
               "dynamic_ar_over_floor": verify["dynamic"]["ar_step_ms"] / floor_ms if "dynamic" in verify else float("nan")}
     if "static-uncompiled" in verify:
         ratios["uncompiled_ar_over_floor"] = verify["static-uncompiled"]["ar_step_ms"] / floor_ms
-    for forward, table_ in rounds.items():
+    for forward, table_ in [*rounds.items(), *round_turns.items()]:
         for name, entry in table_.items():
             entry["host_share"] = max(0.0, entry["round_ms"] - entry["draft_ms"] - entry["verify_ms"]) / entry["round_ms"]
-    if "ar" in rounds["static"]:
-        ratios["ar_round_over_floor"] = rounds["static"]["ar"]["round_ms"] / floor_ms
+    static_rounds = rounds["static"] if "static" in rounds else round_turns.get("static", {})   # the turns': --turns-only
+    if "ar" in static_rounds:
+        ratios["ar_round_over_floor"] = static_rounds["ar"]["round_ms"] / floor_ms
     round_floor_ms = (floor_bytes + draft_bytes) / bandwidth * 1e3   # a drafting round's bytes
-    for name, entry in rounds["static"].items():
+    for name, entry in static_rounds.items():
         if name != "ar":
             ratios[f"{name}_over_ar"] = entry["round_over_ar"]
             ratios[f"{name}_over_its_floor"] = entry["round_ms"] / round_floor_ms
-    ratios["host_share"] = max(entry["host_share"] for entry in rounds["static"].values())
-    idle = [entry["gpu_idle_share"] for entry in rounds["static"].values() if "gpu_idle_share" in entry]
+    ratios["host_share"] = max((entry["host_share"] for entry in static_rounds.values()), default=float("nan"))
+    idle = [entry["gpu_idle_share"] for entry in static_rounds.values() if "gpu_idle_share" in entry]
     if idle:   # measured from the device side: the share of a round the GPU waits for the host
         ratios["gpu_idle_share"] = max(idle)
     del target, drafter
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"weight_bytes": floor_bytes, "floor_ms": floor_ms, "ar_step_ms": verify["static"]["ar_step_ms"],
+    return {"weight_bytes": floor_bytes, "floor_ms": floor_ms, "ar_step_ms": ar_step_ms,
             "draft_bytes": draft_bytes, "round_floor_ms": round_floor_ms,
             "verify": verify, "rounds": rounds, "round_turns": round_turns, "batched": batched, "ratios": ratios,
             "errors": errors}
@@ -323,23 +327,24 @@ def table(result: dict) -> str:
               + "; ".join(f"{shape} {sorted(k for k, v in r['ratios'].items() if k in GOALS and v <= GOALS[k])}"
                           for shape, r in result["shapes"].items()), ""]
     for shape, r in result["shapes"].items():
-        lines += [f"{shape}: whole engine rounds (ms)", "",
-                  "| forward | method | round | / ar | draft | tree build | verify | commit | host share | device ms | "
-                  "GPU idle |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for forward, rounds in r["rounds"].items():
-            for name, e in rounds.items():
-                lines.append(f"| {forward} | {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {stage(e, 'draft')} | "
-                             f"{e['tree_build_ms']:.1f} | {stage(e, 'verify')} | {stage(e, 'commit')} | {e['host_share']:.0%} | "
-                             f"{e.get('device_ms', float('nan')):.1f} | {e.get('gpu_idle_share', float('nan')):.0%} |")
-        lines += ["", "(draft, verify, commit: host time (the stage's GPU timeline, CUDA events at its bounds); "
-                  "static commits: " + ", ".join(f"{name} {e['static_commit_share']:.0%}" for forward, rounds in r["rounds"].items()
-                                                 for name, e in rounds.items() if "static_commit_share" in e and forward == "static")
-                  + " of rounds (graphs.StaticCommit; the others commit eagerly); trees built on the device (one read a round): "
-                  + ", ".join(f"{forward} {name} {e['device_tree_share']:.0%}" for forward, rounds in r["rounds"].items()
-                              for name, e in rounds.items() if e.get("device_tree_share") and name != "ar")
-                  + "; programs whose CUDA graph capture "
-                  "failed (they run eagerly): " + (", ".join(sorted({k for rounds in r["rounds"].values() for e in rounds.values()
-                                                                  for k in e.get("eager_programs", [])})) or "none")]
+        if r["rounds"]:   # none with --turns-only
+            lines += [f"{shape}: whole engine rounds (ms)", "",
+                      "| forward | method | round | / ar | draft | tree build | verify | commit | host share | device ms | "
+                      "GPU idle |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for forward, rounds in r["rounds"].items():
+                for name, e in rounds.items():
+                    lines.append(f"| {forward} | {name} | {e['round_ms']:.1f} | {e['round_over_ar']:.2f} | {stage(e, 'draft')} | "
+                                 f"{e['tree_build_ms']:.1f} | {stage(e, 'verify')} | {stage(e, 'commit')} | {e['host_share']:.0%} | "
+                                 f"{e.get('device_ms', float('nan')):.1f} | {e.get('gpu_idle_share', float('nan')):.0%} |")
+            lines += ["", "(draft, verify, commit: host time (the stage's GPU timeline, CUDA events at its bounds); "
+                      "static commits: " + ", ".join(f"{name} {e['static_commit_share']:.0%}" for forward, rounds in r["rounds"].items()
+                                                     for name, e in rounds.items() if "static_commit_share" in e and forward == "static")
+                      + " of rounds (graphs.StaticCommit; the others commit eagerly); trees built on the device (one read a round): "
+                      + ", ".join(f"{forward} {name} {e['device_tree_share']:.0%}" for forward, rounds in r["rounds"].items()
+                                  for name, e in rounds.items() if e.get("device_tree_share") and name != "ar")
+                      + "; programs whose CUDA graph capture "
+                      "failed (they run eagerly): " + (", ".join(sorted({k for rounds in r["rounds"].values() for e in rounds.values()
+                                                                      for k in e.get("eager_programs", [])})) or "none")]
         if r.get("round_turns"):
             turns = len(next(iter(next(iter(r["round_turns"].values())).values()))["turns_ms"])
             lines += ["", f"{shape}: whole rounds in turns ({turns} turns, every form's engine built first; medians over "
@@ -353,10 +358,11 @@ def table(result: dict) -> str:
                     lines.append(f"| {form} | {name} | {e['round_ms']:.2f} | {e['round_over_ar']:.3f} | {stage(e, 'draft')} | "
                                  f"{stage(e, 'verify')} | {stage(e, 'commit')} | "
                                  + (f"{paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}] |" if paired else "- |"))
-        lines += ["", "commit stage's host time by part, ms per round (acceptance walks / cache commits / kept features / "
-                  "token bookkeeping): " + "; ".join(
-                      f"{forward} {name} " + " / ".join(f"{v:.2f}" for v in e["commit_parts_ms"].values())
-                      for forward, rounds in r["rounds"].items() for name, e in rounds.items() if "commit_parts_ms" in e)]
+        if r["rounds"]:
+            lines += ["", "commit stage's host time by part, ms per round (acceptance walks / cache commits / kept features / "
+                      "token bookkeeping): " + "; ".join(
+                          f"{forward} {name} " + " / ".join(f"{v:.2f}" for v in e["commit_parts_ms"].values())
+                          for forward, rounds in r["rounds"].items() for name, e in rounds.items() if "commit_parts_ms" in e)]
         for forward, rounds in r["rounds"].items():
             for name, e in rounds.items():
                 if e.get("round_kernels"):
@@ -393,21 +399,22 @@ def table(result: dict) -> str:
             for name, per in r["batched"].items():
                 lines.append(f"| {name} | " + " | ".join(f"{e['round_ms']:.1f} / {e['tokens_per_s']:.0f}" for e in per.values())
                              + " |")
-        budgets = list(r["verify"]["static"]["budgets"])
-        lines += ["", f"{shape}: target verify alone (ms)", "",
-                  "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-                  "|---|---|" + "---|" * len(budgets)]
-        for forward, v in r["verify"].items():
-            cells = " | ".join(f"{v['budgets'][b]['verify_ms']:.2f}" if b in v["budgets"] else "-" for b in budgets)
-            lines.append(f"| {forward} | {v['ar_step_ms']:.2f} | {cells} |")
-        lines += ["", f"{shape}: the same forwards' captured graphs replayed alone (ms; no host work: the GPU's own time "
-                  "per forward, idle gaps between kernels included)", "",
-                  "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-                  "|---|---|" + "---|" * len(budgets)]
-        for forward, v in r["verify"].items():
-            cells = " | ".join(f"{v['budgets'][b].get('replay_ms', float('nan')):.2f}" if b in v["budgets"] else "-"
-                               for b in budgets)
-            lines.append(f"| {forward} | {v.get('ar_replay_ms', float('nan')):.2f} | {cells} |")
+        budgets = list(r["verify"]["static"]["budgets"]) if "static" in r["verify"] else []
+        if r["verify"]:   # none with --turns-only
+            lines += ["", f"{shape}: target verify alone (ms)", "",
+                      "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+                      "|---|---|" + "---|" * len(budgets)]
+            for forward, v in r["verify"].items():
+                cells = " | ".join(f"{v['budgets'][b]['verify_ms']:.2f}" if b in v["budgets"] else "-" for b in budgets)
+                lines.append(f"| {forward} | {v['ar_step_ms']:.2f} | {cells} |")
+            lines += ["", f"{shape}: the same forwards' captured graphs replayed alone (ms; no host work: the GPU's own time "
+                      "per forward, idle gaps between kernels included)", "",
+                      "| forward | ar step | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+                      "|---|---|" + "---|" * len(budgets)]
+            for forward, v in r["verify"].items():
+                cells = " | ".join(f"{v['budgets'][b].get('replay_ms', float('nan')):.2f}" if b in v["budgets"] else "-"
+                                   for b in budgets)
+                lines.append(f"| {forward} | {v.get('ar_replay_ms', float('nan')):.2f} | {cells} |")
         lines.append("")
         for forward, v in r["verify"].items():
             for name, p in v.get("profile", {}).items():
@@ -478,9 +485,17 @@ def main(argv: list[str] | None = None) -> dict:
                         help="environment variants (of --variants' list) whose whole rounds to measure too; with "
                              "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k, static-arahead, static-noahead, "
                              "static-draftahead, static-draftearly)")
+    parser.add_argument("--turns-only", action="store_true",
+                        help="only the whole rounds in turns (--round-turns): no verify curve, no variants' verifies, no "
+                             "separate rounds, no batches; an A/B of --round-variants in a shorter run (the ratios from the "
+                             "static forward's turns; ar / floor then NaN)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)
+    if args.turns_only:
+        if not args.round_turns:
+            parser.error("--turns-only needs --round-turns")
+        args.batches = ""
     args.budgets = [int(b) for b in args.budgets.split(",")]
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     bandwidth = copy_bandwidth(args.device)   # NaN without a GPU: the floor and ar / floor are then NaN
@@ -492,6 +507,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["shapes"][shape] = measure_shape(shape, args, bandwidth)
         write_results(out, args.name, result, table(result))   # each shape as it lands: a cut-off run keeps the others
     for shape, r in result["shapes"].items():   # the verify curve as the budget policy's cost model for the shape
+        if "static" not in r["verify"] or "static" not in r["rounds"]:
+            continue   # --turns-only
         shape_cost_model(out / f"cost_model_{args.name}_{shape}.json", r, args.prompt_len)
     result["plot"] = plot(result, out / f"{args.name}.png")
     write_results(out, args.name, result, table(result))
