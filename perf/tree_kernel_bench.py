@@ -152,22 +152,26 @@ def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, in
     tree_state = torch.tensor(slots, device=dev)
 
     def run_chunks(config):
-        bv, warps, precision = config
+        bv, warps, precision, bk = config
         return [batched_tree_chunks(q, k, v, g, beta, row0, sizes, ancestors, pool[:, layer], tree_state, rows,
-                                    PATHS_MAX_LEN, block_v=bv, num_warps=warps, precision=precision)
+                                    PATHS_MAX_LEN, block_v=bv, num_warps=warps, block_k=bk, precision=precision)
                 for layer in range(layers)]
+
+    def chunk_name(config):   # the key block only where it is not the engine's (32): best_chunk_shapes reads the rest
+        bv, warps, precision, bk = config
+        return f"bv{bv}_w{warps}_{precision}" + ("" if bk == 32 else f"_k{bk}")
 
     result["chunks"] = {}
     for config in chunk_configs:
         try:
             got = run_chunks(config)
         except Exception as exc:   # a shape that does not compile (shared memory): reported, not fatal
-            result["chunks"]["bv{}_w{}_{}".format(*config)] = {"ms": float("nan"), "error": repr(exc)[:200]}
+            result["chunks"][chunk_name(config)] = {"ms": float("nan"), "error": repr(exc)[:200]}
             continue
         error = max((got[layer][r * rows : r * rows + len(p)].float()
                      - want[layer * reqs + r][: len(p)].float()).abs().max().item()
                     for layer in (0, layers - 1) for r, p in enumerate(trees))
-        result["chunks"]["bv{}_w{}_{}".format(*config)] = {"ms": graph_ms(lambda: run_chunks(config), repeats),
+        result["chunks"][chunk_name(config)] = {"ms": graph_ms(lambda: run_chunks(config), repeats),
                                                           "max_abs_diff": error}
     print("  chunks: " + ", ".join(f"{name} {c['ms']:.3f} ms ({c.get('max_abs_diff', c.get('error'))})"
                                     for name, c in result["chunks"].items()), flush=True)
@@ -222,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--peaks", default="peaked=8,flat=1", help="tree kinds: name=logit scale")
     parser.add_argument("--configs", default="8x1x1,8x1x2,8x1x3,16x1x2,16x2x2,32x2x2,32x4x2,32x4x1")
     parser.add_argument("--chunk-configs", default="32x4xtf32,64x4xtf32,64x8xtf32,128x8xtf32,32x4xtf32x3,64x8xtf32x3",
-                        help="the chunk form's launch shapes: value columns x warps x input precision")
+                        help="the chunk form's launch shapes: value columns x warps x input precision, then optionally "
+                             ":k<key columns per step> (default 32), e.g. 64x4xtf32:k16")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="tree_kernel")
@@ -231,8 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("needs a CUDA GPU with fla installed")
     dims = DIMS[args.shape]
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    chunk_configs = [(int(bv), int(w), precision) for bv, w, precision in
-                     (c.split("x", 2) for c in args.chunk_configs.split(",") if c)]
+    chunk_configs = []
+    for c in filter(None, args.chunk_configs.split(",")):
+        shape, _, bk = c.partition(":k")
+        bv, w, precision = shape.split("x", 2)
+        chunk_configs.append((int(bv), int(w), precision, int(bk or 32)))
     result = {"header": header(), "shape": args.shape, "layers": dims["layers"], "repeats": args.repeats, "cases": []}
     for kind in args.peaks.split(","):
         name, peak = kind.split("=")
