@@ -43,18 +43,20 @@ BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
 # and 65 rows, one request and eight (perf/results/tree_chunks_h200_partial.log: 0.56 / 1.94 ms at 17 rows against
 # 0.91 / 5.24 through the paths kernel; tree_chunks_h200_b64.md: 1.50 / 6.54 ms at 65 rows against 64 x 8's 1.56 /
 # 9.61 and the paths kernel's 3.31 / 21.0). DDTREE_CHUNK_SHAPES="64:64:4,16:32:4" overrides (bn:columns:warps;
-# perf/tree_kernel_bench.py prints the best for the GPU it runs on).
+# perf/tree_kernel_bench.py prints the best for the GPU it runs on); a fourth field sets the key columns a step of the
+# passes over the key dim takes (bn:columns:warps:key_block; 32 otherwise: perf/tree_kernel_bench.py's ":k" shapes).
 CHUNK_SHAPES = {16: (64, 4), 32: (64, 4), 64: (64, 4)}
+CHUNK_BLOCK_K = 32
 
 
-def chunk_shape(block_n: int) -> tuple[int, int]:
-    """(value columns per program, warps) of the chunk form for a forest block of block_n rows."""
-    shapes = dict(CHUNK_SHAPES)
+def chunk_shape(block_n: int) -> tuple[int, int, int]:
+    """(value columns per program, warps, key columns a step) of the chunk form for a forest block of block_n rows."""
+    shapes = {bn: (*shape, CHUNK_BLOCK_K) for bn, shape in CHUNK_SHAPES.items()}
     for item in os.environ.get("DDTREE_CHUNK_SHAPES", "").split(","):
         if item.strip():
-            bn, bv, warps = (int(x) for x in item.split(":"))
-            shapes[bn] = (bv, warps)
-    return shapes.get(block_n, (32, 4))
+            bn, bv, warps, *block_k = (int(x) for x in item.split(":"))
+            shapes[bn] = (bv, warps, *(block_k or [CHUNK_BLOCK_K]))
+    return shapes.get(block_n, (32, 4, CHUNK_BLOCK_K))
 
 
 @triton.jit
@@ -260,7 +262,7 @@ def _chunk_kernel(q, k, v, g, beta, o, states, state_stride, tree_state, tree_ro
 def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         tree_row0: torch.Tensor, tree_rows: torch.Tensor, ancestors: torch.Tensor, states: torch.Tensor,
                         tree_state: torch.Tensor, max_rows: int, max_depth: int, block_v: int | None = None,
-                        num_warps: int | None = None, block_k: int = 32, precision: str | None = None) -> torch.Tensor:
+                        num_warps: int | None = None, block_k: int | None = None, precision: str | None = None) -> torch.Tensor:
     """o [N, HV, dv] in v's dtype of every row of every tree: batched_tree_paths' values without walking paths.
 
     Each program takes one tree, one value head and a block of value columns: the root (a tree's first row, every
@@ -275,7 +277,8 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     unspecified finite values); ancestors # [B, >= max_rows, >= max_rows] bool or int8, tree b's anc-or-self matrix
     in ancestors[b, :rows, :rows] (last dim contiguous); states # [S, HV, dk, dv] float32; tree_state # [B] long.
     max_rows: the largest tree's rows (its forest pads to a power of two >= 16 of max_rows - 1); max_depth: the most
-    rows on a root-to-leaf path (root included). block_k: key columns per step of the passes over the key dim.
+    rows on a root-to-leaf path (root included). block_k: key columns per step of the passes over the key dim
+    (chunk_shape's by default).
     precision: the matrix products' (triton's input_precision): by default tf32 for inputs in 16 bits (its error,
     ~5e-4 absolute at 27B dims, under a bf16 output's rounding), tf32x3 for float32 ones."""
     n, h, dk = q.shape
@@ -289,7 +292,7 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     bn = max(16, triton.next_power_of_2(max(max_rows - 1, 1)))
     factors = max(1, (max_depth - 2).bit_length())   # paths below the root have max_depth - 1 rows: L^(max_depth - 1) = 0
     shape = chunk_shape(bn)
-    block_v, num_warps = block_v or shape[0], num_warps or shape[1]
+    block_v, num_warps, block_k = block_v or shape[0], num_warps or shape[1], block_k or shape[2]
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     precision = precision or ("tf32x3" if v.dtype == torch.float32 else "tf32")
     grid = (triton.cdiv(dv, block_v), tree_row0.shape[0], hv)
