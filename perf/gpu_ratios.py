@@ -83,7 +83,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-fusedall": {"DDTREE_ROWS_NORM": "1", "DDTREE_ROWS_GLU": "1", "DDTREE_TREE_GATES": "1"},
     "static-draftearly": {"DDTREE_DRAFT_EARLY": "1"},
     "static-chunkk16": {"DDTREE_CHUNK_SHAPES": "16:64:4:16,32:64:4:16,64:64:4:16"},
-    "static-chunkk64": {"DDTREE_CHUNK_SHAPES": "16:64:4:64,32:64:4:64,64:64:4:64"}}   # with ROUND_SETTINGS' draft_ahead: whole rounds only
+    "static-chunkk32": {"DDTREE_CHUNK_SHAPES": "16:64:4:32,32:64:4:32,64:64:4:32"},
+    "static-glugates": {"DDTREE_ROWS_GLU": "1", "DDTREE_TREE_GATES": "1"}}   # with ROUND_SETTINGS' draft_ahead: whole rounds only
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -287,9 +288,10 @@ def table(result: dict) -> str:
              "(DDTREE_ROWS_NORM=1) instead of the norms' own kernels; static-rowsglu: a few rows' silu(gate) * up "
              "in the epilogue of each MLP's gate/up product (DDTREE_ROWS_GLU=1) instead of the chain's own kernel; "
              "static-treegates: a tree batch's GDN gates computed by the conv's kernel (DDTREE_TREE_GATES=1) instead of "
-             "their own compiled kernel; static-fusedall: those three together; static-chunkk16, static-chunkk64: "
-             "the tree chunk kernel's passes over the key dim 16 or 64 columns a step (DDTREE_CHUNK_SHAPES' fourth "
-             "field) instead of 32; "
+             "their own compiled kernel; static-fusedall: those three together; static-chunkk16, static-chunkk32: "
+             "the tree chunk kernel's passes over the key dim 16 or 32 columns a step (DDTREE_CHUNK_SHAPES' fourth "
+             "field; 32 the form before 0fd61e1's measurement as static-chunkk64) instead of 64; static-glugates: the "
+             "GLU form and the gates in the conv's kernel together; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

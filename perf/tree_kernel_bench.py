@@ -157,9 +157,9 @@ def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, in
                                     PATHS_MAX_LEN, block_v=bv, num_warps=warps, block_k=bk, precision=precision)
                 for layer in range(layers)]
 
-    def chunk_name(config):   # the key block only where it is not the engine's (32): best_chunk_shapes reads the rest
+    def chunk_name(config):   # the key block only where it was named: best_chunk_shapes reads the rest
         bv, warps, precision, bk = config
-        return f"bv{bv}_w{warps}_{precision}" + ("" if bk == 32 else f"_k{bk}")
+        return f"bv{bv}_w{warps}_{precision}" + ("" if bk is None else f"_k{bk}")
 
     result["chunks"] = {}
     for config in chunk_configs:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", default="8x1x1,8x1x2,8x1x3,16x1x2,16x2x2,32x2x2,32x4x2,32x4x1")
     parser.add_argument("--chunk-configs", default="32x4xtf32,64x4xtf32,64x8xtf32,128x8xtf32,32x4xtf32x3,64x8xtf32x3",
                         help="the chunk form's launch shapes: value columns x warps x input precision, then optionally "
-                             ":k<key columns per step> (default 32), e.g. 64x4xtf32:k16")
+                             ":k<key columns per step> (default: the engine's, tree_kernel.chunk_shape), e.g. 64x4xtf32:k16")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="tree_kernel")
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     for c in filter(None, args.chunk_configs.split(",")):
         shape, _, bk = c.partition(":k")
         bv, w, precision = shape.split("x", 2)
-        chunk_configs.append((int(bv), int(w), precision, int(bk or 32)))
+        chunk_configs.append((int(bv), int(w), precision, int(bk) if bk else None))
     result = {"header": header(), "shape": args.shape, "layers": dims["layers"], "repeats": args.repeats, "cases": []}
     for kind in args.peaks.split(","):
         name, peak = kind.split("=")

@@ -44,9 +44,12 @@ BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
 # 0.91 / 5.24 through the paths kernel; tree_chunks_h200_b64.md: 1.50 / 6.54 ms at 65 rows against 64 x 8's 1.56 /
 # 9.61 and the paths kernel's 3.31 / 21.0). DDTREE_CHUNK_SHAPES="64:64:4,16:32:4" overrides (bn:columns:warps;
 # perf/tree_kernel_bench.py prints the best for the GPU it runs on); a fourth field sets the key columns a step of the
-# passes over the key dim takes (bn:columns:warps:key_block; 32 otherwise: perf/tree_kernel_bench.py's ":k" shapes).
+# passes over the key dim takes (bn:columns:warps:key_block; CHUNK_BLOCK_K otherwise). 64 columns a step (two at
+# 27B's key dim 128) against 32: 0.449 / 1.625 ms against 0.573 / 1.970 at 17 rows, one request and eight, 1.308 /
+# 6.447 against 1.515 / 7.095 at 65, 16 columns slower everywhere (H100, perf/results/tree_chunks_bk_gpu.md); whole
+# 27B rounds 0.6-0.8% shorter (gpu_ratios_h100_fused.md, gpu_ratios_h100_glugates.md: static-chunkk64).
 CHUNK_SHAPES = {16: (64, 4), 32: (64, 4), 64: (64, 4)}
-CHUNK_BLOCK_K = 32
+CHUNK_BLOCK_K = 64
 
 
 def chunk_shape(block_n: int) -> tuple[int, int, int]:

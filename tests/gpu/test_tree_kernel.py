@@ -99,13 +99,14 @@ def chain_depth(parents: list[int]) -> int:
     return max(depth)
 
 
-@pytest.mark.parametrize("dtype, block_k", [(torch.float32, 16), (torch.bfloat16, 32)])   # the key dim in 2 blocks, in 1
-def test_the_chunk_kernel_equals_the_per_node_recurrence(module, dtype, block_k):
+# the key dim in 2 blocks, in 1; 27B's key dim (128) in 2 at the default step (tree_kernel.CHUNK_BLOCK_K)
+@pytest.mark.parametrize("dtype, block_k, dk", [(torch.float32, 16, 32), (torch.bfloat16, 32, 32), (torch.float32, None, 128)])
+def test_the_chunk_kernel_equals_the_per_node_recurrence(module, dtype, block_k, dk):
     """Trees of a batch through the ancestor-masked chunk form (batched_tree_chunks), each from its own slot of a
     pool whose states lie layers apart, rows at their tree's offset, q, k, v column slices of one conv output: every
     row of every tree == gdn_sequential on it alone (a chain, a bushy tree, a tree of one row below the root, a tree
     padded as a static forward pads: rows that are roots of their own, whose values are unspecified but finite)."""
-    h, hv, dk, dv, rows, slots, layers = 2, 4, 32, 40, 17, 5, 3
+    h, hv, dv, rows, slots, layers = 2, 4, 40, 17, 5, 3
     rng, gen = np.random.default_rng(11), torch.Generator().manual_seed(11)
     trees = [list(range(-1, 16)), random_tree(17, rng), [-1, 0], random_tree(12, rng) + [-1] * 3]
     n = rows * len(trees)

@@ -234,11 +234,11 @@ def test_the_paths_kernel_reads_strided_rows_as_contiguous_ones():
 
 def test_chunk_shapes_take_an_optional_key_block_from_the_environment(monkeypatch):
     """DDTREE_CHUNK_SHAPES: bn:columns:warps, and a fourth field for the key columns a step of the chunk kernel's passes
-    over the key dim (perf/gpu_ratios.py's static-chunkk16 / static-chunkk64); the defaults where it names no bucket."""
+    over the key dim (perf/gpu_ratios.py's static-chunkk16 / static-chunkk32); the defaults where it names none."""
     module = tree_kernel_module()
     monkeypatch.setenv("DDTREE_CHUNK_SHAPES", "")
-    assert module.chunk_shape(16) == (*module.CHUNK_SHAPES[16], module.CHUNK_BLOCK_K) == (64, 4, 32)
+    assert module.chunk_shape(16) == (*module.CHUNK_SHAPES[16], module.CHUNK_BLOCK_K) == (64, 4, 64)
     monkeypatch.setenv("DDTREE_CHUNK_SHAPES", "16:32:2:16,64:128:8")
     assert module.chunk_shape(16) == (32, 2, 16)
-    assert module.chunk_shape(64) == (128, 8, 32)
-    assert module.chunk_shape(32) == (64, 4, 32)
+    assert module.chunk_shape(64) == (128, 8, 64)
+    assert module.chunk_shape(32) == (64, 4, 64)
