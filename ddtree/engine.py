@@ -48,7 +48,7 @@ from ddtree.sampling import probabilities, sample, suppress_tokens
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree, build_chain, build_tree, compile_tree, top_ids, top_log_probs
 from ddtree.tree.build import _add_node, _empty_tree
-from ddtree.tree.device import accept_greedy_device, fits_budget
+from ddtree.tree.device import fits_budget
 from ddtree.verify import accept
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,6 @@ class StageTimes:
     device_trees: int = 0        # rounds whose tree was built on the device (one device-to-host read: Engine._round_on_device)
     lookahead_steps: int = 0     # `ar` steps queued before the last one's token was read (Engine._lookahead_round)
     drafts_ahead: int = 0        # drafts launched before their round (config.draft_ahead: Engine._launch_draft_ahead)
-    drafts_early: int = 0        # ... of which queued before the last round's read (DDTREE_DRAFT_EARLY: _queue_draft)
     drafts_ahead_undone: int = 0  # of which the next round did not take (undone, or dropped with their request)
     static_prefills: int = 0     # prompts prefilled through a static forward (config.static_prefill)
     folded_rows: int = 0         # pending target features written into drafter contexts ahead of a draft (_fold_contexts)
@@ -168,16 +167,6 @@ class DraftAhead:
     hidden: torch.Tensor
     length: int
     pending: list[tuple[torch.Tensor, int, int]]
-
-
-@dataclass(slots=True)
-class EarlyDraft:
-    """A lone greedy request's next draft queued behind its round's verify, before the round's read
-    (Engine._queue_draft): the drafter's hidden states, and the acceptance's length as the device found it (the
-    round's read brings it back: Engine._take_early checks it against the host's walk)."""
-    hidden: torch.Tensor
-    count: torch.Tensor | int   # [1] long on the device, then the value the read brought back
-    kept: torch.Tensor          # [rows, features] the accepted rows' features, padded (the first count are)
 
 
 @dataclass(slots=True)
@@ -319,10 +308,6 @@ class Engine:
         draft_ahead = config.draft_ahead if config.draft_ahead is not None else device_tree
         self.draft_ahead = bool(draft_ahead) and self.static_tree is not None
         self._draft_ahead: DraftAhead | None = None
-        # with draft_ahead, the next draft queued before the round's read, from an acceptance on the device
-        # (_queue_draft): DDTREE_DRAFT_EARLY=1, off by default (not yet measured on a GPU)
-        self.draft_early = self.draft_ahead and os.environ.get("DDTREE_DRAFT_EARLY", "0") not in ("", "0")
-        self._early: EarlyDraft | None = None
         self.keep_step_taps = os.environ.get("DDTREE_KEEP_STEP_TAPS", "0") not in ("", "0")   # see _queue_step
         self.fold_chunks = FOLD_CHUNKS   # rounds a request's features wait for a draft before _fold_contexts writes them
         static_prefill = config.static_prefill if config.static_prefill is not None else STATIC_PREFILL_AUTO * graphed
@@ -675,17 +660,13 @@ class Engine:
         if self.draft_ahead and verified is not None:
             # the request advanced and its features kept first, then the next round's draft launched, then this
             # round's cache commit: the device drafts while the host launches the commit, reports and starts the next
-            # round (the commit stays ahead of the next verify in stream order); an early draft, queued before the
-            # read, is taken instead where it stands (its features in the drafter's context already: _take_early)
+            # round (the commit stays ahead of the next verify in stream order)
             old_starts = [seq.start for seq in seqs]
             outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
             t_advanced = time.perf_counter()
-            early = self._early is not None and self._take_early(seqs[0], accepted[0].accepted)
-            if not early:
-                self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
+            self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
             t_ahead = time.perf_counter()
-            if not early:
-                self._launch_draft_ahead(seqs)
+            self._launch_draft_ahead(seqs)
             t_launched = time.perf_counter()
             self._events.record("commit")   # the commit's GPU time alone (the draft queued before it is the draft's)
             self._commit_caches(seqs, [a.accepted for a in accepted], old_starts)
@@ -1011,25 +992,12 @@ class Engine:
         logits, taps = self.static_target.batch([cache], [seq.start], [[0] * n], [[seq.start] * n], [[-1] * n],
                                                 tree=(head, paths))
         self._events.record("verified")
-        argmax = logits.argmax(dim=-1)
-        accepted = self._accept_on_device(seq, head[:, :n], argmax[:n], taps) if self.draft_early else None
-        # the round's one device-to-host read: the verify's choices, the tree's ids, positions and parents (and the
-        # device's acceptance length), its copy queued before an early draft (_queue_draft), which runs while the
-        # host reads, walks, commits and launches the next round
-        values = torch.cat([argmax[:n], head[:, :n].flatten()] + ([accepted[1]] if accepted is not None else []))
-        self._early = None
-        if accepted is None:
-            with self._waiting():
-                read = values.tolist()
-        else:
-            host, event = self._to_host(values)
-            self._early = self._queue_draft(seq, *accepted)
-            with self._waiting():
-                read = _read_host(host, event)
+        # the round's one device-to-host read: the verify's choices, the tree's ids, positions and parents
+        values = torch.cat([logits.argmax(dim=-1)[:n], head[:, :n].flatten()])
+        with self._waiting():
+            read = values.tolist()
         t2 = time.perf_counter()
         choices, ids, positions, parents = (read[i * n : (i + 1) * n] for i in range(4))
-        if self._early is not None:
-            self._early.count = read[-1]
         tree = _empty_tree()
         for node in range(1, n):
             _add_node(tree, ids[node], parents[node], positions[node] - seq.start)
@@ -1058,8 +1026,8 @@ class Engine:
 
     def _ahead_plan(self, seq: Sequence) -> tuple | None:
         """The next round's device plan (_device_tree_plan) of a lone request whose next draft may run ahead of its
-        round (_launch_draft_ahead, _take_early): a `dflash` or `ddtree` request still running, with no request
-        waiting for a free slot (the next step would admit it, and the batch would not take the draft); else None."""
+        round (_launch_draft_ahead): a `dflash` or `ddtree` request still running, with no request waiting for a free
+        slot (the next step would admit it, and the batch would not take the draft); else None."""
         if (self._joining() or seq.request.finish_reason is not None
                 or seq.request.params.mode not in ("dflash", "ddtree")):
             return None
@@ -1068,54 +1036,6 @@ class Engine:
     def _joining(self) -> bool:
         """Whether a waiting request joins the batch at the next step (a slot is free for it)."""
         return bool(self.waiting and self.free_slots)
-
-    def _accept_on_device(self, seq: Sequence, head: torch.Tensor, choices: torch.Tensor, taps: torch.Tensor | None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Behind a lone greedy `dflash` / `ddtree` request's verify, before its read: the round's acceptance on the
-        device (tree.device.accept_greedy_device): (the accepted rows' features  # [rows, features] padded, their
-        count, the bonus token  # [1]), for the next draft queued before the read (_queue_draft). None where this
-        round ends the request (its last token), another is about to join, or there is nothing to draft with."""
-        params, request = seq.request.params, seq.request
-        if (params.mode not in ("dflash", "ddtree") or taps is None or self.static_drafter is None
-                or self._joining() or request.num_output_tokens + 1 >= seq.max_tokens):
-            return None
-        path, count, bonus = accept_greedy_device(head, choices, row_bucket(self.drafter.block_size))
-        return taps.index_select(0, path), count, bonus   # a copy: the verify's buffer is the next verify's
-
-    def _queue_draft(self, seq: Sequence, kept: torch.Tensor, count: torch.Tensor, bonus: torch.Tensor
-                     ) -> EarlyDraft | None:
-        """The next draft from the device's acceptance (_accept_on_device), queued before the round's read
-        (graphs.StaticDrafter.queued: the accepted rows' features into the drafter's context, the bonus token as the
-        block's root), so the device drafts while the host reads, walks, commits and launches the next tree and
-        verify. Lossless whatever it found: the host's own walk decides the tokens, and a draft whose acceptance
-        differs is not taken (_take_early). None where no program fits (the draft after the read,
-        _launch_draft_ahead)."""
-        self._events.record("draft")
-        hidden = self.static_drafter.queued(self.draft_caches[seq.slot], kept, count, bonus,
-                                            self.drafter.config.mask_token_id)
-        return None if hidden is None else EarlyDraft(hidden, count, kept)
-
-    def _take_early(self, seq: Sequence, accepted: list[int]) -> bool:
-        """After the host's walk of the round whose verify queued an early draft (the request advanced): the draft
-        becomes the next round's draft ahead (_take_draft_ahead, whose undo puts the context's length and the
-        features back as before it) and its features count as appended, where the device's acceptance matched the
-        walk and the request goes on alone with a device round. False otherwise: nothing taken (the caller keeps the
-        features and drafts as usual; the rows the early draft wrote past the context's length are overwritten by
-        the next append)."""
-        early, self._early = self._early, None
-        if early.count != len(accepted):
-            logger.warning("request %s: the device's acceptance (%d) differs from the host's (%d); draft dropped",
-                           seq.request.request_id, early.count, len(accepted))
-            return False
-        plan = self._ahead_plan(seq)
-        if plan is None:
-            return False
-        cache = self.draft_caches[seq.slot]
-        self._draft_ahead = DraftAhead(seq, seq.start, plan, early.hidden, cache.length, [(early.kept, 0, early.count)])
-        cache.length += early.count
-        self.stage_times.drafts_ahead += 1
-        self.stage_times.drafts_early += 1
-        return True
 
     def _take_draft_ahead(self, seqs: list[Sequence]) -> DraftAhead | None:
         """The draft launched ahead for this round (the same lone request where it stood), or None: a draft ahead of

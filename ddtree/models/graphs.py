@@ -602,29 +602,6 @@ class StaticDrafter:
             cache.length += size
         return hidden[: len(caches)]
 
-    def queued(self, cache, kept: torch.Tensor, count: torch.Tensor, bonus: torch.Tensor, mask_id: int
-               ) -> torch.Tensor | None:
-        """One request's pass whose new context rows and block root are known only on the device (a round's next
-        draft queued before the round's read: Engine._queue_draft): kept[:count] appended to cache's context, the
-        block [bonus, mask, ...] drafted; kept  # [rows, features] (rows: a block's, row_bucket(block), the most a
-        round accepts), count, bonus  # [1] long. The program at the key bucket of the most context it may reach.
-        cache.length is not advanced: the caller adds count once it has read it. None where no program fits."""
-        rows, b = kept.shape[0], self.block
-        max_len = cache.pool.k.shape[2]
-        keys = key_bucket(cache.length + rows, max_len)
-        if keys is None or cache.length + rows > max_len or rows != row_bucket(b):
-            return None
-        reqs = batch_bucket(1) if self.scratch is not None else 1
-        key = ("draft", reqs, rows, keys)
-        program = self.graphs.program(key, lambda: self._make(cache.pool, reqs, rows, keys, kept))
-        ids, length, m, slot, src = self._host_inputs(program, reqs)
-        ids[1:b] = mask_id                                # ids[0], the root, and m[0] come from the device
-        length[0], slot[0] = cache.length, cache.slot
-        src[:rows] = np.arange(rows)
-        program.extra["staged"][:rows].copy_(kept)
-        hidden = self.graphs.run(key, program, ((0, bonus), (reqs * b + reqs, count)))
-        return hidden[:1]
-
     def _host_inputs(self, program: Program, reqs: int) -> list[np.ndarray]:
         """The program's host inputs (ids, length, m, slot, src: views to fill), reset to padding: empty contexts in
         the scratch slot."""

@@ -126,31 +126,4 @@ def tree_paths_device(parents: torch.Tensor, num_nodes: int | torch.Tensor, max_
     return torch.cat([tokens[:num_tokens], bounds[: num_paths + 1], node_pos])
 
 
-def accept_greedy_device(head: torch.Tensor, choices: torch.Tensor, rows: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """verify.accept_greedy on the device, with no host value in it (a round's next draft queued before its read):
-    head  # [3, n] a verify's tree inputs (verify_rows': ids, positions, parents; padding rows are roots of their own),
-    choices  # [n] the target's argmax per row. Returns (path  # [rows] the accepted nodes root first, padded with the
-    root; count  # [1] how many; bonus  # [1] the target's token after the last). A node is accepted when it and every
-    ancestor below the root hold the token their parent's row chose (pointer doubling over the parents: as many steps
-    as bits in rows); siblings hold distinct tokens, so what is accepted is one path, each depth at most once."""
-    ids, positions, parents = head
-    n = ids.shape[0]
-    up = parents.clamp(min=0)
-    index = torch.arange(n, device=ids.device)
-    ok = (ids == choices[up]) | (index == 0)
-    ok &= (parents >= 0) | (index == 0)                      # padding rows (roots of their own) are never accepted
-    for _ in range(max(1, int(rows).bit_length())):
-        ok = ok & ok[up]
-        up = up[up]
-    depth = positions - positions[0]
-    slots = torch.zeros(rows + 1, dtype=torch.long, device=ids.device)
-    slots.scatter_(0, torch.where(ok, depth.clamp(max=rows - 1), rows), index)   # the others land past the path
-    count = ok.sum().reshape(1)
-    path = torch.where(torch.arange(rows, device=ids.device) < count, slots[:rows], 0)
-    bonus = choices[path.gather(0, count - 1)]
-    return path, count, bonus
-
-
-__all__ = ["accept_greedy_device", "build_tree_device", "candidate_grid", "fits_budget", "tree_paths_device",
-           "verify_rows"]
+__all__ = ["build_tree_device", "candidate_grid", "fits_budget", "tree_paths_device", "verify_rows"]

@@ -263,17 +263,13 @@ def test_drafts_launched_ahead_decode_the_targets_greedy_tokens(family, tiny_mod
             assert engine.stage_times.drafts_ahead_undone == undone
 
 
-@pytest.mark.parametrize("early", ["0", "1"])
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_a_draft_ahead_is_undone_when_the_batch_changes_or_its_request_goes(family, early, tiny_models, hybrid,
-                                                                            monkeypatch):
+def test_a_draft_ahead_is_undone_when_the_batch_changes_or_its_request_goes(family, tiny_models, hybrid):
     """A draft launched ahead for a lone request that the next round does not take is undone (a second request joins
     the batch: the drafter's context and the request's pending features as they were, its next draft writes them
     again) or dropped with its request (aborted: its slot's next request starts afresh); every request still decodes
-    the target's greedy tokens. Also for drafts queued before the read (DDTREE_DRAFT_EARLY=1)."""
+    the target's greedy tokens."""
     from ddtree.request import Request
-
-    monkeypatch.setenv("DDTREE_DRAFT_EARLY", early)
 
     plain, engine = engines(family, tiny_models, hybrid, draft_ahead=True, max_num_seqs=2)
     prompts = {"a": [5, 9, 17, 33, 2, 71], "b": list(range(3, 40)), "c": [11, 4, 8, 60, 2]}
@@ -286,7 +282,6 @@ def test_a_draft_ahead_is_undone_when_the_batch_changes_or_its_request_goes(fami
     serve_together(engine, [b])
     assert a.output_ids == expected["a"] and b.output_ids == expected["b"]
     assert engine.stage_times.drafts_ahead_undone >= 1, "the joined batch never undid a draft ahead"
-    assert (engine.stage_times.drafts_early > 0) == (early == "1")
     undone = engine.stage_times.drafts_ahead_undone
     gone = Request(request_id="gone", prompt_ids=prompts["b"], params=greedy("ddtree", 16))
     engine.add(gone)
@@ -309,76 +304,3 @@ def test_draft_ahead_is_off_by_default(tiny_models):
     assert not Engine(EngineConfig(**base)).draft_ahead
     assert Engine(EngineConfig(**base, draft_ahead=True)).draft_ahead
     assert not Engine(EngineConfig(**{**base, "device_tree": False}, draft_ahead=True)).draft_ahead   # needs the device tree
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_device_acceptance_equals_the_host_walk(seed):
-    """accept_greedy_device on a device-built tree's verify inputs (padding rows included) with choices that follow
-    a random path for a while == verify.accept_greedy on the same tree: the path root first, its length, the bonus."""
-    from ddtree.tree.device import accept_greedy_device
-    from ddtree.verify import accept_greedy
-
-    (log_probs, token_ids), (top, ids), budget = random_case(seed)
-    tree = build_tree(log_probs, token_ids, budget)
-    n = tree.num_nodes
-    width = budget + seed % 3
-    extra = width - top.shape[1]
-    padded = torch.cat([top, torch.full((top.shape[0], extra), float("-inf"))], dim=1)
-    tokens, parents, depths = build_tree_device(padded, torch.cat([ids, torch.zeros(ids.shape[0], extra, dtype=torch.long)], dim=1),
-                                                width)
-    head = verify_rows(torch.tensor(7), torch.tensor(30), torch.tensor(n + 1), tokens, parents, depths)
-    gen = torch.Generator().manual_seed(seed)
-    choices = torch.randint(0, 80, (head.shape[1],), generator=gen)
-    node = 0   # choices that walk down a random path, then leave the tree
-    while tree.children[node] and torch.rand((), generator=gen) < 0.8:
-        token, child = list(tree.children[node].items())[int(torch.randint(len(tree.children[node]), (), generator=gen))]
-        choices[node] = token
-        node = child
-    choices[node] = 1000   # no child holds it
-    want = accept_greedy(tree, None, choices[: n + 1].tolist())
-    rows = 1 << max(4, (head.shape[1]).bit_length())
-    path, count, bonus = accept_greedy_device(head, choices, rows)
-    assert count.item() == len(want.accepted) and bonus.item() == want.bonus_token
-    assert path[: count.item()].tolist() == want.accepted and not path[count.item():].any()
-
-
-@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
-def test_drafts_queued_before_the_read_decode_the_targets_greedy_tokens(family, tiny_models, hybrid, monkeypatch,
-                                                                        caplog):
-    """DDTREE_DRAFT_EARLY=1 (with draft_ahead): a lone request's next draft queued behind its verify from the
-    device's acceptance, before the round's read (Engine._queue_draft). Every drafting mode decodes the target's
-    greedy tokens; the rounds take those drafts, the device's acceptance always the host's; and the drafter's context
-    after each round holds what the drafts launched after the read write (the same features at the same rows)."""
-    from ddtree.request import Request
-
-    _, after_read = engines(family, tiny_models, hybrid, draft_ahead=True)
-    monkeypatch.setenv("DDTREE_DRAFT_EARLY", "1")
-    plain, engine = engines(family, tiny_models, hybrid, draft_ahead=True)
-    assert engine.draft_early and not after_read.draft_early
-    # the drafter's context, round by round, as the drafts after the read leave it (fresh engines: their oracle
-    # drafters draw the same noise, so their rounds accept alike)
-    requests = [Request(request_id="r", prompt_ids=list(range(3, 40)), params=greedy("ddtree", 16)) for _ in range(2)]
-    for e, r in zip((engine, after_read), requests):
-        e.add(r)
-    for _ in range(5):
-        engine.step()
-        after_read.step()
-        caches = [e.draft_caches[e.running[0].slot] for e in (engine, after_read)]
-        assert caches[0].length == caches[1].length
-        n = caches[0].length
-        torch.testing.assert_close(caches[0].k[:, :n], caches[1].k[:, :n], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(caches[0].v[:, :n], caches[1].v[:, :n], rtol=1e-5, atol=1e-5)
-    assert engine.stage_times.drafts_early >= 3 and after_read.stage_times.drafts_early == 0
-    for e in (engine, after_read):
-        e.abort("r")
-        e.step()
-    for prompt in ([5, 9, 17, 33, 2, 71], list(range(3, 40))):
-        expected = plain.generate_ids(prompt, greedy("ar", 1)).output_ids
-        for mode, budget in [("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]:
-            early = engine.stage_times.drafts_early
-            request = engine.generate_ids(prompt, greedy(mode, budget))
-            assert request.output_ids == expected, f"{family} {mode}-{budget}"
-            rounds = len(request.acceptance_lengths)
-            # every round after the first drafts early, but the last (it ends the request)
-            assert engine.stage_times.drafts_early - early >= rounds - 2 > 0, (engine.stage_times.drafts_early - early, rounds)
-    assert "differs from the host's" not in caplog.text
