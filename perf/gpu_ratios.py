@@ -65,8 +65,7 @@ HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
             "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree", "static-pdl",
-            "static-pdlwait", "static-pdlall", "static-pdlours", "static-rowsnorm", "static-rowsglu", "static-treegates",
-            "static-fusedall")
+            "static-pdlwait", "static-pdlall", "static-pdlours", "static-rowsglu", "static-treegates")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -78,17 +77,15 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-treeops": {"DDTREE_TREE_BUILD_KERNEL": "0"}, "static-pdl": {"DDTREE_PDL": "1"},
     "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
     "static-pdlall": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "all"},
-    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"}, "static-rowsnorm": {"DDTREE_ROWS_NORM": "1"},
+    "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"},
     "static-rowsglu": {"DDTREE_ROWS_GLU": "1"}, "static-treegates": {"DDTREE_TREE_GATES": "1"},
-    "static-fusedall": {"DDTREE_ROWS_NORM": "1", "DDTREE_ROWS_GLU": "1", "DDTREE_TREE_GATES": "1"},
-    "static-draftearly": {"DDTREE_DRAFT_EARLY": "1"},
     "static-chunkk16": {"DDTREE_CHUNK_SHAPES": "16:64:4:16,32:64:4:16,64:64:4:16"},
     "static-chunkk32": {"DDTREE_CHUNK_SHAPES": "16:64:4:32,32:64:4:32,64:64:4:32"},
-    "static-glugates": {"DDTREE_ROWS_GLU": "1", "DDTREE_TREE_GATES": "1"}}   # with ROUND_SETTINGS' draft_ahead: whole rounds only
+    "static-glugates": {"DDTREE_ROWS_GLU": "1", "DDTREE_TREE_GATES": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
-                  "static-draftahead": {"draft_ahead": True}, "static-draftearly": {"draft_ahead": True}}
+                  "static-draftahead": {"draft_ahead": True}}
 GOALS = {"ar_over_floor": 1.10, "ar_round_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -283,12 +280,10 @@ def table(result: dict) -> str:
              "static-pdlwait: the same with every kernel waiting before its first weight tile (DDTREE_PDL_PEEL=0); "
              "static-pdlall: the swapped few-rows kernel peeling its first tile too (DDTREE_PDL_PEEL=all, the form "
              "measured as static-pdl at ad578d8); static-pdlours: PDL for our kernels only, the compiled chains "
-             "launched as before (DDTREE_PDL_CHAINS=0); static-rowsnorm: a few rows' zero-centered norms in the "
-             "NORM form of the Linears that read them, their input scaled in the epilogue of the Linear before "
-             "(DDTREE_ROWS_NORM=1) instead of the norms' own kernels; static-rowsglu: a few rows' silu(gate) * up "
+             "launched as before (DDTREE_PDL_CHAINS=0); static-rowsglu: a few rows' silu(gate) * up "
              "in the epilogue of each MLP's gate/up product (DDTREE_ROWS_GLU=1) instead of the chain's own kernel; "
              "static-treegates: a tree batch's GDN gates computed by the conv's kernel (DDTREE_TREE_GATES=1) instead of "
-             "their own compiled kernel; static-fusedall: those three together; static-chunkk16, static-chunkk32: "
+             "their own compiled kernel; static-chunkk16, static-chunkk32: "
              "the tree chunk kernel's passes over the key dim 16 or 32 columns a step (DDTREE_CHUNK_SHAPES' fourth "
              "field; 32 the form before 0fd61e1's measurement as static-chunkk64) instead of 64; static-glugates: the "
              "GLU form and the gates in the conv's kernel together; "
@@ -305,9 +300,7 @@ def table(result: dict) -> str:
              "lm_head; static-arahead (whole rounds in turns only): a lone greedy `ar` request's next step queued "
              "before its token is read (ar_lookahead=True; on CUDA the default); static-noahead: without it "
              "(ar_lookahead=False); static-draftahead (whole rounds in turns only): a lone request's next draft launched as soon "
-             "as its round's acceptance is known, before that round's commit (draft_ahead=True); static-draftearly "
-             "(whole rounds in turns only): that draft queued behind the verify from an acceptance on the device, "
-             "before the round's read (draft_ahead=True, DDTREE_DRAFT_EARLY=1).", "",
+             "as its round's acceptance is known, before that round's commit (draft_ahead=True).", "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | ar round / floor | uncompiled ar / floor | "
              "dynamic ar / floor | ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -490,7 +483,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--round-variants", default="",
                         help="environment variants (of --variants' list) whose whole rounds to measure too; with "
                              "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k, static-arahead, static-noahead, "
-                             "static-draftahead, static-draftearly)")
+                             "static-draftahead)")
     parser.add_argument("--turns-only", action="store_true",
                         help="only the whole rounds in turns (--round-turns): no verify curve, no variants' verifies, no "
                              "separate rounds, no batches; an A/B of --round-variants in a shorter run (the ratios from the "

@@ -2,12 +2,12 @@
 spills, and the programs an SM holds at once, per 27B weight shape and form.
 
 The GEMV (`_gemv_kernel`, one row) and the few-rows kernel (`_rows_kernel`: 16 rows rows-first, 17 in the swapped
-form; "norm": its NORM form on the Linears after a norm; "glu": its GLU form on the MLPs' gate/up products) are
-compiled for sm90 exactly as a launch compiles them (the configuration linear_rows picks, its pipeline's stages cut
-to fit, the 16-byte alignment a launch on these shapes specializes), then ptxas -v (Triton's own) reports registers
-and spills. Forms: `loop` (the default), `peel` (DDTREE_PDL=1: the first weight tile loaded before the wait, its
-step out of the loop), `wait` (DDTREE_PDL=1 with DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs:
-the fewest its shared memory (228 KB, 1 KB reserved a program), its registers (64K) and its threads (2048) allow.
+form; "glu": its GLU form on the MLPs' gate/up products) are compiled for sm90 exactly as a launch compiles them (the
+configuration linear_rows picks, its pipeline's stages cut to fit, the 16-byte alignment a launch on these shapes
+specializes), then ptxas -v (Triton's own) reports registers and spills. Forms: `loop` (the default), `peel`
+(DDTREE_PDL=1: the first weight tile loaded before the wait, its step out of the loop), `wait` (DDTREE_PDL=1 with
+DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs: the fewest its shared memory (228 KB, 1 KB
+reserved a program), its registers (64K) and its threads (2048) allow.
 
     python perf/kernel_resources.py --name kernel_resources_sm90
 
@@ -93,14 +93,12 @@ def cases() -> list[dict]:
             block_m = g.rows_block(rows)
             block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2)
             glu = (k, n // 2) in shapes   # a gated MLP's gate and up: the down projection reads N // 2 columns
-            forms = [(False, False)] + [(True, False)] * ((n, k, "norm") in g.CONFIGS) + [(False, True)] * glu
-            for norm, silu_up in forms:
-                name = ("rows swapped" if swap else "rows") + (" norm" if norm else "") + (" glu" if silu_up else "")
+            for silu_up in [False] + [True] * glu:
+                name = ("rows swapped" if swap else "rows") + (" glu" if silu_up else "")
                 out.append({"kernel": name, "shape": f"{n}x{k}", "prologue": "-", "rows": rows, "warps": warps,
                             "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
                                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                                "ADD": not (norm or silu_up), "IEEE": False, "SWAP": swap, "NORM": norm, "SCALE": False,
-                                "GLU": silu_up}})
+                                "ADD": not silu_up, "IEEE": False, "SWAP": swap, "GLU": silu_up}})
     return out
 
 
@@ -122,7 +120,7 @@ def table(rows: list[dict], forms: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--forms", default=",".join(FORMS))
-    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows norm,rows swapped norm,rows glu,rows swapped glu")
+    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows glu,rows swapped glu")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="kernel_resources_sm90")
     args = parser.parse_args()

@@ -196,18 +196,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 
 
 @triton.jit
-def _rows_step(acc, squares, w_first, k0, x_ptr, w_ptr, h_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm,
-               stride_wn, stride_hm, IEEE: tl.constexpr, SWAP: tl.constexpr, NORM: tl.constexpr, FIRST: tl.constexpr):
+def _rows_step(acc, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+               IEEE: tl.constexpr, SWAP: tl.constexpr, FIRST: tl.constexpr):
     """One BLOCK_K step of _rows_kernel's loop from k0 into acc ([BLOCK_N, BLOCK_M] with SWAP, else [BLOCK_M,
-    BLOCK_N]) and, with NORM, the squares of the unscaled rows' tile into squares: (acc, squares). FIRST: the
-    weight's tile is w_first, loaded already (the peeled first step)."""
+    BLOCK_N]). FIRST: the weight's tile is w_first, loaded already (the peeled first step)."""
     k = k0 + offs_k
     k_ok = k < K
     v = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    if NORM:   # a load of its own beside the product's: its input tile goes to the tensor cores as loaded
-        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        squares += h * h
     if FIRST:
         w = w_first
     else:
@@ -221,21 +216,17 @@ def _rows_step(acc, squares, w_first, k0, x_ptr, w_ptr, h_ptr, offs_m, m_ok, off
         acc = tl.dot(v.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
         acc = tl.dot(v, tl.trans(w), acc)
-    return acc, squares
+    return acc
 
 
 @triton.jit
-def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm, h_ptr,
-                 stride_hm, eps, s_ptr, scaled_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr, NORM: tl.constexpr,
-                 SCALE: tl.constexpr, GLU: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
+def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
+                 IEEE: tl.constexpr, SWAP: tl.constexpr, GLU: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
     weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
     product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
-    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. NORM: x is a
-    norm's input already scaled by its weight (h * p, rounded) and each row's product is multiplied by h's rstd,
-    1 / sqrt(mean(h^2) + eps), gathered from h's tiles in the loop (linear_rows' norm_input). SCALE: the output
-    (rounded) times s [N] as well, rounded, into scaled (the next norm's NORM input: linear_rows' scale_out). GLU: w
+    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. GLU: w
     is a gated MLP's gate and up side by side ([2N, K]) and out [M, N] = silu(x @ gate.T) * (x @ up.T), rounded as
     fused.silu_mul rounds: each program's tile holds BLOCK_N // 2 columns of each, interleaved (linear_rows' glu).
     PEEL, PDL: as _gemv_kernel's."""
@@ -255,24 +246,21 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     if PEEL:   # the weight's first tile before the wait (PDL)
         w_first = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, offs_k, K)
     wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
     if PEEL:   # the first tile's step out of the loop
-        acc, squares = _rows_step(acc, squares, w_first, 0, x_ptr, w_ptr, h_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K,
-                                  stride_xm, stride_wn, stride_hm, IEEE, SWAP, NORM, True)
+        acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                         IEEE, SWAP, True)
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            acc, squares = _rows_step(acc, squares, acc, k0, x_ptr, w_ptr, h_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K,
-                                      stride_xm, stride_wn, stride_hm, IEEE, SWAP, NORM, False)
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
     else:
         for k0 in range(0, K, BLOCK_K):
-            acc, squares = _rows_step(acc, squares, acc, k0, x_ptr, w_ptr, h_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K,
-                                      stride_xm, stride_wn, stride_hm, IEEE, SWAP, NORM, False)
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
     if SWAP:
         acc = tl.trans(acc)
-    if NORM:   # one number per row: out of the sum, applied once
-        acc = acc / tl.sqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
     if GLU:   # gate and up each rounded as the product's output, silu rounded, the product rounded (fused.silu_mul)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         acc = _silu(gate.to(dtype).to(tl.float32)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
@@ -283,10 +271,6 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
-    if SCALE:
-        s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(scaled_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                 (acc.to(dtype).to(tl.float32) * s[None, :]).to(dtype), mask=out_ok)
 
 
 @functools.cache
@@ -363,17 +347,12 @@ def gemv_config(n: int, k: int, prologue: str | None, group: int = 1,
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
-                norm_input: torch.Tensor | None = None, scale_out: torch.Tensor | None = None, glu: bool = False,
-                _peel: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                glu: bool = False, _peel: bool | None = None) -> torch.Tensor:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
     weight, x, a and add contiguous in their last dim (sigmoid_gate: a [1, K // group, group]). swap: the few-rows
-    kernel's form (None: swap_ab's). norm_input (more than one row): h, x being h * p rounded (p a norm's weight):
-    the product of rmsnorm(h) * p, each row's statistic gathered from h in the kernel's loop and applied to its sum
-    (_rows_kernel's NORM; the norm's kernel before it saved where the kernel before that writes h * p). scale_out
-    (more than one row): s [N], and the output's product with it returned too: (out, out * s rounded), the next
-    norm's NORM input written by the kernel that writes the stream it normalizes. glu (more than one row): weight is a
+    kernel's form (None: swap_ab's). glu (more than one row): weight is a
     gated MLP's gate and up projections side by side [2N, K], and the output silu(gate) * up [M, N], in the product's
     epilogue (_rows_kernel's GLU: the chain's kernel and the [M, 2N] product's write and read saved). Launched
     with PDL where kernels.pdl says (the first weight tile loaded before the wait, its step peeled off the loop, where
@@ -383,13 +362,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
     assert m == 1 or prologue is None, "the few-rows kernel takes no prologue"
-    assert norm_input is None or (m > 1 and norm_input.shape == x.shape and norm_input.stride(1) == 1), "norm_input: rows > 1"
-    assert scale_out is None or (m > 1 and scale_out.shape == (n,)), "scale_out: rows > 1, one number a column"
-    assert not glu or (m > 1 and add is None and scale_out is None and weight.shape[0] == 2 * n), "glu: rows > 1, no add"
+    assert not glu or (m > 1 and add is None and weight.shape[0] == 2 * n), "glu: rows > 1, no add"
     if add is not None:
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    scaled = None if scale_out is None else torch.empty_like(out)
     use_pdl = pdl(x.device)
     if m > 1:
         block_m = rows_block(m)
@@ -398,12 +374,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
         _rows_kernel[(triton.cdiv(n, block_n // 2 if glu else block_n),)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
-            0 if add is None else add.stride(0), x if norm_input is None else norm_input,
-            0 if norm_input is None else norm_input.stride(0), eps, x if scale_out is None else scale_out,
-            out if scaled is None else scaled, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ADD=add is not None,
-            IEEE=weight.dtype == torch.float32, SWAP=swap, NORM=norm_input is not None, SCALE=scaled is not None,
-            GLU=glu, PEEL=peel, PDL=use_pdl, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
-        return out if scaled is None else (out, scaled)
+            0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, GLU=glu, PEEL=peel, PDL=use_pdl,
+            num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
+        return out
     mode = PROLOGUES[prologue]
     peel = (use_pdl and peel_first()) if _peel is None else _peel
     if mode == 5:

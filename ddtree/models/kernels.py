@@ -139,20 +139,13 @@ def gemv_kernel(device: torch.device) -> Callable | None:
     return _gemv_kernel()
 
 
-def rows_norm() -> bool:
-    """Whether static forwards of a few rows (through the few-rows kernel) take Qwen3.5's zero-centered norms in the
-    NORM form of the Linear that reads each (gemv_kernel.linear_rows' norm_input, the input scaled by the norm's
-    weight in the epilogue of the Linear that wrote the stream: scale_out) instead of the norm's own kernel (129 of
-    them in a 27B verify): DDTREE_ROWS_NORM=1. Off by default: not yet measured on a GPU (perf/rows_norm_bench.py,
-    perf/gpu_ratios.py --round-variants static-rowsnorm)."""
-    return os.environ.get("DDTREE_ROWS_NORM", "0") not in ("", "0")
-
-
 def rows_glu() -> bool:
     """Whether static forwards of a few rows take a gated MLP's silu(gate) * up in the epilogue of its fused gate/up
     product (gemv_kernel.linear_rows' glu) instead of the chain's own kernel after it (64 of them in a 27B verify, and
-    the [rows, 2 x 17408] product written and read again): DDTREE_ROWS_GLU=1. Off by default: not yet measured on a
-    GPU (perf/gpu_ratios.py --round-variants static-rowsglu)."""
+    the [rows, 2 x 17408] product written and read again): DDTREE_ROWS_GLU=1. Whole 27B rounds 0.995-1.000x on an
+    H100 (perf/results/gpu_ratios_h100_fused_parts.md), 0.981-0.985x with tree_gates and the chunk kernel's key step
+    (gpu_ratios_h100_glugates.md); off by default while a GPU test fails with both on (README, "Why the GLU form and
+    the gates are still off")."""
     return os.environ.get("DDTREE_ROWS_GLU", "0") not in ("", "0")
 
 
@@ -264,8 +257,8 @@ def conv_windows_kernel(device: torch.device) -> Callable | None:
 def tree_gates() -> bool:
     """Whether a tree batch's GDN gates (fused.gdn_gates_into: beta and g from the raw projections, into the commit
     stash) are computed by the conv's kernel (conv_windows_kernel, tree_kernel.conv_windows_in_place's gates) instead
-    of a compiled kernel of their own, 48 kernels less a 27B verify: DDTREE_TREE_GATES=1. Off by default: not yet
-    measured on a GPU (perf/gpu_ratios.py --round-variants static-treegates)."""
+    of a compiled kernel of their own, 48 kernels less a 27B verify: DDTREE_TREE_GATES=1. Whole 27B rounds 0.993-0.995x
+    on an H100 (perf/results/gpu_ratios_h100_fused_parts.md); off by default with rows_glu (its docstring says why)."""
     return os.environ.get("DDTREE_TREE_GATES", "0") not in ("", "0")
 
 

@@ -73,13 +73,12 @@ class Prologue:
 
 
 class NormedRows(Prologue):
-    """norm(x) of a layer's residual stream x (RMSNorm or Qwen3.5's zero-centered form: norm.prologue()); scaled: x
-    times the zero-centered norm's scale, rounded, where the Linear that wrote x wrote it too (kernels.rows_norm)."""
+    """norm(x) of a layer's residual stream x (RMSNorm or Qwen3.5's zero-centered form: norm.prologue())."""
 
-    def __init__(self, norm: nn.Module, x: torch.Tensor, scaled: torch.Tensor | None = None) -> None:
+    def __init__(self, norm: nn.Module, x: torch.Tensor) -> None:
         kind, p = norm.prologue()
         super().__init__(x, None, p, norm.eps)
-        self.KIND, self.norm, self.scaled = kind, norm, scaled
+        self.KIND, self.norm = kind, norm
 
     def eager(self) -> torch.Tensor:
         return self.norm(self.x)
@@ -116,31 +115,20 @@ class GatedNormed(Prologue):
         return self.norm(self.x.reshape(-1, self.group), self.a.reshape(-1, self.group)).reshape(n, -1)
 
 
-def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | None = None,
-           scale: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """[add +] module(x), x a tensor or a Prologue; in a static forward on CUDA (through_gemv) one row through our
     GEMV kernel with the prologue and the add in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8%
     slower on the H200, and each prologue or add is a kernel less), a few through its few-rows kernel with the add in
-    it (the prologue's chain before it, but for a zero-centered norm whose scaled input is there: the kernel's NORM
-    form). scale [out_features] (the next norm's, kernels.rows_norm): (out, out * scale rounded), the second written
-    by the few-rows kernel's epilogue. glu (a few rows through the few-rows kernel only; kernels.rows_glu): module is a
+    it (the prologue's chain before it). glu (a few rows through the few-rows kernel only; kernels.rows_glu): module is a
     gated MLP's fused gate/up and the output silu(gate) * up, from the kernel's epilogue."""
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
         if isinstance(x, Prologue) and x.shape[0] == 1:
-            return _scaled(kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add), scale)
-        if isinstance(x, NormedRows) and x.scaled is not None and x.KIND == "norm":
-            return kernel(x.scaled, module.weight, norm_input=x.x.contiguous(), eps=x.eps, add=add, scale_out=scale,
-                          glu=glu)
-        return kernel(materialize(x).contiguous(), module.weight, add=add, scale_out=scale, glu=glu)
+            return kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add)
+        return kernel(materialize(x).contiguous(), module.weight, add=add, glu=glu)
     assert not glu, "glu: only through the few-rows kernel"
     out = module(materialize(x))
-    return _scaled(out if add is None else add + out, scale)
-
-
-def _scaled(out: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """out, or (out, out * scale rounded) where a scale is asked for and no kernel's epilogue wrote it."""
-    return out if scale is None else (out, (out.float() * scale).to(out.dtype))
+    return out if add is None else add + out
 
 
 def materialize(x: torch.Tensor | Prologue) -> torch.Tensor:
@@ -192,16 +180,14 @@ class GatedMLP(FusedProjections, nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor | Prologue, residual: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The MLP's output [plus the residual stream, added in the down projection's epilogue] [and its product with
-        scale: layers.linear]."""
+    def forward(self, x: torch.Tensor | Prologue, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output [plus the residual stream, added in the down projection's epilogue]."""
         fused_proj = getattr(self, "fused_proj", None)
         if (fused_proj is not None and fused_proj.bias is None and x.shape[0] > 1 and kernels.rows_glu()
                 and through_gemv(x)):   # silu(gate) * up in the few-rows kernel's epilogue (kernels.rows_glu)
-            return linear(linear(x, fused_proj, glu=True), self.down_proj, residual, scale)
+            return linear(linear(x, fused_proj, glu=True), self.down_proj, residual)
         gate, up = self.project(x)
-        return linear(SiluMul(gate, up), self.down_proj, residual, scale)
+        return linear(SiluMul(gate, up), self.down_proj, residual)
 
 
 class Rotary(nn.Module):

@@ -53,7 +53,6 @@ from ddtree.models.kernels import (
     conv_windows_kernel,
     gdn_chain_fla,
     gdn_sequences_fla,
-    rows_norm,
     step_gdn_kernel,
     steps_gdn_kernel,
     tree_chunk_kernel,
@@ -368,10 +367,8 @@ class GatedAttention(FusedProjections, nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[Segment],
-                slot: int, packed: PackedAttention | None = None, residual: torch.Tensor | None = None,
-                scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The layer's attention output [plus the residual stream, added in o_proj's epilogue] [and its product with
-        scale: layers.linear]."""
+                slot: int, packed: PackedAttention | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's attention output [plus the residual stream, added in o_proj's epilogue]."""
         n = x.shape[0]
         q_gate, k, v = self.project(x)
         q, gate = q_gate.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -381,12 +378,12 @@ class GatedAttention(FusedProjections, nn.Module):
         out = prepare_and_attend(q, k, v, norms, rope, [seg.cache.kv for seg in segments], slot, self.head_dim**-0.5,
                                  packed)
         if out is not None:
-            return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj, residual, scale)
+            return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj, residual)
         # per-head norm, then rotary over the first rotary_dim dims (cos, sin are that wide): one chain each
         q = fused.zero_centered_norm_partial_rotary(q, self.q_norm.scale(self.q_norm.weight), self.q_norm.eps, *rope)
         k = fused.zero_centered_norm_partial_rotary(k, self.k_norm.scale(self.k_norm.weight), self.k_norm.eps, *rope)
         out = attend_segments(q, k, v, [seg.cache.kv for seg in segments], segments, slot, self.head_dim**-0.5, packed)
-        return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj, residual, scale)
+        return linear(SigmoidGated(out.reshape(n, -1), gate), self.o_proj, residual)
 
 
 def value_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,8 +414,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
 
     def forward(self, x: torch.Tensor, segments: list[Segment], slot: int, layouts: list[TreeLayout],
                 stashes: list[TreeStash | ReplayStash | None], trees: TreeBatch | None = None,
-                residual: torch.Tensor | None = None, scale: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of several sequences, packed: the projections, gates, output norm and out_proj over all rows at once
         (each weight read once per forward, whatever the batch); the conv and the recurrence of a batch of `ar`
         steps (`_steps`) or of trees through our paths kernel (`_trees`) for all sequences at once, else per
@@ -435,7 +431,7 @@ class GatedDeltaNet(FusedProjections, nn.Module):
             o = self._trees(mixed, g, beta, segments[0].cache.gdn_pool, slot, trees, gates)
         else:
             o = self._sequences(mixed, b, a, segments, slot, layouts, stashes)
-        return linear(GatedNormed(self.norm, o.reshape(n, hv * dv).to(x.dtype), z, dv), self.out_proj, residual, scale)
+        return linear(GatedNormed(self.norm, o.reshape(n, hv * dv).to(x.dtype), z, dv), self.out_proj, residual)
 
     def _sequences(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, segments: list[Segment], slot: int,
                    layouts: list[TreeLayout], stashes: list[TreeStash | ReplayStash | None]) -> torch.Tensor:
@@ -690,29 +686,19 @@ class HybridTarget(TargetModel):
         # that reads it (one row: in the GEMV's prologue), each residual add in the epilogue of the Linear before it
         # (ddtree.models.gemv_kernel), the stream x always whole
         gemv = through_gemv(x)
-        # a few rows with kernels.rows_norm: each Linear that adds to the stream also writes it times the next norm's
-        # scale, which the next Linear reads in its NORM form (no norm kernel; the first layer's norm runs as before)
-        scales = ([layer.input_layernorm.prologue()[1] for layer in self.layers[1:]] + [None]
-                  if gemv and x.shape[0] > 1 and rows_norm() else None)
-        scaled = None   # x times this layer's input norm's scale
         for i, layer in enumerate(self.layers):
             if gemv:
-                h = NormedRows(layer.input_layernorm, x, scaled)
+                h = NormedRows(layer.input_layernorm, x)
             else:
                 x, h = layer.input_layernorm.add_norm(x, pending)
             residual = x if gemv else None   # added in the mixer's output projection
-            post = None if scales is None else layer.post_attention_layernorm.prologue()[1]
             if layer.kind == "full_attention":
-                h = layer.self_attn(h, rope, segments, attn_slot, plan.packed, residual, post)
+                h = layer.self_attn(h, rope, segments, attn_slot, plan.packed, residual)
                 attn_slot += 1
             else:
-                h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes, trees, residual, post)
+                h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes, trees, residual)
                 gdn_slot += 1
-            h, h_scaled = h if post is not None else (h, None)
-            if scales is not None:   # h: the stream with the mixer's output added
-                x = layer.mlp(NormedRows(layer.post_attention_layernorm, h, h_scaled), h, scales[i])
-                x, scaled = x if scales[i] is not None else (x, None)   # the last layer's: the final norm as before
-            elif gemv:
+            if gemv:   # h: the stream with the mixer's output added
                 x = layer.mlp(NormedRows(layer.post_attention_layernorm, h), h)
             else:
                 x, h = layer.post_attention_layernorm.add_norm(x, h)

@@ -41,28 +41,6 @@ def test_prologues_equal_their_eager_chains_on_the_gpu(dtype, n, k, norm_first, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(5120, 6144), (300, 1000), (34816, 512)])
-@pytest.mark.parametrize("rows, swap", [(16, "0"), (17, "1"), (16, "1"), (17, "0")])
-def test_rows_norm_form_equals_the_norm_then_the_product_on_the_gpu(dtype, n, k, rows, swap, monkeypatch):
-    """linear_rows(h * p, w, norm_input=h) == F.linear(zero_centered_rms_norm(h, p), w): to float32 rounding in
-    float32, to a bf16 ulp or two of the output's scale in bf16 (its input h * p rounded where the norm rounds after
-    rstd)."""
-    from ddtree.models import fused
-    from ddtree.models.gemv_kernel import linear_rows
-
-    monkeypatch.setenv("DDTREE_GEMV_SWAP", swap)
-    gen = torch.Generator().manual_seed(n + k + rows)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", dtype)
-    h = torch.randn(rows, k, generator=gen).to("cuda", dtype)
-    p = (1.0 + 0.1 * torch.randn(k, generator=gen)).to("cuda")
-    with torch.inference_mode():
-        want = F.linear(fused.zero_centered_rms_norm.eager(h, p, 1e-6), w).float()
-        got = linear_rows((h.float() * p).to(dtype), w, norm_input=h, eps=1e-6).float()
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    assert (got - want).abs().max() <= tolerance * want.abs().max().clamp(min=1.0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(17408, 5120), (300, 1000)])
 @pytest.mark.parametrize("rows, swap", [(16, "0"), (17, "1"), (16, "1"), (17, "0")])
 def test_rows_glu_form_equals_the_product_then_silu_times_up_on_the_gpu(dtype, n, k, rows, swap, monkeypatch):
@@ -112,21 +90,12 @@ def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
     assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_hybrid_engine_with_the_rows_norm_form_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
-    """Greedy tokens (fp32, static forwards with graphs) with the zero-centered norms of a few rows in the NORM form of
-    the Linears that read them (DDTREE_ROWS_NORM=1, kernels.rows_norm) == with the norms' own kernels."""
-    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
-
-    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_ROWS_NORM", tiny_config("hybrid", tiny_models, tmp_path),
-                                      [("dflash", 1), ("ddtree", 16)], seed=7)
-
-
 def test_hybrid_engine_with_every_verify_fusion_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
-    """The NORM form, the GLU form and the GDN gates in the conv's kernel on together (gpu_ratios' static-fusedall):
-    greedy tokens (fp32, static forwards with graphs) == all three off."""
+    """The GLU form and the GDN gates in the conv's kernel on together (gpu_ratios' static-glugates): greedy tokens
+    (fp32, static forwards with graphs) == both off."""
     from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
-    assert_switch_keeps_greedy_tokens(monkeypatch, ("DDTREE_ROWS_NORM", "DDTREE_ROWS_GLU", "DDTREE_TREE_GATES"),
+    assert_switch_keeps_greedy_tokens(monkeypatch, ("DDTREE_ROWS_GLU", "DDTREE_TREE_GATES"),
                                       tiny_config("hybrid", tiny_models, tmp_path), [("dflash", 1), ("ddtree", 16)],
                                       seed=11)
 

@@ -39,31 +39,6 @@ def test_linear_rows_equals_f_linear(m, n, k, config, swap):
     torch.testing.assert_close(linear_rows(x, w, config, swap=swap, add=add), add + F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2, 16, 17])
-@pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("k, config", [(300, (16, 128, 4, 3)), (512, None)])
-def test_the_rows_kernel_norm_form_equals_the_norm_then_the_product(rows, swap, k, config):
-    """norm_input: x = h * p, each row's product scaled by h's rstd == F.linear(zero_centered_rms_norm(h, p)); the
-    first tile peeled or not (the same sums), with the residual added too."""
-    from ddtree.models import fused
-
-    linear_rows = gemv_module().linear_rows
-    gen = torch.Generator().manual_seed(rows * k)
-    h, w, add = torch.randn(rows, k, generator=gen), torch.randn(37, k, generator=gen), torch.randn(rows, 37, generator=gen)
-    p = 1.0 + 0.1 * torch.randn(k, generator=gen)
-    want = F.linear(fused.zero_centered_rms_norm.eager(h, p, 1e-6), w)
-    for residual in (None, add):
-        loop = linear_rows(h * p, w, config, swap=swap, add=residual, norm_input=h, eps=1e-6, _peel=False)
-        peeled = linear_rows(h * p, w, config, swap=swap, add=residual, norm_input=h, eps=1e-6, _peel=True)
-        assert torch.equal(peeled, loop)
-        torch.testing.assert_close(loop, want + (0 if residual is None else residual), rtol=1e-5, atol=1e-4)
-    # the next norm's input written beside the stream: out * s, one scale a column
-    s = 1.0 + 0.1 * torch.randn(37, generator=gen)
-    out, scaled = linear_rows(h * p, w, config, swap=swap, add=add, norm_input=h, eps=1e-6, scale_out=s)
-    assert torch.equal(out, linear_rows(h * p, w, config, swap=swap, add=add, norm_input=h, eps=1e-6))
-    assert torch.equal(scaled, out * s)
-
-
 def prologue_cases(k: int, n: int, group: int, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
                    rows: int = 1):
     """x [rows, k] and per case (prologue, kernel keyword arguments, the Linear's input as the unfused forward computes
@@ -160,34 +135,13 @@ def drafting_jobs_through_the_kernels(kind: str, tiny_models, tmp_path, monkeypa
     return config, kernel, jobs
 
 
-def test_hybrid_engine_with_the_rows_norm_form_decodes_what_it_decodes_without(tiny_models, tmp_path, monkeypatch):
-    """DDTREE_ROWS_NORM=1: a hybrid's trees and drafter blocks through the few-rows kernel take every zero-centered norm
-    but the first layer's in the NORM form of the Linear that reads it, its input written by the epilogue of the
-    Linear before (no norm computed apart for those); greedy `ddtree` and `dflash` tokens as without it."""
-    from ddtree.engine import Engine
-    from ddtree.models import layers
-
-    config, kernel, jobs = drafting_jobs_through_the_kernels("hybrid", tiny_models, tmp_path, monkeypatch, seed=5)
-    expected = [run_together(Engine(config), [job]) for job in jobs]
-    calls = []
-    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: lambda x, w, **k: calls.append(
-        (x.shape[0], k.get("norm_input") is not None, k.get("scale_out") is not None)) or kernel(x, w, **k))
-    monkeypatch.setenv("DDTREE_ROWS_NORM", "1")
-    assert [run_together(Engine(config), [job]) for job in jobs] == expected
-    normed = [rows for rows, norm, _ in calls if norm]
-    assert normed and min(normed) > 1 and any(scale for _, _, scale in calls)
-    # every target forward of a few rows: each layer's two norms in the NORM form but the first layer's input norm
-    layers_ = Engine(config).target.config.num_hidden_layers
-    assert len(normed) % (2 * layers_ - 1) == 0, (len(normed), layers_)
-
-
 @pytest.mark.parametrize("rows", [2, 16, 17])
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("n, k, config", [(37, 300, (16, 128, 4, 3)), (64, 512, None), (5, 64, (32, 64, 4, 2))])
 def test_the_rows_kernel_glu_form_equals_the_product_then_silu_times_up(rows, swap, n, k, config):
     """glu: weight = [gate; up] ([2n, k]) and out = silu(x @ gate.T) * (x @ up.T) [rows, n], partial tiles of the
     interleaved columns too (n = 37: 19 columns of each in the last program of 32; n = 5: one program, most of it
-    past n); in the NORM form as well (x = h * p)."""
+    past n)."""
     from ddtree.models import fused
 
     linear_rows = gemv_module().linear_rows
@@ -197,20 +151,15 @@ def test_the_rows_kernel_glu_form_equals_the_product_then_silu_times_up(rows, sw
     got = linear_rows(x, w, config, swap=swap, glu=True)
     assert got.shape == (rows, n)
     torch.testing.assert_close(got, fused.silu_mul.eager(gate, up), rtol=1e-5, atol=1e-5)
-    p = 1.0 + 0.1 * torch.randn(k, generator=gen)
-    gate, up = F.linear(fused.zero_centered_rms_norm.eager(x, p, 1e-6), w).split(n, dim=-1)
-    torch.testing.assert_close(linear_rows(x * p, w, config, swap=swap, norm_input=x, eps=1e-6, glu=True),
-                               fused.silu_mul.eager(gate, up), rtol=1e-5, atol=1e-5)
     with pytest.raises(AssertionError, match="glu"):
         linear_rows(x, w, config, glu=True, add=torch.zeros(rows, n))
 
 
-@pytest.mark.parametrize("kind, norm", [("dense", False), ("hybrid", False), ("hybrid", True)])
-def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, norm, tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
     """DDTREE_ROWS_GLU=1: each gated MLP of the static forwards of a few rows (trees, `dflash` verifies, the drafter's
     blocks) takes silu(gate) * up in the epilogue of its fused gate/up product, no chain apart; greedy `ddtree` and
-    `dflash` tokens as without it; norm: with the NORM form on too (DDTREE_ROWS_NORM=1: the gate/up products of the
-    target's verifies in both forms at once)."""
+    `dflash` tokens as without it."""
     from ddtree.engine import Engine
     from ddtree.models import layers
 
@@ -222,13 +171,11 @@ def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, no
     chains_without = len(chains)
     chains.clear()
     monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: lambda x, w, **k: calls.append(
-        (x.shape[0], k.get("glu", False), k.get("norm_input") is not None)) or kernel(x, w, **k))
+        (x.shape[0], k.get("glu", False))) or kernel(x, w, **k))
     monkeypatch.setenv("DDTREE_ROWS_GLU", "1")
-    monkeypatch.setenv("DDTREE_ROWS_NORM", "1" if norm else "0")
     assert [run_together(Engine(config), [job]) for job in jobs] == expected
-    glu = [rows for rows, on, _ in calls if on]
+    glu = [rows for rows, on in calls if on]
     assert glu and min(glu) > 1
-    assert any(on and normed for _, on, normed in calls) == norm   # both forms in one launch
     # each MLP taken in the epilogue is a chain less (the rest: prefills, the drafter's unfused MLPs)
     assert len(chains) == chains_without - len(glu), (len(chains), chains_without, len(glu))
 
