@@ -171,8 +171,7 @@ def measure(dims: dict, trees: list[list[int]], configs: list[tuple[int, int, in
         error = max((got[layer][r * rows : r * rows + len(p)].float()
                      - want[layer * reqs + r][: len(p)].float()).abs().max().item()
                     for layer in (0, layers - 1) for r, p in enumerate(trees))
-        result["chunks"][chunk_name(config)] = {"ms": graph_ms(lambda: run_chunks(config), repeats),
-                                                          "max_abs_diff": error}
+        result["chunks"][chunk_name(config)] = {"ms": graph_ms(lambda: run_chunks(config), repeats), "max_abs_diff": error}
     print("  chunks: " + ", ".join(f"{name} {c['ms']:.3f} ms ({c.get('max_abs_diff', c.get('error'))})"
                                     for name, c in result["chunks"].items()), flush=True)
     best = min(result["ours"].items(), key=lambda kv: kv[1]["ms"])
