@@ -188,7 +188,10 @@ def test_batched_graphs_decode_what_requests_decode_alone(family, warm, tiny_mod
             graphed.add(pending.pop(0))
         graphed.step()
     for request, (prompt, params) in zip(requests, jobs):
-        assert request.output_ids == plain.generate_ids(prompt, params).output_ids, f"{family} {params.mode}"
+        alone = plain.generate_ids(prompt, params).output_ids
+        first = next((i for i, (x, y) in enumerate(zip(request.output_ids, alone)) if x != y), None)
+        assert request.output_ids == alone, (f"{family} {request.request_id} {params.mode}-{params.tree_budget}: first "
+                                             f"difference at token {first} of {len(alone)}")
     batched = {key[1] for key in graphed.graphs.programs if key[0] in ("batch", "draft", "target")}   # key[1]: requests
     assert max(batched) >= 4, batched
     assert captured(graphed.static_target) >= 4
