@@ -658,13 +658,13 @@ class Engine:
         parts = times.commit_parts   # the stage's host time by part: they add up to it
         parts[0] += t_accepted - t_commit
         if self.draft_ahead and verified is not None:
-            # the request advanced and its features kept first, then the next round's draft launched, then this
+            # the features kept and the request advanced first, then the next round's draft launched, then this
             # round's cache commit: the device drafts while the host launches the commit, reports and starts the next
             # round (the commit stays ahead of the next verify in stream order)
             old_starts = [seq.start for seq in seqs]
-            outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
-            t_advanced = time.perf_counter()
             self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
+            t_features = time.perf_counter()
+            outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
             t_ahead = time.perf_counter()
             self._launch_draft_ahead(seqs)
             t_launched = time.perf_counter()
@@ -672,8 +672,8 @@ class Engine:
             self._commit_caches(seqs, [a.accepted for a in accepted], old_starts)
             t_caches = time.perf_counter()
             parts[1] += t_caches - t_launched
-            parts[2] += t_ahead - t_advanced
-            parts[3] += t_advanced - t_accepted
+            parts[2] += t_features - t_accepted
+            parts[3] += t_ahead - t_features
             times.draft += t_launched - t_ahead
             t_end = t_caches - (t_launched - t_ahead)   # the commit stage's host time, less the draft's launch
         else:
@@ -993,9 +993,8 @@ class Engine:
                                                 tree=(head, paths))
         self._events.record("verified")
         # the round's one device-to-host read: the verify's choices, the tree's ids, positions and parents
-        values = torch.cat([logits.argmax(dim=-1)[:n], head[:, :n].flatten()])
         with self._waiting():
-            read = values.tolist()
+            read = torch.cat([logits.argmax(dim=-1), head[:, :n].flatten()]).tolist()
         t2 = time.perf_counter()
         choices, ids, positions, parents = (read[i * n : (i + 1) * n] for i in range(4))
         tree = _empty_tree()
@@ -1013,29 +1012,20 @@ class Engine:
         tree on the device, with no request waiting for a free slot (the next step would admit it). The drafter's pass
         appends the pending features to its context and drafts the block; what it leaves, the next round takes
         (_take_draft_ahead) or undoes."""
-        plan = self._ahead_plan(seqs[0]) if len(seqs) == 1 else None
-        if plan is None:
+        if len(seqs) != 1 or (self.waiting and self.free_slots):   # a request about to join the batch
             return
         seq = seqs[0]
+        if seq.request.finish_reason is not None or seq.request.params.mode not in ("dflash", "ddtree"):
+            return
+        plan = self._device_tree_plan(seqs)
+        if plan is None:
+            return
         cache = self.draft_caches[seq.slot]
         length, pending = cache.length, list(seq.pending_taps)
         self._events.record("draft")
         hidden = self._draft_hidden(seqs)
         self._draft_ahead = DraftAhead(seq, seq.start, plan, hidden, length, pending)
         self.stage_times.drafts_ahead += 1
-
-    def _ahead_plan(self, seq: Sequence) -> tuple | None:
-        """The next round's device plan (_device_tree_plan) of a lone request whose next draft may run ahead of its
-        round (_launch_draft_ahead): a `dflash` or `ddtree` request still running, with no request waiting for a free
-        slot (the next step would admit it, and the batch would not take the draft); else None."""
-        if (self._joining() or seq.request.finish_reason is not None
-                or seq.request.params.mode not in ("dflash", "ddtree")):
-            return None
-        return self._device_tree_plan([seq])
-
-    def _joining(self) -> bool:
-        """Whether a waiting request joins the batch at the next step (a slot is free for it)."""
-        return bool(self.waiting and self.free_slots)
 
     def _take_draft_ahead(self, seqs: list[Sequence]) -> DraftAhead | None:
         """The draft launched ahead for this round (the same lone request where it stood), or None: a draft ahead of

@@ -584,8 +584,10 @@ class StaticDrafter:
         if not fits:
             return None
         program = self.graphs.program(key, lambda: self._make(caches[0].pool, reqs, rows, keys, taps[0]))
-        b = self.block
-        ids, length, m, slot, src = self._host_inputs(program, reqs)
+        b, host = self.block, program.host.numpy()
+        ids, length, m, slot, src = np.split(host, np.cumsum([reqs * b, reqs, reqs, reqs]))
+        ids[:], length[:], m[:], src[:] = 0, 0, 0, 0     # padding: empty contexts in the scratch slot
+        slot[:] = self.scratch if self.scratch is not None else 0
         offset = 0
         for r, (cache, size) in enumerate(zip(caches, sizes)):
             ids[r * b : (r + 1) * b] = blocks[r]
@@ -601,14 +603,6 @@ class StaticDrafter:
         for cache, size in zip(caches, sizes):
             cache.length += size
         return hidden[: len(caches)]
-
-    def _host_inputs(self, program: Program, reqs: int) -> list[np.ndarray]:
-        """The program's host inputs (ids, length, m, slot, src: views to fill), reset to padding: empty contexts in
-        the scratch slot."""
-        ids, length, m, slot, src = np.split(program.host.numpy(), np.cumsum([reqs * self.block, reqs, reqs, reqs]))
-        ids[:], length[:], m[:], src[:] = 0, 0, 0, 0
-        slot[:] = self.scratch if self.scratch is not None else 0
-        return [ids, length, m, slot, src]
 
     def _make(self, pool, reqs: int, rows: int, keys: int, taps: torch.Tensor) -> Program:
         b = self.block
