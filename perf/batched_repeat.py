@@ -1,0 +1,149 @@
+"""The batched-requests scenario of tests/gpu/test_cuda_graphs.py (test_batched_graphs_decode_what_requests_decode_alone:
+ten requests of mixed modes on the tiny hybrid or dense pair, arriving while others decode, static forwards captured
+after warm-up) repeated over many prompt seeds under sets of engine switches: how often a batched request's greedy
+tokens differ from the target's own (`ar` alone, dynamic forward). One failing run of that test cannot tell a race or
+a read of memory no kernel wrote (a mismatch that comes and goes) from a wrong kernel (one that stays); a rate over
+seeds and engines can. --nan-fill: torch's deterministic mode fills each uninitialized allocation with NaN (inside a
+captured graph at every replay too), so a read of unwritten memory poisons the tokens instead of passing on whatever
+the memory held.
+
+Each switch set runs in a process of its own (graphs capture under its environment); its engine is built and warmed
+up again every --rebuild seeds. Writes perf/results/<name>.{json,md}.
+
+    python perf/batched_repeat.py --device cuda --seeds 20 --sets "none;DDTREE_ROWS_GLU=1,DDTREE_TREE_GATES=1" \\
+        --name batched_repeat_h100
+    python perf/batched_repeat.py --seeds 1 --sets none --name batched_repeat_cpu   # a CPU smoke run (eager)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from perf.common import ROOT, header, write_results  # noqa: E402
+
+MODES = [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
+
+
+def parse_set(spec: str) -> dict[str, str]:
+    """"none" -> {}; "A=1,B=0" -> {"A": "1", "B": "0"}."""
+    spec = spec.strip()
+    if spec in ("", "none"):
+        return {}
+    pairs = [item.split("=", 1) for item in spec.split(",")]
+    if any(len(p) != 2 or not p[0].startswith("DDTREE_") for p in pairs):
+        raise SystemExit(f"a switch set is DDTREE_X=v[,DDTREE_Y=w] or none, got {spec!r}")
+    return dict(pairs)
+
+
+def tiny_pair(family: str, root: Path) -> tuple[str, str]:
+    """(target, drafter) paths of the tests' tiny hybrid (tests.unit.oracle) or dense pair (scripts/make_tiny_models)."""
+    if family == "hybrid":
+        from tests.unit.oracle import make_tiny_hybrid
+        make_tiny_hybrid(root)
+        return str(root / "target"), str(root / "dflash")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_models.py"), "--out", str(root)], check=True,
+                   capture_output=True)
+    return str(root / "qwen3-target"), str(root / "qwen3-dflash")
+
+
+def worker(args) -> dict:
+    """One switch set (this process's environment): every seed's requests batched, each against `ar` alone."""
+    import torch
+
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.request import Request
+    from ddtree.sampling_params import SamplingParams
+
+    if args.nan_fill:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    with tempfile.TemporaryDirectory() as tmp:
+        target, drafter = tiny_pair(args.family, Path(tmp))
+        base = {"target_path": target, "drafter_path": drafter, "max_model_len": 300, "max_tree_budget": 64,
+                "device": args.device}
+        plain = Engine(EngineConfig(**base, static_forward="off", max_num_seqs=1))
+        graphed, runs = None, []
+        for seed in range(args.seeds):
+            if graphed is None or seed % args.rebuild == 0:
+                graphed = Engine(EngineConfig(**base, static_forward="auto", max_num_seqs=8))
+                graphed.warm_up()
+            gen = torch.Generator().manual_seed(seed)
+            jobs = [(torch.randint(0, 90, (int(torch.randint(3, 60, (1,), generator=gen)),), generator=gen).tolist(),
+                     SamplingParams(mode=mode, tree_budget=budget, max_tokens=24, ignore_eos=True))
+                    for mode, budget in MODES * 2]
+            requests = [Request(request_id=f"s{seed}-r{i}", prompt_ids=p, params=params)
+                        for i, (p, params) in enumerate(jobs)]
+            pending = list(requests)
+            while pending or graphed.has_work:
+                if pending:
+                    graphed.add(pending.pop(0))
+                graphed.step()
+            for request, (prompt, params) in zip(requests, jobs):
+                want = plain.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=24, ignore_eos=True)).output_ids
+                first = next((i for i, (x, y) in enumerate(zip(request.output_ids, want)) if x != y), None)
+                runs.append({"seed": seed, "request": request.request_id, "mode": f"{params.mode}-{params.tree_budget}",
+                             "prompt_len": len(prompt), "equal": request.output_ids == want, "first_difference": first})
+            print(f"seed {seed}: {sum(not r['equal'] for r in runs if r['seed'] == seed)} of {len(jobs)} differ",
+                  flush=True)
+    return {"runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--family", choices=["hybrid", "qwen3"], default="hybrid")
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--rebuild", type=int, default=5, help="a fresh engine (built, warmed up) every this many seeds")
+    parser.add_argument("--sets", default="none", help='switch sets, ";"-separated: none or DDTREE_X=v[,DDTREE_Y=w]')
+    parser.add_argument("--nan-fill", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "perf" / "results"))
+    parser.add_argument("--name", default="batched_repeat")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)   # a switch set's process: write its runs here
+    args = parser.parse_args()
+    if args.rebuild < 1 or args.seeds < 1:
+        parser.error("--seeds and --rebuild must be at least 1")
+    if args.worker:
+        Path(args.worker).write_text(json.dumps(worker(args)))
+        return
+    results, rows = [], []
+    for spec in args.sets.split(";"):
+        env = parse_set(spec)
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            command = [sys.executable, __file__, "--device", args.device, "--family", args.family, "--seeds",
+                       str(args.seeds), "--rebuild", str(args.rebuild), "--worker", f.name] + (["--nan-fill"] * args.nan_fill)
+            t0 = time.perf_counter()
+            done = subprocess.run(command, env={**os.environ, **env})
+            seconds = time.perf_counter() - t0
+            runs = json.loads(Path(f.name).read_text())["runs"] if done.returncode == 0 else []
+        differ = [r for r in runs if not r["equal"]]
+        by_mode = {}
+        for r in differ:
+            by_mode[r["mode"]] = by_mode.get(r["mode"], 0) + 1
+        results.append({"set": env, "returncode": done.returncode, "seconds": round(seconds, 1), "requests": len(runs),
+                        "differ": len(differ), "differ_by_mode": by_mode, "runs": runs})
+        rows.append(f"| {spec.strip() or 'none'} | {done.returncode} | {len(runs)} | {len(differ)} | "
+                    f"{', '.join(f'{m}: {n}' for m, n in sorted(by_mode.items())) or '-'} | "
+                    f"{', '.join(sorted({str(r['seed']) for r in differ})) or '-'} | {seconds:.0f} |")
+    table = (f"{args.family}, {args.seeds} seeds x {len(MODES) * 2} requests per switch set, engine rebuilt every "
+             f"{args.rebuild} seeds{', uninitialized memory NaN-filled' if args.nan_fill else ''}; a request differs "
+             f"when its batched greedy tokens are not the target's own (`ar` alone, dynamic forward)\n\n"
+             "| switch set | exit | requests | differ | by mode | seeds | s |\n|---|---|---|---|---|---|---|\n"
+             + "\n".join(rows))
+    write_results(Path(args.out), args.name, {"header": header(), "family": args.family, "seeds": args.seeds,
+                                              "rebuild": args.rebuild, "nan_fill": args.nan_fill, "sets": results}, table)
+    if any(r["returncode"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
