@@ -55,6 +55,27 @@ def tiny_pair(family: str, root: Path) -> tuple[str, str]:
     return str(root / "qwen3-target"), str(root / "qwen3-dflash")
 
 
+def scenario_jobs(seed: int) -> list:
+    """The scenario's ten (prompt ids, greedy SamplingParams): MODES twice, prompts of 3-59 random ids below 90, 24
+    tokens each, drawn from `seed`."""
+    import torch
+
+    from ddtree.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 90, (int(torch.randint(3, 60, (1,), generator=gen)),), generator=gen).tolist(),
+             SamplingParams(mode=mode, tree_budget=budget, max_tokens=24, ignore_eos=True)) for mode, budget in MODES * 2]
+
+
+def decode_arriving(engine, requests: list) -> None:
+    """The requests decoded by `engine`, one arriving before each round while the earlier ones decode."""
+    pending = list(requests)
+    while pending or engine.has_work:
+        if pending:
+            engine.add(pending.pop(0))
+        engine.step()
+
+
 def worker(args) -> dict:
     """One switch set (this process's environment): every seed's requests batched, each against `ar` alone."""
     import torch
@@ -77,17 +98,10 @@ def worker(args) -> dict:
             if graphed is None or seed % args.rebuild == 0:
                 graphed = Engine(EngineConfig(**base, static_forward="auto", max_num_seqs=8))
                 graphed.warm_up()
-            gen = torch.Generator().manual_seed(seed)
-            jobs = [(torch.randint(0, 90, (int(torch.randint(3, 60, (1,), generator=gen)),), generator=gen).tolist(),
-                     SamplingParams(mode=mode, tree_budget=budget, max_tokens=24, ignore_eos=True))
-                    for mode, budget in MODES * 2]
+            jobs = scenario_jobs(seed)
             requests = [Request(request_id=f"s{seed}-r{i}", prompt_ids=p, params=params)
                         for i, (p, params) in enumerate(jobs)]
-            pending = list(requests)
-            while pending or graphed.has_work:
-                if pending:
-                    graphed.add(pending.pop(0))
-                graphed.step()
+            decode_arriving(graphed, requests)
             for request, (prompt, params) in zip(requests, jobs):
                 want = plain.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=24, ignore_eos=True)).output_ids
                 first = next((i for i, (x, y) in enumerate(zip(request.output_ids, want)) if x != y), None)

@@ -169,24 +169,16 @@ def test_batched_graphs_decode_what_requests_decode_alone(family, warm, tiny_mod
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.request import Request
-    from ddtree.sampling_params import SamplingParams
+    from perf.batched_repeat import decode_arriving, scenario_jobs
 
     base = engine_base(family, tiny_models, hybrid)
     plain = Engine(EngineConfig(**base, static_forward="off", max_num_seqs=1))
     graphed = Engine(EngineConfig(**base, static_forward="auto", max_num_seqs=8))
     if warm:
         graphed.warm_up()
-    gen = torch.Generator().manual_seed(5)
-    modes = [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)]
-    jobs = [(torch.randint(0, 90, (int(torch.randint(3, 60, (1,), generator=gen)),), generator=gen).tolist(),
-             SamplingParams(mode=mode, tree_budget=budget, max_tokens=24, ignore_eos=True))
-            for mode, budget in modes * 2]
+    jobs = scenario_jobs(5)   # ar, dflash, ddtree-4/16/64, twice, on random prompts
     requests = [Request(request_id=f"r{i}", prompt_ids=p, params=params) for i, (p, params) in enumerate(jobs)]
-    pending = list(requests)
-    while pending or graphed.has_work:
-        if pending:
-            graphed.add(pending.pop(0))
-        graphed.step()
+    decode_arriving(graphed, requests)   # one arriving before each round
     for request, (prompt, params) in zip(requests, jobs):
         alone = plain.generate_ids(prompt, params).output_ids
         first = next((i for i, (x, y) in enumerate(zip(request.output_ids, alone)) if x != y), None)
