@@ -76,6 +76,21 @@ def decode_arriving(engine, requests: list) -> None:
         engine.step()
 
 
+def top_two_gap(target, ids: list[int]) -> dict:
+    """The target's next-token logits after `ids` (one dynamic forward from an empty cache on its device): the gap
+    between its two highest and their ids. At a request's first differing token a gap near the device's rounding
+    says a near-tie that two kernel orders may break either way; a wide one says a wrong computation."""
+    import torch
+
+    device, n = target.embed_tokens.weight.device, len(ids)
+    with torch.inference_mode():
+        logits, _ = target(torch.tensor(ids, device=device), torch.arange(n, device=device), target.new_cache(n + 1), 0,
+                           torch.ones(n, n, dtype=torch.bool, device=device).tril(),
+                           logit_rows=torch.tensor([n - 1], device=device))
+    top = logits[0].float().topk(2)
+    return {"gap": float(top.values[0] - top.values[1]), "top": int(top.indices[0]), "second": int(top.indices[1])}
+
+
 def worker(args) -> dict:
     """One switch set (this process's environment): every seed's requests batched, each against `ar` alone."""
     import torch
@@ -107,6 +122,8 @@ def worker(args) -> dict:
                 first = next((i for i, (x, y) in enumerate(zip(request.output_ids, want)) if x != y), None)
                 runs.append({"seed": seed, "request": request.request_id, "mode": f"{params.mode}-{params.tree_budget}",
                              "prompt_len": len(prompt), "equal": request.output_ids == want, "first_difference": first})
+                if first is not None:   # the target's logits there: a near-tie or a wrong computation
+                    runs[-1].update(top_two_gap(plain.target, prompt + want[:first]), batched=request.output_ids[first])
             print(f"seed {seed}: {sum(not r['equal'] for r in runs if r['seed'] == seed)} of {len(jobs)} differ",
                   flush=True)
     return {"runs": runs}
@@ -143,15 +160,19 @@ def main() -> None:
         by_mode = {}
         for r in differ:
             by_mode[r["mode"]] = by_mode.get(r["mode"], 0) + 1
+        gaps = [f"{r['gap']:.1e}" + ("" if r["batched"] == r["second"] else " (not 2nd)") for r in differ if "gap" in r]
         results.append({"set": env, "returncode": done.returncode, "seconds": round(seconds, 1), "requests": len(runs),
                         "differ": len(differ), "differ_by_mode": by_mode, "runs": runs})
         rows.append(f"| {spec.strip() or 'none'} | {done.returncode} | {len(runs)} | {len(differ)} | "
                     f"{', '.join(f'{m}: {n}' for m, n in sorted(by_mode.items())) or '-'} | "
-                    f"{', '.join(sorted({str(r['seed']) for r in differ})) or '-'} | {seconds:.0f} |")
+                    f"{', '.join(sorted({str(r['seed']) for r in differ})) or '-'} | {', '.join(gaps) or '-'} | "
+                    f"{seconds:.0f} |")
     table = (f"{args.family}, {args.seeds} seeds x {len(MODES) * 2} requests per switch set, engine rebuilt every "
              f"{args.rebuild} seeds{', uninitialized memory NaN-filled' if args.nan_fill else ''}; a request differs "
              f"when its batched greedy tokens are not the target's own (`ar` alone, dynamic forward)\n\n"
-             "| switch set | exit | requests | differ | by mode | seeds | s |\n|---|---|---|---|---|---|---|\n"
+             "gaps: the target's top-two logit gap at each differing request's first differing token (not 2nd: the batched "
+             "token was not the runner-up)\n\n"
+             "| switch set | exit | requests | differ | by mode | seeds | gaps | s |\n|---|---|---|---|---|---|---|---|\n"
              + "\n".join(rows))
     write_results(Path(args.out), args.name, {"header": header(), "family": args.family, "seeds": args.seeds,
                                               "rebuild": args.rebuild, "nan_fill": args.nan_fill, "sets": results}, table)

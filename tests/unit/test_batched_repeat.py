@@ -21,7 +21,7 @@ def test_switch_sets_parse_or_are_refused():
 def test_batched_requests_equal_the_targets_own_tokens_and_a_difference_is_counted(monkeypatch):
     """On the CPU (dynamic forwards) every batched request of the tiny hybrid decodes the target's own greedy tokens;
     with the reference's first answer changed in its first token, that request, and only it, is counted as
-    differing there."""
+    differing there, with the target's top-two logits at that token."""
     from ddtree.engine import Engine
 
     args = argparse.Namespace(device="cpu", family="hybrid", seeds=1, rebuild=1, nan_fill=False)
@@ -42,3 +42,5 @@ def test_batched_requests_equal_the_targets_own_tokens_and_a_difference_is_count
     runs = batched_repeat.worker(args)["runs"]
     differ = [r for r in runs if not r["equal"]]
     assert [(r["request"], r["first_difference"]) for r in differ] == [("s0-r0", 0)]
+    # the target's own logits there name the batched token first (the reference was the one changed), a gap above 0
+    assert differ[0]["top"] == differ[0]["batched"] and differ[0]["gap"] > 0, differ[0]
