@@ -34,13 +34,14 @@ MODES = [("ar", 1), ("dflash", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)
 
 
 def parse_set(spec: str) -> dict[str, str]:
-    """"none" -> {}; "A=1,B=0" -> {"A": "1", "B": "0"}."""
+    """"none" -> {}; "DDTREE_A=1,TRITON_B=x" -> {"DDTREE_A": "1", "TRITON_B": "x"}: engine switches, and Triton's
+    (TRITON_F32_DEFAULT=ieee: float32 dots that name no precision, fla's, multiply in IEEE instead of TF32)."""
     spec = spec.strip()
     if spec in ("", "none"):
         return {}
     pairs = [item.split("=", 1) for item in spec.split(",")]
-    if any(len(p) != 2 or not p[0].startswith("DDTREE_") for p in pairs):
-        raise SystemExit(f"a switch set is DDTREE_X=v[,DDTREE_Y=w] or none, got {spec!r}")
+    if any(len(p) != 2 or not p[0].startswith(("DDTREE_", "TRITON_")) for p in pairs):
+        raise SystemExit(f"a switch set is DDTREE_X=v[,TRITON_Y=w] or none, got {spec!r}")
     return dict(pairs)
 
 
@@ -135,7 +136,7 @@ def main() -> None:
     parser.add_argument("--family", choices=["hybrid", "qwen3"], default="hybrid")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--rebuild", type=int, default=5, help="a fresh engine (built, warmed up) every this many seeds")
-    parser.add_argument("--sets", default="none", help='switch sets, ";"-separated: none or DDTREE_X=v[,DDTREE_Y=w]')
+    parser.add_argument("--sets", default="none", help='switch sets, ";"-separated: none or DDTREE_X=v[,TRITON_Y=w]')
     parser.add_argument("--nan-fill", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "perf" / "results"))
     parser.add_argument("--name", default="batched_repeat")

@@ -13,7 +13,8 @@ def test_switch_sets_parse_or_are_refused():
     assert batched_repeat.parse_set("none") == {}
     assert batched_repeat.parse_set(" DDTREE_ROWS_GLU=1,DDTREE_TREE_GATES=0 ") == {"DDTREE_ROWS_GLU": "1",
                                                                                    "DDTREE_TREE_GATES": "0"}
-    for bad in ("GLU=1", "DDTREE_ROWS_GLU", "DDTREE_A=1,"):
+    assert batched_repeat.parse_set("TRITON_F32_DEFAULT=ieee") == {"TRITON_F32_DEFAULT": "ieee"}
+    for bad in ("GLU=1", "DDTREE_ROWS_GLU", "DDTREE_A=1,", "PATH=/x"):
         with pytest.raises(SystemExit, match="switch set"):
             batched_repeat.parse_set(bad)
 
