@@ -3,8 +3,10 @@ ten requests of mixed modes on the tiny hybrid or dense pair, arriving while oth
 after warm-up) repeated over many prompt seeds under sets of engine switches: how often a batched request's greedy
 tokens differ from the target's own (`ar` alone, dynamic forward). One failing run of that test cannot tell a race or
 a read of memory no kernel wrote (a mismatch that comes and goes) from a wrong kernel (one that stays); a rate over
-seeds and engines can. --nan-fill: torch's deterministic mode fills each uninitialized allocation with NaN (inside a
-captured graph at every replay too), so a read of unwritten memory poisons the tokens instead of passing on whatever
+seeds and engines can, and each differing request's top-two logit gap at its first differing token (the target's,
+on the device) tells a near-tie that two kernel orders break either way from a wrong computation. --nan-fill: torch's
+deterministic mode fills each uninitialized allocation with NaN (a fill launched during a graph's capture is recorded
+with it, so it runs at each replay), so a read of unwritten memory poisons the tokens instead of passing on whatever
 the memory held.
 
 Each switch set runs in a process of its own (graphs capture under its environment); its engine is built and warmed
