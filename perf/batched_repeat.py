@@ -122,11 +122,15 @@ def worker(args) -> dict:
             decode_arriving(graphed, requests)
             for request, (prompt, params) in zip(requests, jobs):
                 want = plain.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=24, ignore_eos=True)).output_ids
-                first = next((i for i, (x, y) in enumerate(zip(request.output_ids, want)) if x != y), None)
+                got, equal = request.output_ids, request.output_ids == want
+                # where they part: the first differing token, else (one a prefix of the other) the shorter's end
+                first = None if equal else next((i for i, (x, y) in enumerate(zip(got, want)) if x != y),
+                                                min(len(got), len(want)))
                 runs.append({"seed": seed, "request": request.request_id, "mode": f"{params.mode}-{params.tree_budget}",
-                             "prompt_len": len(prompt), "equal": request.output_ids == want, "first_difference": first})
+                             "prompt_len": len(prompt), "equal": equal, "first_difference": first})
                 if first is not None:   # the target's logits there: a near-tie or a wrong computation
-                    runs[-1].update(top_two_gap(plain.target, prompt + want[:first]), batched=request.output_ids[first])
+                    runs[-1].update(top_two_gap(plain.target, prompt + want[:first]),
+                                    batched=got[first] if first < len(got) else None)
             print(f"seed {seed}: {sum(not r['equal'] for r in runs if r['seed'] == seed)} of {len(jobs)} differ",
                   flush=True)
     return {"runs": runs}
