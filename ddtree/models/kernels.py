@@ -144,8 +144,9 @@ def rows_glu() -> bool:
     product (gemv_kernel.linear_rows' glu) instead of the chain's own kernel after it (64 of them in a 27B verify, and
     the [rows, 2 x 17408] product written and read again): DDTREE_ROWS_GLU=1. Whole 27B rounds 0.995-1.000x on an
     H100 (perf/results/gpu_ratios_h100_fused_parts.md), 0.981-0.985x with tree_gates and the chunk kernel's key step
-    (gpu_ratios_h100_glugates.md); off by default while a GPU test fails with both on (README, "Why the GLU form and
-    the gates are still off")."""
+    (gpu_ratios_h100_glugates.md), 0.986-0.998x against the default with that step (gpu_ratios_h100_k64default.md);
+    off by default while a GPU test's one failure with both on is unexplained (README, "Why the GLU form and the gates
+    are still off")."""
     return os.environ.get("DDTREE_ROWS_GLU", "0") not in ("", "0")
 
 

@@ -47,7 +47,8 @@ BLOCK_V, NUM_WARPS, NUM_STAGES = 16, 1, 2
 # passes over the key dim takes (bn:columns:warps:key_block; CHUNK_BLOCK_K otherwise). 64 columns a step (two at
 # 27B's key dim 128) against 32: 0.449 / 1.625 ms against 0.573 / 1.970 at 17 rows, one request and eight, 1.308 /
 # 6.447 against 1.515 / 7.095 at 65, 16 columns slower everywhere (H100, perf/results/tree_chunks_bk_gpu.md); whole
-# 27B rounds 0.3-1.0% shorter (gpu_ratios_h100_fused.md, gpu_ratios_h100_glugates.md: static-chunkk64).
+# 27B rounds 0.3-1.0% shorter (gpu_ratios_h100_fused.md, gpu_ratios_h100_glugates.md: static-chunkk64); the 32-column
+# step made the new default's rounds 1.003-1.020x longer (gpu_ratios_h100_k64default.md: static-chunkk32).
 CHUNK_SHAPES = {16: (64, 4), 32: (64, 4), 64: (64, 4)}
 CHUNK_BLOCK_K = 64
 
