@@ -174,15 +174,16 @@ def main() -> None:
                     f"{', '.join(f'{m}: {n}' for m, n in sorted(by_mode.items())) or '-'} | "
                     f"{', '.join(sorted({str(r['seed']) for r in differ})) or '-'} | {', '.join(gaps) or '-'} | "
                     f"{seconds:.0f} |")
-    table = (f"{args.family}, {args.seeds} seeds x {len(MODES) * 2} requests per switch set, engine rebuilt every "
-             f"{args.rebuild} seeds{', uninitialized memory NaN-filled' if args.nan_fill else ''}; a request differs "
-             f"when its batched greedy tokens are not the target's own (`ar` alone, dynamic forward)\n\n"
-             "gaps: the target's top-two logit gap at each differing request's first differing token (not 2nd: the batched "
-             "token was not the runner-up)\n\n"
-             "| switch set | exit | requests | differ | by mode | seeds | gaps | s |\n|---|---|---|---|---|---|---|---|\n"
-             + "\n".join(rows))
-    write_results(Path(args.out), args.name, {"header": header(), "family": args.family, "seeds": args.seeds,
-                                              "rebuild": args.rebuild, "nan_fill": args.nan_fill, "sets": results}, table)
+        # after each set: a call cut off at its time limit keeps the sets it finished
+        table = (f"{args.family}, {args.seeds} seeds x {len(MODES) * 2} requests per switch set, engine rebuilt every "
+                 f"{args.rebuild} seeds{', uninitialized memory NaN-filled' if args.nan_fill else ''}; a request differs "
+                 f"when its batched greedy tokens are not the target's own (`ar` alone, dynamic forward)\n\n"
+                 "gaps: the target's top-two logit gap at each differing request's first differing token (not 2nd: the batched "
+                 "token was not the runner-up)\n\n"
+                 "| switch set | exit | requests | differ | by mode | seeds | gaps | s |\n|---|---|---|---|---|---|---|---|\n"
+                 + "\n".join(rows))
+        write_results(Path(args.out), args.name, {"header": header(), "family": args.family, "seeds": args.seeds,
+                                                  "rebuild": args.rebuild, "nan_fill": args.nan_fill, "sets": results}, table)
     if any(r["returncode"] for r in results):
         sys.exit(1)
 
