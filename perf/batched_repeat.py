@@ -10,10 +10,12 @@ with it, so it runs at each replay), so a read of unwritten memory poisons the t
 the memory held.
 
 Each switch set runs in a process of its own (graphs capture under its environment); its engine is built and warmed
-up again every --rebuild seeds. Writes perf/results/<name>.{json,md}.
+up again every --rebuild seeds. The results are written after each set, and with --set-seconds a set's process is
+stopped after that long and counted by the seeds it finished (exit "timeout"), so a device call cut off at its limit
+keeps what ran. Writes perf/results/<name>.{json,md}.
 
-    python perf/batched_repeat.py --device cuda --seeds 20 --sets "none;DDTREE_ROWS_GLU=1,DDTREE_TREE_GATES=1" \\
-        --name batched_repeat_h100
+    python perf/batched_repeat.py --device cuda --seeds 20 --sets "none;DDTREE_ROWS_GLU=0,DDTREE_TREE_GATES=0" \\
+        --set-seconds 150 --name batched_repeat_h200
     python perf/batched_repeat.py --seeds 1 --sets none --name batched_repeat_cpu   # a CPU smoke run (eager)
 """
 
@@ -94,8 +96,9 @@ def top_two_gap(target, ids: list[int]) -> dict:
     return {"gap": float(top.values[0] - top.values[1]), "top": int(top.indices[0]), "second": int(top.indices[1])}
 
 
-def worker(args) -> dict:
-    """One switch set (this process's environment): every seed's requests batched, each against `ar` alone."""
+def worker(args, save) -> None:
+    """One switch set (this process's environment): every seed's requests batched, each against `ar` alone; the runs
+    so far saved (save(runs)) after each seed."""
     import torch
 
     from ddtree.config import EngineConfig
@@ -131,9 +134,9 @@ def worker(args) -> dict:
                 if first is not None:   # the target's logits there: a near-tie or a wrong computation
                     runs[-1].update(top_two_gap(plain.target, prompt + want[:first]),
                                     batched=got[first] if first < len(got) else None)
+            save(runs)
             print(f"seed {seed}: {sum(not r['equal'] for r in runs if r['seed'] == seed)} of {len(jobs)} differ",
                   flush=True)
-    return {"runs": runs}
 
 
 def main() -> None:
@@ -144,6 +147,8 @@ def main() -> None:
     parser.add_argument("--rebuild", type=int, default=5, help="a fresh engine (built, warmed up) every this many seeds")
     parser.add_argument("--sets", default="none", help='switch sets, ";"-separated: none or DDTREE_X=v[,TRITON_Y=w]')
     parser.add_argument("--nan-fill", action="store_true")
+    parser.add_argument("--set-seconds", type=float, default=0.0,
+                        help="stop a switch set's process after this long, keeping the seeds it finished (0: no limit)")
     parser.add_argument("--out", default=str(ROOT / "perf" / "results"))
     parser.add_argument("--name", default="batched_repeat")
     parser.add_argument("--worker", help=argparse.SUPPRESS)   # a switch set's process: write its runs here
@@ -151,7 +156,7 @@ def main() -> None:
     if args.rebuild < 1 or args.seeds < 1:
         parser.error("--seeds and --rebuild must be at least 1")
     if args.worker:
-        Path(args.worker).write_text(json.dumps(worker(args)))
+        worker(args, lambda runs: Path(args.worker).write_text(json.dumps({"runs": runs})))
         return
     results, rows = [], []
     for spec in args.sets.split(";"):
@@ -160,17 +165,21 @@ def main() -> None:
             command = [sys.executable, __file__, "--device", args.device, "--family", args.family, "--seeds",
                        str(args.seeds), "--rebuild", str(args.rebuild), "--worker", f.name] + (["--nan-fill"] * args.nan_fill)
             t0 = time.perf_counter()
-            done = subprocess.run(command, env={**os.environ, **env})
+            try:
+                returncode = subprocess.run(command, env={**os.environ, **env}, timeout=args.set_seconds or None).returncode
+            except subprocess.TimeoutExpired:   # the process killed: the seeds it finished are in its file
+                returncode = "timeout"
             seconds = time.perf_counter() - t0
-            runs = json.loads(Path(f.name).read_text())["runs"] if done.returncode == 0 else []
+            written = Path(f.name).read_text()
+            runs = json.loads(written)["runs"] if written and returncode in (0, "timeout") else []
         differ = [r for r in runs if not r["equal"]]
         by_mode = {}
         for r in differ:
             by_mode[r["mode"]] = by_mode.get(r["mode"], 0) + 1
         gaps = [f"{r['gap']:.1e}" + ("" if r["batched"] == r["second"] else " (not 2nd)") for r in differ if "gap" in r]
-        results.append({"set": env, "returncode": done.returncode, "seconds": round(seconds, 1), "requests": len(runs),
+        results.append({"set": env, "returncode": returncode, "seconds": round(seconds, 1), "requests": len(runs),
                         "differ": len(differ), "differ_by_mode": by_mode, "runs": runs})
-        rows.append(f"| {spec.strip() or 'none'} | {done.returncode} | {len(runs)} | {len(differ)} | "
+        rows.append(f"| {spec.strip() or 'none'} | {returncode} | {len(runs)} | {len(differ)} | "
                     f"{', '.join(f'{m}: {n}' for m, n in sorted(by_mode.items())) or '-'} | "
                     f"{', '.join(sorted({str(r['seed']) for r in differ})) or '-'} | {', '.join(gaps) or '-'} | "
                     f"{seconds:.0f} |")

@@ -65,7 +65,7 @@ HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
             "static-cublas", "static-treepaths", "static-normfirst", "static-noqkv", "static-convchain", "static-gemv1",
             "static-gemv128", "static-swap32", "static-gemv32", "static-gemv16", "static-hosttree", "static-pdl",
-            "static-pdlwait", "static-pdlall", "static-pdlours", "static-rowsglu", "static-treegates")
+            "static-pdlwait", "static-pdlall", "static-pdlours", "static-norowsglu", "static-notreegates")
 VARIANT_ENV = {   # the static forward's variants that differ from it by environment alone (read at capture)
     "static-sdpa": {"DDTREE_ATTENTION_KERNEL": "0"}, "static-sdpatrees": {"DDTREE_ATTENTION_KERNEL": "1"},
     "static-treeattn": {"DDTREE_ATTENTION_KERNEL": "128"},
@@ -78,10 +78,10 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-pdlwait": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "0"},
     "static-pdlall": {"DDTREE_PDL": "1", "DDTREE_PDL_PEEL": "all"},
     "static-pdlours": {"DDTREE_PDL": "1", "DDTREE_PDL_CHAINS": "0"},
-    "static-rowsglu": {"DDTREE_ROWS_GLU": "1"}, "static-treegates": {"DDTREE_TREE_GATES": "1"},
+    "static-norowsglu": {"DDTREE_ROWS_GLU": "0"}, "static-notreegates": {"DDTREE_TREE_GATES": "0"},
     "static-chunkk16": {"DDTREE_CHUNK_SHAPES": "16:64:4:16,32:64:4:16,64:64:4:16"},
     "static-chunkk32": {"DDTREE_CHUNK_SHAPES": "16:64:4:32,32:64:4:32,64:64:4:32"},
-    "static-glugates": {"DDTREE_ROWS_GLU": "1", "DDTREE_TREE_GATES": "1"}}
+    "static-noglugates": {"DDTREE_ROWS_GLU": "0", "DDTREE_TREE_GATES": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -280,13 +280,14 @@ def table(result: dict) -> str:
              "static-pdlwait: the same with every kernel waiting before its first weight tile (DDTREE_PDL_PEEL=0); "
              "static-pdlall: the swapped few-rows kernel peeling its first tile too (DDTREE_PDL_PEEL=all, the form "
              "measured as static-pdl at ad578d8); static-pdlours: PDL for our kernels only, the compiled chains "
-             "launched as before (DDTREE_PDL_CHAINS=0); static-rowsglu: a few rows' silu(gate) * up "
-             "in the epilogue of each MLP's gate/up product (DDTREE_ROWS_GLU=1) instead of the chain's own kernel; "
-             "static-treegates: a tree batch's GDN gates computed by the conv's kernel (DDTREE_TREE_GATES=1) instead of "
-             "their own compiled kernel; static-chunkk16, static-chunkk32: "
+             "launched as before (DDTREE_PDL_CHAINS=0); static-norowsglu: a few rows' silu(gate) * up "
+             "as the chain's own kernel after each MLP's gate/up product (DDTREE_ROWS_GLU=0) instead of in its "
+             "epilogue; static-notreegates: a tree batch's GDN gates in a compiled kernel of their own "
+             "(DDTREE_TREE_GATES=0) instead of computed by the conv's kernel (both on by default since 3d40a11; "
+             "static-rowsglu, static-treegates, static-glugates in earlier results: them switched on); static-chunkk16, static-chunkk32: "
              "the tree chunk kernel's passes over the key dim 16 or 32 columns a step (DDTREE_CHUNK_SHAPES' fourth "
-             "field; 32 the form before 0fd61e1's measurement as static-chunkk64) instead of 64; static-glugates: the "
-             "GLU form and the gates in the conv's kernel together; "
+             "field; 32 the form before 0fd61e1's measurement as static-chunkk64) instead of 64; static-noglugates: "
+             "both of those off, the default before 3d40a11; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

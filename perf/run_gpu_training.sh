@@ -10,7 +10,7 @@
 #           resumable) and export it
 #   ratios  carry .deps/xa: tests/gpu (fla prefill, captured CUDA graphs), then issue 6's ratio table
 #           (perf/gpu_ratios.py: 27B hybrid and 8B dense shapes, random weights, static vs dynamic forward)
-#   repeat  carry .deps/xa: tests/gpu's tree kernel then graphs tests in one process under two switches, then
+#   repeat  carry .deps/xa: tests/gpu's tree kernel then graphs tests in one process (TESTS_ENV: switches), then
 #           perf/batched_repeat.py (batched requests against the target's own tokens over many seeds)
 #   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; cat them into .deps/bundle/) and .deps/tc
 #           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
@@ -92,13 +92,14 @@ ratios)
   python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --out "$OUT" --name gpu_ratios_h200 "$@"
   ;;
 repeat)
-  # carry .deps/xa: the GLU form and the gates in the conv kernel, off while a GPU test that failed once at 0fd61e1
-  # (in one process after the tree kernel tests) is unexplained: that run's order again under TESTS_ENV (default
-  # both switches; "" for the defaults; SKIP_TESTS=1 skips it), then perf/batched_repeat.py with the arguments given
-  # (a mismatch rate over many seeds per switch set, e.g. --seeds 20 --sets "none;DDTREE_ROWS_GLU=1,DDTREE_TREE_GATES=1")
+  # carry .deps/xa: a GPU test that failed once at 0fd61e1 (in one process after the tree kernel tests, with the GLU
+  # form and the gates in the conv kernel switched on; both on by default since 3d40a11): that run's order again under
+  # TESTS_ENV (default: the defaults; e.g. "DDTREE_ROWS_GLU=0 DDTREE_TREE_GATES=0"; SKIP_TESTS=1 skips it), then
+  # perf/batched_repeat.py with the arguments given (a mismatch rate over many seeds per switch set, e.g. --seeds 20
+  # --set-seconds 150 --sets "none;DDTREE_ROWS_GLU=0,DDTREE_TREE_GATES=0")
   install_wheels
   if [ -z "${SKIP_TESTS:-}" ]; then
-    env ${TESTS_ENV-DDTREE_ROWS_GLU=1 DDTREE_TREE_GATES=1} timeout 330 python3 -m pytest -x -q -p no:cacheprovider \
+    env ${TESTS_ENV:-} timeout 330 python3 -m pytest -x -q -p no:cacheprovider \
       tests/gpu/test_tree_kernel.py tests/gpu/test_cuda_graphs.py > "$OUT/gpu_tests_order.log" 2>&1 || true
     tail -3 "$OUT/gpu_tests_order.log"
   fi

@@ -142,12 +142,12 @@ def gemv_kernel(device: torch.device) -> Callable | None:
 def rows_glu() -> bool:
     """Whether static forwards of a few rows take a gated MLP's silu(gate) * up in the epilogue of its fused gate/up
     product (gemv_kernel.linear_rows' glu) instead of the chain's own kernel after it (64 of them in a 27B verify, and
-    the [rows, 2 x 17408] product written and read again): DDTREE_ROWS_GLU=1. Whole 27B rounds 0.995-1.000x on an
-    H100 (perf/results/gpu_ratios_h100_fused_parts.md), 0.981-0.985x with tree_gates and the chunk kernel's key step
-    (gpu_ratios_h100_glugates.md), 0.986-0.998x against the default with that step (gpu_ratios_h100_k64default.md);
-    off by default while a GPU test's one failure with both on is unexplained (README, "Why the GLU form and the gates
-    are still off")."""
-    return os.environ.get("DDTREE_ROWS_GLU", "0") not in ("", "0")
+    the [rows, 2 x 17408] product written and read again); on by default, DDTREE_ROWS_GLU=0 turns it off. With
+    tree_gates, whole 27B rounds 0.991 / 0.980 / 0.988x (`ddtree-16` / `ddtree-64` / `dflash`) those without both on
+    an H200 (perf/results/gpu_ratios_h200_k64default.md, 3d40a11), 0.986 / 0.998 / 0.990x on an H100
+    (gpu_ratios_h100_k64default.md). On since a GPU test's one failure with both at 0fd61e1 did not come back in that
+    test's order or in 260 requests of its scenario (README, "The GLU form and the gates, on by default")."""
+    return os.environ.get("DDTREE_ROWS_GLU", "1") not in ("", "0")
 
 
 def gemv_max_rows() -> int:
@@ -258,9 +258,10 @@ def conv_windows_kernel(device: torch.device) -> Callable | None:
 def tree_gates() -> bool:
     """Whether a tree batch's GDN gates (fused.gdn_gates_into: beta and g from the raw projections, into the commit
     stash) are computed by the conv's kernel (conv_windows_kernel, tree_kernel.conv_windows_in_place's gates) instead
-    of a compiled kernel of their own, 48 kernels less a 27B verify: DDTREE_TREE_GATES=1. Whole 27B rounds 0.993-0.995x
-    on an H100 (perf/results/gpu_ratios_h100_fused_parts.md); off by default with rows_glu (its docstring says why)."""
-    return os.environ.get("DDTREE_TREE_GATES", "0") not in ("", "0")
+    of a compiled kernel of their own, 48 kernels less a 27B verify; on by default, DDTREE_TREE_GATES=0 turns it off.
+    Alone, whole 27B rounds 0.993-0.995x on an H100 (perf/results/gpu_ratios_h100_fused_parts.md); with rows_glu, its
+    docstring."""
+    return os.environ.get("DDTREE_TREE_GATES", "1") not in ("", "0")
 
 
 @functools.cache

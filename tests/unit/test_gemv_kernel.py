@@ -157,9 +157,9 @@ def test_the_rows_kernel_glu_form_equals_the_product_then_silu_times_up(rows, sw
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
-    """DDTREE_ROWS_GLU=1: each gated MLP of the static forwards of a few rows (trees, `dflash` verifies, the drafter's
-    blocks) takes silu(gate) * up in the epilogue of its fused gate/up product, no chain apart; greedy `ddtree` and
-    `dflash` tokens as without it."""
+    """DDTREE_ROWS_GLU (on by default): each gated MLP of the static forwards of a few rows (trees, `dflash`
+    verifies, the drafter's blocks) takes silu(gate) * up in the epilogue of its fused gate/up product, no chain
+    apart; greedy `ddtree` and `dflash` tokens as without it."""
     from ddtree.engine import Engine
     from ddtree.models import layers
 
@@ -167,6 +167,7 @@ def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, ti
     calls, chains = [], []
     eager = layers.SiluMul.eager
     monkeypatch.setattr(layers.SiluMul, "eager", lambda self: chains.append(self.shape[0]) or eager(self))
+    monkeypatch.setenv("DDTREE_ROWS_GLU", "0")   # on by default (kernels.rows_glu)
     expected = [run_together(Engine(config), [job]) for job in jobs]
     chains_without = len(chains)
     chains.clear()
