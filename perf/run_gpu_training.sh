@@ -93,7 +93,7 @@ ratios)
   ;;
 repeat)
   # carry .deps/xa: a GPU test that failed once at 0fd61e1 (in one process after the tree kernel tests, with the GLU
-  # form and the gates in the conv kernel switched on; both on by default since 3d40a11): that run's order again under
+  # form and the gates in the conv kernel switched on; both on by default since 27d901e): that run's order again under
   # TESTS_ENV (default: the defaults; e.g. "DDTREE_ROWS_GLU=0 DDTREE_TREE_GATES=0"; SKIP_TESTS=1 skips it), then
   # perf/batched_repeat.py with the arguments given (a mismatch rate over many seeds per switch set, e.g. --seeds 20
   # --set-seconds 150 --sets "none;DDTREE_ROWS_GLU=0,DDTREE_TREE_GATES=0")

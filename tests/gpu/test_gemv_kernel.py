@@ -91,7 +91,7 @@ def test_gemv_replays_from_a_cuda_graph(rows, swap, monkeypatch):
 
 
 def test_hybrid_engine_with_every_verify_fusion_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
-    """The GLU form and the GDN gates in the conv's kernel on together (the default since 3d40a11; gpu_ratios'
+    """The GLU form and the GDN gates in the conv's kernel on together (the default since 27d901e; gpu_ratios'
     static-noglugates turns both off): greedy tokens (fp32, static forwards with graphs) == both off."""
     from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
