@@ -81,7 +81,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-norowsglu": {"DDTREE_ROWS_GLU": "0"}, "static-notreegates": {"DDTREE_TREE_GATES": "0"},
     "static-chunkk16": {"DDTREE_CHUNK_SHAPES": "16:64:4:16,32:64:4:16,64:64:4:16"},
     "static-chunkk32": {"DDTREE_CHUNK_SHAPES": "16:64:4:32,32:64:4:32,64:64:4:32"},
-    "static-noglugates": {"DDTREE_ROWS_GLU": "0", "DDTREE_TREE_GATES": "0"}}
+    "static-noglugates": {"DDTREE_ROWS_GLU": "0", "DDTREE_TREE_GATES": "0"},
+    "static-views": {"DDTREE_PROLOGUE_VIEWS": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -287,7 +288,9 @@ def table(result: dict) -> str:
              "static-rowsglu, static-treegates, static-glugates in earlier results: them switched on); static-chunkk16, static-chunkk32: "
              "the tree chunk kernel's passes over the key dim 16 or 32 columns a step (DDTREE_CHUNK_SHAPES' fourth "
              "field; 32 the form before 0fd61e1's measurement as static-chunkk64) instead of 64; static-noglugates: "
-             "both of those off, the default before 27d901e; "
+             "both of those off, the default before 27d901e; static-views: the gated norm's and the sigmoid gate's "
+             "chains before the few-rows kernel reading their strided gates as views (DDTREE_PROLOGUE_VIEWS=1) "
+             "instead of after a copy; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

@@ -264,6 +264,17 @@ def tree_gates() -> bool:
     return os.environ.get("DDTREE_TREE_GATES", "1") not in ("", "0")
 
 
+def prologue_views() -> bool:
+    """Whether a prologue's chain computed eagerly before the few-rows kernel (a verify's or a drafter's block: the GDN
+    output's gated norm, the attention output's sigmoid gate; layers.GatedNormed, layers.SigmoidGated) reads its
+    strided gate where it lies, the chain taken over [rows, heads, group] views, instead of after a copy of the gate
+    into [rows x heads, group] or [rows, heads x group]: 64 copy kernels less a 27B verify (48 GDN, 16 attention
+    layers). Those are likely the `elementwise_kernel<128, 4, gpu_kernel_impl_nocast ...>` of a `ddtree-16` round's
+    kernel table on an H100 (perf/results/gpu_ratios_h100_pdl2.md: 58.7 a round, 64 x the 0.92 of its rounds that
+    verify a tree; 0.146 ms). DDTREE_PROLOGUE_VIEWS=1; off by default until measured on the GPU."""
+    return os.environ.get("DDTREE_PROLOGUE_VIEWS", "0") not in ("", "0")
+
+
 @functools.cache
 def _conv_windows_kernel() -> Callable:
     from ddtree.models.tree_kernel import conv_windows_in_place

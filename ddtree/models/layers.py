@@ -99,6 +99,8 @@ class SigmoidGated(Prologue):
         super().__init__(x, gate, group=gate.shape[-1])
 
     def eager(self) -> torch.Tensor:
+        if kernels.prologue_views():   # the gate read where it lies, x viewed as its [n, K // d, d]
+            return fused.sigmoid_gate(self.x.reshape(self.a.shape), self.a).reshape(self.x.shape[0], -1)
         return fused.sigmoid_gate(self.x, self.a.reshape(self.x.shape[0], -1))
 
 
@@ -112,6 +114,8 @@ class GatedNormed(Prologue):
 
     def eager(self) -> torch.Tensor:
         n = self.x.shape[0]
+        if kernels.prologue_views():   # [n, K // group, group] views: z (a column slice) read where it lies
+            return self.norm(self.x.unflatten(1, (-1, self.group)), self.a.unflatten(1, (-1, self.group))).reshape(n, -1)
         return self.norm(self.x.reshape(-1, self.group), self.a.reshape(-1, self.group)).reshape(n, -1)
 
 

@@ -108,3 +108,13 @@ def test_engine_with_the_gemv_decodes_what_it_decodes_without(family, tiny_model
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_KERNEL", tiny_config(family, tiny_models, tmp_path),
                                       [("ar", 1), ("dflash", 1), ("ddtree", 16)], seed=6)
+
+
+def test_hybrid_engine_with_prologue_views_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with the hybrid's gated norms and sigmoid gates before the
+    few-rows kernel reading their strided gates as views (DDTREE_PROLOGUE_VIEWS=1, kernels.prologue_views) == after
+    copying them (the dense family has neither)."""
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_PROLOGUE_VIEWS", tiny_config("hybrid", tiny_models, tmp_path),
+                                      [("dflash", 1), ("ddtree", 16)], seed=13)
