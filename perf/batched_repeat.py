@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -173,9 +174,7 @@ def main() -> None:
             written = Path(f.name).read_text()
             runs = json.loads(written)["runs"] if written and returncode in (0, "timeout") else []
         differ = [r for r in runs if not r["equal"]]
-        by_mode = {}
-        for r in differ:
-            by_mode[r["mode"]] = by_mode.get(r["mode"], 0) + 1
+        by_mode = dict(Counter(r["mode"] for r in differ))
         gaps = [f"{r['gap']:.1e}" + ("" if r["batched"] == r["second"] else " (not 2nd)") for r in differ if "gap" in r]
         results.append({"set": env, "returncode": returncode, "seconds": round(seconds, 1), "requests": len(runs),
                         "differ": len(differ), "differ_by_mode": by_mode, "runs": runs})
