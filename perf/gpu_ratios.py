@@ -82,7 +82,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-chunkk16": {"DDTREE_CHUNK_SHAPES": "16:64:4:16,32:64:4:16,64:64:4:16"},
     "static-chunkk32": {"DDTREE_CHUNK_SHAPES": "16:64:4:32,32:64:4:32,64:64:4:32"},
     "static-noglugates": {"DDTREE_ROWS_GLU": "0", "DDTREE_TREE_GATES": "0"},
-    "static-views": {"DDTREE_PROLOGUE_VIEWS": "1"}}
+    "static-views": {"DDTREE_PROLOGUE_VIEWS": "1"}, "static-replay": {"DDTREE_REPLAY_KERNEL": "1"},
+    "static-viewsreplay": {"DDTREE_PROLOGUE_VIEWS": "1", "DDTREE_REPLAY_KERNEL": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -291,7 +292,9 @@ def table(result: dict) -> str:
              "field; 32 the form before 0fd61e1's measurement as static-chunkk64) instead of 64; static-noglugates: "
              "both of those off, the default before 27d901e; static-views: the gated norm's and the sigmoid gate's "
              "chains before the few-rows kernel reading their strided gates as views (DDTREE_PROLOGUE_VIEWS=1) "
-             "instead of after a copy; "
+             "instead of after a copy; static-replay: a paths-form commit's recurrence through our replay kernel, "
+             "the states written where they lie (DDTREE_REPLAY_KERNEL=1), instead of fla's kernel into new states "
+             "copied back; static-viewsreplay: both; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

@@ -480,12 +480,12 @@ class ReplayStash:
                    key_heads=key_heads, key_dim=key_dim, value_heads=heads, value_dim=value_dim)
 
 
-def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Tensor, kernel) -> None:
+def replay_path(stash: ReplayStash, path: Sequence[int], state: Tensor, conv: Tensor, kernel, in_place=None) -> None:
     """Commit the root path `path` of every layer in place (as commit_path does for a TreeStash): one call of the
     chain kernel (fla's fused recurrent interface) with the L layers' HV heads as L * HV heads of one sequence
-    (replay_batch for one request: state  # [L, HV, dk, dv], conv  # [L, C, K])."""
+    (replay_batch for one request: state  # [L, HV, dk, dv], conv  # [L, C, K]; in_place: its)."""
     if path:
-        replay_batch(stash, [path], state[None], conv[None], [0], kernel)
+        replay_batch(stash, [path], state[None], conv[None], [0], kernel, in_place)
 
 
 def replay_columns(lengths: Sequence[int], kernel_size: int, width: int | None = None) -> list[int]:
@@ -516,19 +516,26 @@ def replay_apply(base: ReplayStash, index: Tensor, cu: Tensor, columns: Tensor, 
         g, beta = g * valid[None, :, None].to(g.dtype), beta * valid[None, :, None].to(beta.dtype)
     _, new = kernel(k, k, as_heads(base.v), g=g, beta=beta, initial_state=held.reshape(r, layers * heads, dk, dv).float(),
                     output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    kernel_size = committed.shape[-1]
+    return new.view(r, layers, heads, dk, dv), replay_windows(base, index, columns, committed)
+
+
+def replay_windows(base: ReplayStash, index: Tensor, columns: Tensor, committed: Tensor) -> Tensor:
+    """replay_apply's new conv windows [R, L, C, K]: one gather from [the committed windows; the stash's rows index]."""
+    r, layers, _, kernel_size = committed.shape
     src = torch.cat([committed.permute(1, 2, 0, 3).reshape(layers, -1, r * kernel_size),
                      base.x[:, index].transpose(1, 2).to(committed.dtype)], dim=2)    # [L, C, R * K + T]
     window = src[:, :, columns]                                                       # [L, C, R * K]
-    return new.view(r, layers, heads, dk, dv), window.view(layers, -1, r, kernel_size).permute(2, 0, 1, 3)
+    return window.view(layers, -1, r, kernel_size).permute(2, 0, 1, 3)
 
 
 def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tensor, convs: Tensor, slots: Sequence[int],
-                 kernel) -> None:
+                 kernel, in_place=None) -> None:
     """Commit R requests' accepted paths whose stashes are rows of one stash `base` (paths: each request's accepted
     path as rows of `base`, root first): one call of the chain kernel for all of them (one varlen sequence per
     request, all layers as heads), their states gathered from and scattered back to the pool (states  # [slots, L,
-    HV, dk, dv]), and every conv window [slots, L, C, K] rebuilt by one gather from [committed windows; path rows]."""
+    HV, dk, dv]), and every conv window [slots, L, C, K] rebuilt by one gather from [committed windows; path rows].
+    in_place: our replay kernel (kernels.replay_kernel: tree_kernel.replay_in_place), which walks the paths from the
+    pool's states and writes them there, instead of the chain kernel."""
     device, r = base.k.device, len(paths)
     lengths = [len(p) for p in paths]
     host = torch.tensor([row for p in paths for row in p] + list(slots) + np.cumsum([0] + lengths).tolist()
@@ -536,6 +543,11 @@ def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tens
     index, slot_index, cu, columns = to_device(host, device).split([sum(lengths), r, r + 1, r * convs.shape[-1]])   # one copy
     # slots in a row (the usual case: the engine hands out the lowest free slots) are a view of the pool: no gather
     # (each request's state is 150 MB at Qwen3.6-27B dims), the same traffic as one replay_path per request
+    if in_place is not None:
+        in_place(base.qkv, base.g, base.beta, base.key_heads, base.key_dim, base.value_heads, base.value_dim, index, cu,
+                 states, slot_index)
+        convs.index_copy_(0, slot_index, replay_windows(base, index, columns, convs.index_select(0, slot_index)))
+        return
     run = list(slots) == list(range(slots[0], slots[0] + r))
     held = states[slots[0] : slots[0] + r] if run else states.index_select(0, slot_index)
     new, window = replay_apply(base, index, cu, columns, held, convs.index_select(0, slot_index), kernel)
@@ -590,4 +602,4 @@ def reference_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None
 __all__ = ["GDNStash", "ReplayStash", "TreeLayout", "TreePaths", "TreeStash", "ancestors_from_parents", "commit_path",
            "conv_state_after", "conv_tree", "conv_window_index", "gdn_paths", "gdn_sequential", "gdn_state_at", "gdn_tree",
            "leaves", "parents_from_visibility", "reference_recurrent", "replay_apply", "replay_batch", "replay_columns",
-           "replay_path", "tree_paths"]
+           "replay_path", "replay_windows", "tree_paths"]

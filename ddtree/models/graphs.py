@@ -38,6 +38,7 @@ from ddtree.models.gdn import (
     leaves,
     replay_apply,
     replay_columns,
+    replay_windows,
     tree_paths,
 )
 from ddtree.models.qwen3_5 import PATHS_MAX_LEN, PooledSlot
@@ -453,15 +454,20 @@ class StaticCommit:
         kernel_size = cache.conv.shape[-1]
         host, inputs = self.graphs.new_inputs(4 * width + kernel_size)
         cu = torch.tensor([0, width], dtype=torch.long, device=inputs.device)
-        kernel, extra = qwen3_5.step_gdn_kernel(inputs.device), {}
+        slot = torch.zeros(1, dtype=torch.long, device=inputs.device)
+        kernel, in_place, extra = qwen3_5.step_gdn_kernel(inputs.device), qwen3_5.replay_kernel(inputs.device), {}
 
         def body():
             rows, valid, dst, src, columns = inputs.split([width] * 4 + [kernel_size])
-            kv = cache.kv
+            kv, base = cache.kv, extra["stash"]
             kv.k[:, dst] = kv.k[:, src]
             kv.v[:, dst] = kv.v[:, src]
-            state, window = replay_apply(extra["stash"], rows, cu, columns, cache.state[None], cache.conv[None], kernel,
-                                         valid)
+            if in_place is not None:   # the states written where they lie (kernels.replay_kernel)
+                in_place(base.qkv, base.g, base.beta, base.key_heads, base.key_dim, base.value_heads, base.value_dim,
+                         rows, cu, cache.state[None], slot, valid)
+                cache.conv.copy_(replay_windows(base, rows, columns, cache.conv[None])[0])
+                return
+            state, window = replay_apply(base, rows, cu, columns, cache.state[None], cache.conv[None], kernel, valid)
             cache.state.copy_(state[0])
             cache.conv.copy_(window[0])
 

@@ -275,6 +275,24 @@ def prologue_views() -> bool:
     return os.environ.get("DDTREE_PROLOGUE_VIEWS", "0") not in ("", "0")
 
 
+def replay_kernel(device: torch.device) -> Callable | None:
+    """Our kernel for a paths-form commit's recurrence (ddtree.models.tree_kernel.replay_in_place: each accepted path
+    walked from its committed state, read and written in place, the stash's rows read where they lie) where our steps
+    kernel runs and DDTREE_REPLAY_KERNEL=1, else None: fla's fused recurrent kernel over the path's rows gathered into
+    heads, into new states then copied over the committed ones (gdn.replay_apply; at Qwen3.6-27B dims 150 MB written
+    and 300 MB copied a commit: the two device-to-device copies of an H100 `ddtree-16` round's commit, 0.105 of its
+    0.29 ms, perf/results/gpu_ratios_h100_pdl2.json). Off by default until measured on the GPU."""
+    if steps_gdn_kernel(device) is None or os.environ.get("DDTREE_REPLAY_KERNEL", "0") in ("", "0"):
+        return None
+    return _replay_kernel()
+
+
+@functools.cache
+def _replay_kernel() -> Callable:
+    from ddtree.models.tree_kernel import replay_in_place
+    return replay_in_place
+
+
 @functools.cache
 def _conv_windows_kernel() -> Callable:
     from ddtree.models.tree_kernel import conv_windows_in_place
@@ -339,6 +357,7 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 __all__ = [
     "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
-    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "pdl", "qkv_kernel", "step_gdn_kernel",
+    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "pdl", "qkv_kernel",
+    "replay_kernel", "step_gdn_kernel",
     "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
 ]

@@ -53,6 +53,7 @@ from ddtree.models.kernels import (
     conv_windows_kernel,
     gdn_chain_fla,
     gdn_sequences_fla,
+    replay_kernel,
     step_gdn_kernel,
     steps_gdn_kernel,
     tree_chunk_kernel,
@@ -307,7 +308,8 @@ class HybridCache:
         if isinstance(pending, TreeStash):
             commit_path(pending, accepted, self.state, self.conv)
         elif isinstance(pending, ReplayStash):
-            replay_path(pending, accepted, self.state, self.conv, step_gdn_kernel(self.state.device))
+            device = self.state.device
+            replay_path(pending, accepted, self.state, self.conv, step_gdn_kernel(device), replay_kernel(device))
         elif pending:   # a chunked prefill
             for slot, chain in pending.items():
                 assert accepted[-1] == chain.last, f"a chunked prefill commits whole: accepted ends at {accepted[-1]}"
@@ -329,7 +331,7 @@ def compact_all(caches: list[HybridCache], starts: list[int], accepted: list[lis
     caches[0].kv.pool.move_rows([(cache.kv.slot, start, rows) for cache, start, rows in zip(caches, starts, accepted)])
     order = sorted(range(len(caches)), key=lambda i: caches[i].slot)   # by slot: consecutive slots replay in place
     replay_batch(base, [[stashes[i].offset + row for row in accepted[i]] for i in order], pool.state, pool.conv,
-                 [caches[i].slot for i in order], step_gdn_kernel(pool.state.device))
+                 [caches[i].slot for i in order], step_gdn_kernel(pool.state.device), replay_kernel(pool.state.device))
     for cache in caches:
         cache.pending = None
 

@@ -73,6 +73,16 @@ def _softplus(x):
 
 
 @triton.jit
+def _delta_update(state, b_k, b_v, b_g, b_beta, eps):
+    """One token's update of a [BK, BV] block of the state (float32): k l2-normalised, S = S * exp(g);
+    v' = beta * (v - S^T k); S = S + k v'^T."""
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + eps)
+    state = state * tl.exp(b_g)
+    b_v = (b_v - tl.sum(state * b_k[:, None], 0)) * b_beta
+    return state + b_k[:, None] * b_v[None, :]
+
+
+@triton.jit
 def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_first, path_last, tokens, scale, eps,
                   qk_row, v_row, gate_row, decay, dt_bias, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
@@ -110,10 +120,7 @@ def _paths_kernel(q, k, v, g, beta, o, states, state_stride, path_state, path_fi
             b_g = tl.load(g + node * gate_row + i_hv).to(tl.float32)
             b_beta = tl.load(beta + node * gate_row + i_hv).to(tl.float32)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + eps) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + eps)
-        state = state * tl.exp(b_g)
-        b_v = (b_v - tl.sum(state * b_k[:, None], 0)) * b_beta
-        state = state + b_k[:, None] * b_v[None, :]
+        state = _delta_update(state, b_k, b_v, b_g, b_beta, eps)
         b_o = tl.sum(state * b_q[:, None], 0)
         tl.store(o + (node * HV + i_hv) * V + cols_v, b_o.to(o.dtype.element_ty), mask=in_v)
     if STEPS:
@@ -173,6 +180,62 @@ def steps_in_place(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.T
     b, a # [R, HV] (fused.gdn_gates with decay_rate, dt_bias # [HV]: two elementwise kernels less per GDN layer).
     The slots must differ (each program owns its block of its state)."""
     return batched_tree_paths(q, k, v, a, b, slots, slots, slots, states, slots, steps=True, gates=(decay_rate, dt_bias))
+
+
+@triton.jit
+def _replay_kernel(qkv, g, beta, valid, states, state_stride, slots, rows, bounds, eps, qkv_layer, qkv_row, g_layer,
+                   g_row, beta_layer, beta_row, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, VALID: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_grid(PDL)   # before any load or store: nothing here is a weight worth loading early (kernels.pdl)
+    i_v, i_r, i_lh = tl.program_id(0), tl.program_id(1), tl.program_id(2)   # i_lh: layer i_lh // HV, value head i_lh % HV
+    layer, i_hv = i_lh // HV, i_lh % HV
+    i_h = i_hv // (HV // H)
+    first = tl.load(bounds + i_r).to(tl.int64)
+    last = tl.load(bounds + i_r + 1).to(tl.int64)
+    cols_k = tl.arange(0, BK)
+    cols_v = i_v * BV + tl.arange(0, BV)
+    in_k, in_v = cols_k < K, cols_v < V
+    h0 = states + tl.load(slots + i_r).to(tl.int64) * state_stride + i_lh.to(tl.int64) * K * V
+    live = (in_k[:, None] & in_v[None, :]) & (last > first)   # an empty path: its state neither read nor written
+    state = tl.load(h0 + cols_k[:, None] * V + cols_v[None, :], mask=live, other=0.0).to(tl.float32)
+    key = qkv + layer.to(tl.int64) * qkv_layer + H * K + i_h * K
+    value = qkv + layer.to(tl.int64) * qkv_layer + 2 * H * K + i_hv * V
+    for i in range(first, last):
+        row = tl.load(rows + i).to(tl.int64)
+        b_k = tl.load(key + row * qkv_row + cols_k, mask=in_k, other=0.0).to(tl.float32)
+        b_v = tl.load(value + row * qkv_row + cols_v, mask=in_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + layer * g_layer + row * g_row + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + layer * beta_layer + row * beta_row + i_hv)
+        if VALID:   # a padding row: zero decay and zero beta, the state left exactly as it was (as replay_apply's valid)
+            ok = tl.load(valid + i)
+            b_g = b_g * ok.to(tl.float32)
+            b_beta = b_beta * ok.to(b_beta.dtype)
+        state = _delta_update(state, b_k, b_v, b_g, b_beta.to(tl.float32), eps)
+    tl.store(h0 + cols_k[:, None] * V + cols_v[None, :], state, mask=live)
+
+
+def replay_in_place(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, key_heads: int, key_dim: int,
+                    value_heads: int, value_dim: int, rows: torch.Tensor, bounds: torch.Tensor, states: torch.Tensor,
+                    slots: torch.Tensor, valid: torch.Tensor | None = None, block_v: int = BLOCK_V) -> None:
+    """A replay commit's recurrence (gdn.replay_apply's states) with every new state written over the committed one,
+    in place: request r's accepted path, rows[bounds[r]:bounds[r + 1]] of a ReplayStash (qkv [L, N, 2 * H * dk + HV *
+    dv], the conv's outputs; g [L, N, HV] float32 log decays; beta [L, N, HV]), walked by each layer's every value head
+    from states[slots[r]] (states [S, L, HV, dk, dv] float32, each slot's contiguous; the slots must differ). One
+    program per request, layer, value head and block of value columns, the stash read where it lies: no gather of the
+    path's rows into heads, no new states beside the committed ones and no copy of them back (at Qwen3.6-27B dims
+    150 MB written and 300 MB copied a commit through fla's kernel). valid [T] (0/1): replay_apply's padding rows."""
+    layers, n, width = qkv.shape
+    hv, h, dk, dv = value_heads, key_heads, key_dim, value_dim
+    assert width == 2 * h * dk + hv * dv and hv % h == 0 and qkv.stride(2) == 1, "qkv"
+    assert g.shape == beta.shape == (layers, n, hv) and g.stride(2) == beta.stride(2) == 1, "gates"
+    assert states.dtype == torch.float32 and states.shape[1:] == (layers, hv, dk, dv) and states[0].is_contiguous()
+    assert bounds.shape == (slots.shape[0] + 1,) and (valid is None or valid.shape == rows.shape), "bounds, valid"
+    use_pdl = pdl(qkv.device)
+    _replay_kernel[(triton.cdiv(dv, block_v), slots.shape[0], layers * hv)](
+        qkv, g, beta, rows if valid is None else valid, states, states.stride(0), slots, rows, bounds, L2_EPS,
+        qkv.stride(0), qkv.stride(1), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        H=h, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=block_v, VALID=valid is not None, PDL=use_pdl,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=use_pdl)
 
 
 @triton.jit

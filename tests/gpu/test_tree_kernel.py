@@ -285,3 +285,47 @@ def test_hybrid_engine_with_the_gates_in_the_conv_kernel_decodes_what_it_decodes
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_TREE_GATES", tiny_config("hybrid", tiny_models, tmp_path),
                                       [("dflash", 1), ("ddtree", 16)], seed=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_in_place_equals_the_chain_kernels_replay(module, dtype):
+    """A replay commit through our kernel (tree_kernel.replay_in_place, the states written where they lie) == through
+    the chain kernel (fla's fused recurrent on CUDA, its interface in torch elsewhere; gdn.replay_apply) at Qwen3.6's
+    head shapes (16 key heads, 48 value heads, 128 x 128), two requests in scattered slots of a batch's stash, one
+    padding row."""
+    from ddtree.models import kernels
+    from ddtree.models.gdn import ReplayStash, reference_recurrent, replay_apply
+
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("Triton's interpreter has no bf16")
+    chain = kernels.step_gdn_kernel(torch.device(DEVICE)) if CUDA else reference_recurrent
+    gen = torch.Generator().manual_seed(21)
+    layers, key_heads, heads, dk, dv, channels = 2, 16, 48, 128, 128, 8
+    stash = ReplayStash.empty(layers, 17, heads, dk, dv, channels, dtype, DEVICE, key_heads=key_heads)
+    stash.qkv.copy_(torch.randn(stash.qkv.shape, generator=gen))
+    stash.g.copy_(-torch.rand(stash.g.shape, generator=gen) * 0.5)
+    stash.beta.copy_(torch.rand(stash.beta.shape, generator=gen))
+    pool = torch.randn(4, layers, heads, dk, dv, generator=gen).div(8).to(DEVICE)
+    before = pool.clone()
+    paths = [[0, 3, 8, 12], [1, 2, 16]]
+    slots = torch.tensor([3, 1], device=DEVICE)
+    rows = torch.tensor([row for p in paths for row in p], device=DEVICE)
+    bounds = torch.tensor([0, 4, 7], device=DEVICE)
+    valid = torch.ones(7, device=DEVICE)
+    valid[6] = 0
+    module.replay_in_place(stash.qkv, stash.g, stash.beta, key_heads, dk, heads, dv, rows, bounds, pool, slots, valid)
+    want, _ = replay_apply(stash, rows, bounds, torch.zeros(2 * 4, dtype=torch.long, device=DEVICE), before[slots],
+                           torch.zeros(2, layers, channels, 4, dtype=dtype, device=DEVICE), chain, valid.to(dtype))
+    torch.testing.assert_close(pool[slots], want, rtol=1e-4, atol=1e-5)
+    assert torch.equal(pool[[0, 2]], before[[0, 2]])
+
+
+def test_hybrid_engine_with_the_replay_kernel_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with the commits' recurrence through our replay kernel, in
+    place (DDTREE_REPLAY_KERNEL=1, kernels.replay_kernel) == through fla's kernel and a copy."""
+    if not CUDA:
+        pytest.skip("the engine's tree kernels run on CUDA")
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_REPLAY_KERNEL", tiny_config("hybrid", tiny_models, tmp_path),
+                                      [("dflash", 1), ("ddtree", 16), ("ddtree", 64)], seed=17)

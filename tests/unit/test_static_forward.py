@@ -18,7 +18,7 @@ from ddtree.models.qwen3_5 import HybridTarget
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import build_tree, compile_tree, top_log_probs
 from ddtree.tree.compile import ancestor_matrix
-from tests.triton_interpreter import AVAILABLE
+from tests.triton_interpreter import AVAILABLE, tree_kernel_module
 from tests.unit.oracle import OracleDraftEngine, make_tiny_hybrid, serve_together
 
 
@@ -230,17 +230,23 @@ def test_paths_form_decodes_the_targets_greedy_tokens(hybrid, monkeypatch):
     assert len({(rows, paths) for rows, _, paths in shapes}) > len({rows for rows, _, _ in shapes}), shapes
 
 
-def test_static_commit_equals_the_dynamic_replay(hybrid, monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_static_commit_equals_the_dynamic_replay(hybrid, monkeypatch, in_place):
     """A lone request's commit as a static program (its path padded to a bucket: padding rows with zero decay and
     zero beta, padding K/V moves of the root's row onto itself) leaves exactly the K/V, recurrent states and conv
     windows of the dynamic commit (HybridCache.compact), at every path length and for a view of a batch's stash;
     any other pending state (and, where programs are captured, a stash not from a captured verify) is left to the
-    dynamic commit."""
+    dynamic commit. in_place: both commits' recurrence through our replay kernel (kernels.replay_kernel, Triton's
+    interpreter here), its states also within float32 rounding of the chain kernel's replay."""
     from ddtree.models import qwen3_5
-    from ddtree.models.gdn import ReplayStash, reference_recurrent
+    from ddtree.models.gdn import ReplayStash, reference_recurrent, replay_path
     from ddtree.models.graphs import StaticCommit, path_bucket
 
     monkeypatch.setattr(qwen3_5, "step_gdn_kernel", lambda device: reference_recurrent)
+    if in_place:
+        if not AVAILABLE:
+            pytest.skip("needs triton (its interpreter runs our kernel on the CPU)")
+        monkeypatch.setattr(qwen3_5, "replay_kernel", lambda device: tree_kernel_module().replay_in_place)
     root, _ = hybrid
     target = HybridTarget.from_pretrained(root / "target")
     c, gen = target.config, torch.Generator().manual_seed(0)
@@ -250,6 +256,7 @@ def test_static_commit_equals_the_dynamic_replay(hybrid, monkeypatch):
     for a, b in ((dynamic.kv.k, static.kv.k), (dynamic.kv.v, static.kv.v), (dynamic.state, static.state),
                  (dynamic.conv, static.conv)):
         b.copy_(a)
+    chain = dynamic.state.clone(), dynamic.conv.clone()   # the same commits through the chain kernel (in_place)
     n, start = 20, 10
     batch = ReplayStash.empty(len(dynamic.gdn_layers), n + 7, c.linear_num_value_heads, c.linear_key_head_dim,
                               c.linear_value_head_dim, c.conv_dim, torch.float32, "cpu", key_heads=c.linear_num_key_heads)
@@ -267,6 +274,10 @@ def test_static_commit_equals_the_dynamic_replay(hybrid, monkeypatch):
         for a, b in ((dynamic.kv.k, static.kv.k), (dynamic.kv.v, static.kv.v), (dynamic.state, static.state),
                      (dynamic.conv, static.conv)):
             assert torch.equal(a, b), length
+        if in_place:
+            replay_path(stash, accepted, *chain, reference_recurrent)
+            torch.testing.assert_close(dynamic.state, chain[0], rtol=1e-5, atol=1e-5)
+            assert torch.equal(dynamic.conv, chain[1])
         start += length
     assert not dynamic.state.equal(static.state.zero_())    # the comparison can fail
     assert sorted({key[2] for key in commit.graphs.programs}) == [path_bucket(n) for n in (1, 2, 3, 5, 9)]

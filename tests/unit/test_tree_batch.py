@@ -50,12 +50,13 @@ def forward_and_commit(target, caches, slots, starts, parents, ids, positions):
     return logits, pool.state.clone(), pool.conv.clone()
 
 
-@pytest.mark.parametrize("form", ["paths", "chunks", "chunks+gates"])
+@pytest.mark.parametrize("form", ["paths", "chunks", "chunks+gates", "chunks+replay"])
 @pytest.mark.parametrize("slots", [[3, 0, 4], [2, 1, 0]])   # scattered slots (gathered), a run of slots (a view)
 def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slots, form, tmp_path, monkeypatch):
     """Trees of different sizes in one TreeBatch through our paths kernel, or through the chunk kernel (whole trees,
     tree_kernel.batched_tree_chunks), against each tree alone on the torch masked form; chunks+gates: the gates by the
-    conv's kernel too (DDTREE_TREE_GATES=1, no gates kernel of their own)."""
+    conv's kernel too (DDTREE_TREE_GATES=1, no gates kernel of their own); chunks+replay: the commit's recurrence
+    through our replay kernel, in place in the pool (kernels.replay_kernel)."""
     from ddtree.models import fused, qwen3_5
 
     target_path, _ = make_hybrid(tmp_path)
@@ -93,8 +94,12 @@ def test_a_batch_of_trees_through_the_kernel_equals_each_on_the_masked_form(slot
     monkeypatch.setattr(qwen3_5.TreeBatch, "of", lambda *a: batches.append(len(a[1])) or make(*a))
     replays, replay = [], qwen3_5.replay_batch
     monkeypatch.setattr(qwen3_5, "replay_batch", lambda base, paths, *a: replays.append(len(paths)) or replay(base, paths, *a))
+    in_place, in_place_calls = tree_kernel_module().replay_in_place, []
+    monkeypatch.setattr(qwen3_5, "replay_kernel", lambda device: (lambda *a: in_place_calls.append(1) or in_place(*a))
+                        if form == "chunks+replay" else None)
     batched = run()
     assert batches == [3] and replays == [3], (batches, replays)   # one kernel call per layer, one replay
+    assert len(in_place_calls) == (form == "chunks+replay")
     gdn_layers = target.config.layer_types.count("linear_attention")
     assert len(chunk_calls) == (2 * gdn_layers if chunked else 0)
     assert len(gates_kernels) == (0 if form == "chunks+gates" else gdn_layers)
@@ -242,3 +247,35 @@ def test_chunk_shapes_take_an_optional_key_block_from_the_environment(monkeypatc
     assert module.chunk_shape(16) == (32, 2, 16)
     assert module.chunk_shape(64) == (128, 8, 64)
     assert module.chunk_shape(32) == (64, 4, 64)
+
+
+def test_replay_in_place_equals_the_chain_kernels_replay_and_writes_only_its_slots():
+    """A replay commit through our kernel (tree_kernel.replay_in_place: each request's accepted path walked by every
+    layer's value heads from its slot's state, written back there) == gdn.replay_apply through the chain kernel's
+    interface (fla's, in torch) for requests in scattered slots, with grouped value heads, a padding row (valid 0) and
+    a request whose path is empty (its slot untouched, as every slot no request names); the stash read where it lies
+    (rows of a batch's stash, any order)."""
+    from ddtree.models.gdn import ReplayStash, replay_apply
+
+    kernels = tree_kernel_module()
+    gen = torch.Generator().manual_seed(5)
+    layers, key_heads, heads, dk, dv, channels = 3, 2, 6, 16, 32, 8
+    stash = ReplayStash.empty(layers, 11, heads, dk, dv, channels, torch.float32, "cpu", key_heads=key_heads)
+    stash.qkv.copy_(torch.randn(stash.qkv.shape, generator=gen))
+    stash.g.copy_(-torch.rand(stash.g.shape, generator=gen))
+    stash.beta.copy_(torch.rand(stash.beta.shape, generator=gen))
+    pool = torch.randn(6, layers, heads, dk, dv, generator=gen)
+    before = pool.clone()
+    paths = [[2, 5, 9], [], [0, 1, 4, 7, 10]]        # rows of the stash; the second request's path is empty
+    slots = torch.tensor([4, 1, 0])
+    rows = torch.tensor([row for p in paths for row in p])
+    bounds = torch.tensor(np.cumsum([0] + [len(p) for p in paths]))
+    valid = torch.ones(rows.shape[0], dtype=torch.float32)
+    valid[4] = 0                                     # the third path's second row: a padding row
+    kernels.replay_in_place(stash.qkv, stash.g, stash.beta, key_heads, dk, heads, dv, rows, bounds, pool, slots, valid)
+    columns = torch.zeros(3 * 4, dtype=torch.long)   # unread here: the windows are replay_windows' (not the kernel's)
+    want, _ = replay_apply(stash, rows, bounds, columns, before[slots], torch.zeros(3, layers, channels, 4),
+                           reference_recurrent, valid)
+    torch.testing.assert_close(pool[slots], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[1], before[1]) and torch.equal(pool[[2, 3, 5]], before[[2, 3, 5]])
+    assert not torch.allclose(pool[4], before[4]) and not torch.allclose(pool[0], before[0])
