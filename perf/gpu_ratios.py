@@ -130,6 +130,16 @@ def checkpoint(args, shape: str, verify: dict) -> None:
     path.write_text(json.dumps({"header": header(), "verify_ms": table_}, indent=2) + "\n")
 
 
+def checkpoint_turns(args, shape: str, runs: dict) -> None:
+    """The whole rounds in turns so far (form -> method -> each finished turn's round ms) as
+    <out>/<name>_<shape>_turns.json, for a run cut off by a time limit."""
+    table_ = {form: {name: [entry["round_ms"] for entry in entries] for name, entries in methods.items()}
+              for form, methods in runs.items()}
+    path = Path(args.out) / f"{args.name}_{shape}_turns.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"header": header(), "turns_round_ms": table_}, indent=2) + "\n")
+
+
 def diagnostic(errors: dict, name: str, env: dict[str, str], measure: Callable[..., dict], *args, **kwargs
                ) -> dict | None:
     """measure(*args, **kwargs) under env, for comparison: a failure is recorded as errors[name] (and printed) instead
@@ -205,7 +215,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
                                  args.dtype, round_budgets, args.prompt_len, args.rounds,
                                  {"static": {}, **{f: VARIANT_ENV.get(f, {}) for f in round_forms}}, args.round_turns,
-                                 ROUND_SETTINGS) or {}
+                                 ROUND_SETTINGS, lambda runs: checkpoint_turns(args, shape, runs)) or {}
         round_forms = []
     for form in (f for f in round_forms if args.device.startswith("cuda") and f in VARIANT_ENV):
         # whole rounds under a variant's environment, otherwise as the static forward's, for comparison with them

@@ -436,14 +436,16 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
 
 def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
                             prompt_len: int, rounds: int, forms: dict[str, dict[str, str]], turns: int,
-                            settings: dict[str, dict] | None = None) -> dict:
+                            settings: dict[str, dict] | None = None,
+                            on_turn: Callable[[dict], None] | None = None) -> dict:
     """Whole rounds of several engine forms (name -> the environment it runs under, read when its programs are captured and
     in its turns; settings: form -> rounds_engine keywords, e.g. device_tree False) measured in turns: every engine
     built and warmed first, then in each turn every form runs every method once, the forms in an order that starts one
     later each turn. Sequential runs on one GPU drift by up to 0.5 ms a verify at 27B dims; pairs of the same turn share
     the machine's state. Per form and method: the median round over turns (round_ms, round_over_ar: the median of each
     turn's ratio to the form's own `ar`), the turns' rounds, and per form other than the first its round against the
-    first form's in the same turn (median, min, max)."""
+    first form's in the same turn (median, min, max). on_turn: called after each turn with every form's rounds so far
+    (form -> method -> one entry a turn), so that a run cut off by a time limit keeps its finished turns."""
     engines, prompt = {}, round_prompt(target, prompt_len)
     for form, env in forms.items():
         with mock.patch.dict(os.environ, env):
@@ -458,6 +460,8 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
                     runs[form][name].append(measure_method(engines[form], prompt, mode, budget, rounds, profile=False))
         print(f"turn {turn + 1}/{turns}: " + ", ".join(
             f"{form} {name} {runs[form][name][-1]['round_ms']:.2f}" for form in names for name in runs[form]), flush=True)
+        if on_turn is not None:
+            on_turn(runs)
     first, out = names[0], {}
     for form in names:
         out[form] = {}

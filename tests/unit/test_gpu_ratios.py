@@ -86,7 +86,7 @@ def test_rounds_in_turns_pair_each_form_with_the_static_forward(tmp_path):
 
 def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path):
     """--turns-only: no verify curve, no separate rounds, no batches, no cost model; the ratios from the static
-    forward's turns, the variant paired with it; the table still written."""
+    forward's turns, the variant paired with it; the table still written, and each turn's rounds as it ends."""
     gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--turns-only",
                      "--round-variants", "static-hosttree", "--round-turns", "2", "--prompt-len", "24", "--repeats", "1",
                      "--rounds", "3", "--out", str(tmp_path), "--name", "t"])
@@ -98,6 +98,8 @@ def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path):
     assert shape["ratios"]["dflash_over_ar"] == turns["static"]["dflash"]["round_over_ar"]
     assert 0 <= shape["ratios"]["host_share"] < 1 and math.isnan(shape["ratios"]["ar_over_floor"])
     assert len(turns["static-hosttree"]["ddtree-16"]["over_first"]) == 4
+    partial = json.loads((tmp_path / "t_tiny-dense_turns.json").read_text())["turns_round_ms"]   # kept after each turn
+    assert partial["static-hosttree"]["ddtree-16"] == turns["static-hosttree"]["ddtree-16"]["turns_ms"]
     assert not (tmp_path / "cost_model_t_tiny-dense.json").exists()
     md = (tmp_path / "t.md").read_text()
     assert "whole rounds in turns (2 turns" in md and "target verify alone" not in md and "whole engine rounds" not in md
