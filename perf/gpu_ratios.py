@@ -82,8 +82,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-chunkk16": {"DDTREE_CHUNK_SHAPES": "16:64:4:16,32:64:4:16,64:64:4:16"},
     "static-chunkk32": {"DDTREE_CHUNK_SHAPES": "16:64:4:32,32:64:4:32,64:64:4:32"},
     "static-noglugates": {"DDTREE_ROWS_GLU": "0", "DDTREE_TREE_GATES": "0"},
-    "static-views": {"DDTREE_PROLOGUE_VIEWS": "1"}, "static-replay": {"DDTREE_REPLAY_KERNEL": "1"},
-    "static-viewsreplay": {"DDTREE_PROLOGUE_VIEWS": "1", "DDTREE_REPLAY_KERNEL": "1"}}
+    "static-noviews": {"DDTREE_PROLOGUE_VIEWS": "0"}, "static-noreplay": {"DDTREE_REPLAY_KERNEL": "0"},
+    "static-noviewsreplay": {"DDTREE_PROLOGUE_VIEWS": "0", "DDTREE_REPLAY_KERNEL": "0"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -300,11 +300,12 @@ def table(result: dict) -> str:
              "static-chunkk16, static-chunkk32: "
              "the tree chunk kernel's passes over the key dim 16 or 32 columns a step (DDTREE_CHUNK_SHAPES' fourth "
              "field; 32 the form before 0fd61e1's measurement as static-chunkk64) instead of 64; static-noglugates: "
-             "both of those off, the default before 27d901e; static-views: the gated norm's and the sigmoid gate's "
-             "chains before the few-rows kernel reading their strided gates as views (DDTREE_PROLOGUE_VIEWS=1) "
-             "instead of after a copy; static-replay: a paths-form commit's recurrence through our replay kernel, "
-             "the states written where they lie (DDTREE_REPLAY_KERNEL=1), instead of fla's kernel into new states "
-             "copied back; static-viewsreplay: both; "
+             "both of those off, the default before 27d901e; static-noviews: the gated norm's and the sigmoid gate's "
+             "chains before the few-rows kernel reading their strided gates after a copy (DDTREE_PROLOGUE_VIEWS=0) "
+             "instead of as views; static-noreplay: a paths-form commit's recurrence through fla's kernel into new "
+             "states copied back (DDTREE_REPLAY_KERNEL=0) instead of our replay kernel writing them where they lie; "
+             "static-noviewsreplay: both, the default before the 23rd session (static-views, static-replay in "
+             "earlier results: the switches turned on); "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

@@ -541,13 +541,13 @@ def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tens
     host = torch.tensor([row for p in paths for row in p] + list(slots) + np.cumsum([0] + lengths).tolist()
                         + replay_columns(lengths, convs.shape[-1]), dtype=torch.long)
     index, slot_index, cu, columns = to_device(host, device).split([sum(lengths), r, r + 1, r * convs.shape[-1]])   # one copy
-    # slots in a row (the usual case: the engine hands out the lowest free slots) are a view of the pool: no gather
-    # (each request's state is 150 MB at Qwen3.6-27B dims), the same traffic as one replay_path per request
     if in_place is not None:
         in_place(base.qkv, base.g, base.beta, base.key_heads, base.key_dim, base.value_heads, base.value_dim, index, cu,
                  states, slot_index)
         convs.index_copy_(0, slot_index, replay_windows(base, index, columns, convs.index_select(0, slot_index)))
         return
+    # slots in a row (the usual case: the engine hands out the lowest free slots) are a view of the pool: no gather
+    # (each request's state is 150 MB at Qwen3.6-27B dims), the same traffic as one replay_path per request
     run = list(slots) == list(range(slots[0], slots[0] + r))
     held = states[slots[0] : slots[0] + r] if run else states.index_select(0, slot_index)
     new, window = replay_apply(base, index, cu, columns, held, convs.index_select(0, slot_index), kernel)

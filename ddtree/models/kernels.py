@@ -271,18 +271,22 @@ def prologue_views() -> bool:
     into [rows x heads, group] or [rows, heads x group]: 64 copy kernels less a 27B verify (48 GDN, 16 attention
     layers). Those are likely the `elementwise_kernel<128, 4, gpu_kernel_impl_nocast ...>` of a `ddtree-16` round's
     kernel table on an H100 (perf/results/gpu_ratios_h100_pdl2.md: 58.7 a round, 64 x the 0.92 of its rounds that
-    verify a tree; 0.146 ms). DDTREE_PROLOGUE_VIEWS=1; off by default until measured on the GPU."""
-    return os.environ.get("DDTREE_PROLOGUE_VIEWS", "0") not in ("", "0")
+    verify a tree; 0.146 ms). On by default (DDTREE_PROLOGUE_VIEWS=0 turns it off): on an H100 at 27B dims in 3 turns
+    it made the verify's GPU time 0.22 ms shorter (19.53 against 19.75 ms at budget 16) and whole rounds 0.989 /
+    0.992 / 0.983x (`dflash` / `ddtree-16` / `ddtree-64`; perf/results/gpu_ratios_h100_viewsreplay.md)."""
+    return os.environ.get("DDTREE_PROLOGUE_VIEWS", "1") not in ("", "0")
 
 
 def replay_kernel(device: torch.device) -> Callable | None:
     """Our kernel for a paths-form commit's recurrence (ddtree.models.tree_kernel.replay_in_place: each accepted path
     walked from its committed state, read and written in place, the stash's rows read where they lie) where our steps
-    kernel runs and DDTREE_REPLAY_KERNEL=1, else None: fla's fused recurrent kernel over the path's rows gathered into
-    heads, into new states then copied over the committed ones (gdn.replay_apply; at Qwen3.6-27B dims 150 MB written
-    and 300 MB copied a commit: the two device-to-device copies of an H100 `ddtree-16` round's commit, 0.105 of its
-    0.29 ms, perf/results/gpu_ratios_h100_pdl2.json). Off by default until measured on the GPU."""
-    if steps_gdn_kernel(device) is None or os.environ.get("DDTREE_REPLAY_KERNEL", "0") in ("", "0"):
+    kernel runs, else None (DDTREE_REPLAY_KERNEL=0 too): fla's fused recurrent kernel over the path's rows gathered
+    into heads, into new states then copied over the committed ones (gdn.replay_apply; at Qwen3.6-27B dims 150 MB
+    written and 300 MB copied a commit: the two device-to-device copies of an H100 `ddtree-16` round's commit, 0.105 of
+    its 0.29 ms, perf/results/gpu_ratios_h100_pdl2.json). On an H100 at 27B dims in 3 turns it made the commit's GPU
+    time 0.30 against 0.46-0.50 ms and whole rounds 0.994 / 0.991 / 0.992x (`dflash` / `ddtree-16` / `ddtree-64`;
+    perf/results/gpu_ratios_h100_viewsreplay.md)."""
+    if steps_gdn_kernel(device) is None or os.environ.get("DDTREE_REPLAY_KERNEL", "1") in ("", "0"):
         return None
     return _replay_kernel()
 

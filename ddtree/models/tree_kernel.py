@@ -13,7 +13,8 @@ compute it identically, so their writes agree. The paths of every request of a b
 A walk recomputes every shared prefix once per leaf (a 64-node tree has ~20-60 leaves), so by default the engine
 takes each tree whole instead (batched_tree_chunks: the root as one step, the rest in the ancestor-masked WY form on
 tensor cores; 1.66 against 2.43 ms a 27B round at budget 64 on an H200). Also here: an `ar` step's recurrence and
-conv in place in the pool (steps_in_place, conv_steps_in_place) and a tree batch's conv (conv_windows_in_place).
+conv in place in the pool (steps_in_place, conv_steps_in_place), a tree batch's conv (conv_windows_in_place) and a
+commit's replay of the accepted paths in place in the pool (replay_in_place).
 
 Per node, as gdn.gdn_sequential (the reference it is tested against, tests/gpu/test_tree_kernel.py):
 q, k l2-normalised (q also scaled by dk**-0.5), S = S * exp(g); v' = beta * (v - S^T k); S = S + k v'^T;

@@ -79,3 +79,14 @@ def test_engine_with_prologue_views_decodes_what_it_decodes_without(tmp_path, mo
         outputs[views] = [engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=24,
                                                                      ignore_eos=True)).output_ids for mode, budget in cases]
     assert outputs["1"] == outputs["0"]
+
+
+def test_prologue_views_are_on_by_default(monkeypatch):
+    """On unless DDTREE_PROLOGUE_VIEWS is 0 or empty (measured on an H100: perf/results/gpu_ratios_h100_viewsreplay.md)."""
+    from ddtree.models import kernels
+
+    monkeypatch.delenv("DDTREE_PROLOGUE_VIEWS", raising=False)
+    assert kernels.prologue_views()
+    for off in ("0", ""):
+        monkeypatch.setenv("DDTREE_PROLOGUE_VIEWS", off)
+        assert not kernels.prologue_views()

@@ -279,3 +279,17 @@ def test_replay_in_place_equals_the_chain_kernels_replay_and_writes_only_its_slo
     torch.testing.assert_close(pool[slots], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(pool[1], before[1]) and torch.equal(pool[[2, 3, 5]], before[[2, 3, 5]])
     assert not torch.allclose(pool[4], before[4]) and not torch.allclose(pool[0], before[0])
+
+
+def test_the_replay_kernel_runs_by_default_where_our_steps_kernel_runs(monkeypatch):
+    """kernels.replay_kernel: our in-place replay wherever our steps kernel runs (CUDA), unless DDTREE_REPLAY_KERNEL
+    is 0 or empty; never without the steps kernel (the CPU)."""
+    from ddtree.models import kernels
+
+    monkeypatch.delenv("DDTREE_REPLAY_KERNEL", raising=False)
+    assert kernels.replay_kernel(torch.device("cpu")) is None
+    monkeypatch.setattr(kernels, "steps_gdn_kernel", lambda device: object())
+    assert kernels.replay_kernel(torch.device("cpu")) is tree_kernel_module().replay_in_place
+    for off in ("0", ""):
+        monkeypatch.setenv("DDTREE_REPLAY_KERNEL", off)
+        assert kernels.replay_kernel(torch.device("cpu")) is None
