@@ -31,7 +31,7 @@ from ddtree.config import EngineConfig  # noqa: E402
 from ddtree.engine import COMMIT_PARTS, Engine  # noqa: E402
 from ddtree.models.dflash import DFlashConfig, DFlashDrafter, dflash_hf_config  # noqa: E402
 from ddtree.models.gdn import gdn_sequential, gdn_tree  # noqa: E402
-from ddtree.models.graphs import GraphPool, StaticTarget  # noqa: E402
+from ddtree.models.graphs import MIN_KEYS, GraphPool, StaticTarget  # noqa: E402
 from ddtree.models.kernels import chain_gdn_kernel  # noqa: E402
 from ddtree.models.qwen3_5 import HybridConfig, HybridTarget  # noqa: E402
 from ddtree.request import Request  # noqa: E402
@@ -49,6 +49,18 @@ SHAPES = {
                  num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
                  linear_key_head_dim=16, linear_value_head_dim=16),
 }
+
+# The rounds' engines' context limit: the key bucket (graphs.key_bucket: a power of two, at least MIN_KEYS) of the
+# longest context the rounds reach with the largest tree, so that no bucket is clipped at the cache's end, as on a
+# server whose max_model_len is long. Until the 23rd session the engines were made with max_model_len = prompt_len
+# + rounds + 4 (528 at the default 512): every draft's key bucket was clipped to the cache's 593 rows, which leave no
+# room for the block's 16 K/V rows after the context, so the drafter's attention took its fallback (contexts gathered
+# and concatenated, then SDPA: the `cudnn ... sdpa` and `CatArrayBatchedCopy` kernels of a draft program in
+# gpu_ratios_h100_pdl2.json) instead of the split-KV kernel that reads them in place; the target's attention ran over
+# 593 keys instead of its bucket's 1024.
+def engine_max_len(prompt_len: int, rounds: int, max_rows: int = 65) -> int:
+    """max_model_len of the rounds' engines (above): 1024 at the default 512-token prompt and 12 rounds."""
+    return max(MIN_KEYS, 1 << (prompt_len + rounds + 4 + max_rows - 1).bit_length())
 
 
 DRAFTERS = {
@@ -358,7 +370,7 @@ def rounds_engine(target: HybridTarget, drafter: DFlashDrafter, device: str, dty
     graphs on CUDA); device_tree: its setting (off: the draft's top-k read and the tree built on the host); settings:
     other EngineConfig fields."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
-                          max_model_len=prompt_len + rounds + 4, max_tree_budget=max(budgets),
+                          max_model_len=engine_max_len(prompt_len, rounds), max_tree_budget=max(budgets),
                           static_forward=static_forward, device_tree=device_tree, **settings)
     engine = Engine(config, target=target, drafter=drafter)
     # as the Triton model does at load: the static programs of every mode, row and path bucket. Without it a dflash
@@ -489,7 +501,7 @@ def measure_batched_rounds(target, drafter: DFlashDrafter, device: str, dtype: s
     """Whole engine rounds of R concurrent requests (static forwards, CUDA graphs on CUDA): ms per round and committed
     tokens per second against R, per mode. What batching buys: a round of R requests streams the weights once."""
     config = EngineConfig(target_path="(random)", drafter_path="(random)", dtype=dtype, device=device,
-                          max_model_len=prompt_len + rounds + 4, max_tree_budget=max(b for _, b in modes),
+                          max_model_len=engine_max_len(prompt_len, rounds), max_tree_budget=max(b for _, b in modes),
                           default_tree_budget=min(16, max(b for _, b in modes)),
                           max_num_seqs=max(batches), static_forward="on")
     engine = Engine(config, target=target, drafter=drafter)

@@ -167,3 +167,29 @@ def test_graph_turns_pairs_each_variant_with_the_default(tmp_path):
     assert len(result["floor_ms"]) == 3 and all(math.isnan(f) for f in result["floor_ms"])
     with pytest.raises(SystemExit):
         graph_turns.main(["--variants", "static-nonesuch", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("prompt_len, rounds", [(512, 12), (512, 40), (24, 3), (1000, 20)])
+def test_the_rounds_engines_key_buckets_are_not_clipped(prompt_len, rounds):
+    """The rounds' engines (hybrid_verify.engine_max_len) hold every key bucket their contexts reach whole: the
+    target's (context and a budget-64 tree) and the drafter's with room for its block's 16 K/V rows after it, the
+    condition of its in-place attention kernel (DFlashDrafter.forward_pooled), as on a server with a long context
+    limit. At the default 512 tokens the old limit (prompt_len + rounds + 4: a cache of 593 rows) clipped both."""
+    from ddtree.models.graphs import MIN_KEYS, key_bucket
+    from perf.hybrid_verify import engine_max_len
+
+    def unclipped(n: int) -> int:
+        return max(MIN_KEYS, 1 << (n - 1).bit_length())
+
+    def fits(cache_len: int) -> bool:
+        for context in range(prompt_len, prompt_len + rounds + 5):
+            draft_keys = key_bucket(context + 17, cache_len)       # a round's accepted tokens appended, then the block
+            if key_bucket(context + 65, cache_len) != unclipped(context + 65) or draft_keys != unclipped(context + 17):
+                return False
+            if draft_keys + 16 > cache_len:
+                return False
+        return True
+
+    assert fits(engine_max_len(prompt_len, rounds) + 64 + 1)        # the engine's cache: max_model_len + budget + 1
+    if prompt_len == 512 and rounds == 12:
+        assert not fits(prompt_len + rounds + 4 + 64 + 1)            # the old limit: the test can fail
