@@ -83,7 +83,9 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-chunkk32": {"DDTREE_CHUNK_SHAPES": "16:64:4:32,32:64:4:32,64:64:4:32"},
     "static-noglugates": {"DDTREE_ROWS_GLU": "0", "DDTREE_TREE_GATES": "0"},
     "static-noviews": {"DDTREE_PROLOGUE_VIEWS": "0"}, "static-noreplay": {"DDTREE_REPLAY_KERNEL": "0"},
-    "static-noviewsreplay": {"DDTREE_PROLOGUE_VIEWS": "0", "DDTREE_REPLAY_KERNEL": "0"}}
+    "static-noviewsreplay": {"DDTREE_PROLOGUE_VIEWS": "0", "DDTREE_REPLAY_KERNEL": "0"},
+    "static-attn132": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132"},
+    "static-attnrows": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132,66"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -305,7 +307,9 @@ def table(result: dict) -> str:
              "instead of as views; static-noreplay: a paths-form commit's recurrence through fla's kernel into new "
              "states copied back (DDTREE_REPLAY_KERNEL=0) instead of our replay kernel writing them where they lie; "
              "static-noviewsreplay: both, the default before the 23rd session (static-views, static-replay in "
-             "earlier results: the switches turned on); "
+             "earlier results: the switches turned on); static-attn132: our attention kernel's calls of several rows "
+             "(trees, draft blocks) splitting their keys for ~132 programs (DDTREE_ATTENTION_TREE_PROGRAMS=132) instead "
+             "of 264; static-attnrows: 132 up to 32 rows, 66 above (=132,66); "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

@@ -14,6 +14,8 @@ Imported only where it runs (CUDA, or Triton's interpreter in a test): fla's tra
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,20 @@ from ddtree.models.grid_wait import wait_for_previous_grid
 from ddtree.models.kernels import pdl
 
 TARGET_PROGRAMS = 264   # about two programs per SM on an H200 (132 SMs): keys are split until the grid has this many
+
+
+def split_target(rows_q: int) -> int:
+    """The programs masked_attention splits the keys for, a call of rows_q query rows: TARGET_PROGRAMS, or for several
+    rows (trees, drafts' blocks) DDTREE_ATTENTION_TREE_PROGRAMS=N (N programs) or N,M (N up to 32 rows, M above). Each
+    split writes float32 partials of every row (at 17 rows, 19 splits over 593 keys: 7.9 MB written and read again by
+    the join, 3x the K/V the call reads), so trees may want fewer: 16 layers at 1,024 keys between their GEMMs took
+    0.852 ms split for ~132 programs against 0.952 for 264 at 17 rows, 1.063 for ~66 against 1.105 at 65 rows, and
+    the same at one row (H200, perf/results/attention_h200_between.md). Not yet measured in whole rounds: unset, 264."""
+    spec = os.environ.get("DDTREE_ATTENTION_TREE_PROGRAMS", "")
+    if rows_q == 1 or spec in ("", "0"):
+        return TARGET_PROGRAMS
+    few, _, many = spec.partition(",")
+    return int(many) if many and rows_q > 32 else int(few)
 
 
 @triton.jit
@@ -90,13 +106,14 @@ def _join_kernel(o_part, lse_part, out, splits, rows, D: tl.constexpr, BLOCK_S: 
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, keys: int,
-                     mask: torch.Tensor, scale: float, target_programs: int = TARGET_PROGRAMS) -> torch.Tensor:
+                     mask: torch.Tensor, scale: float, target_programs: int | None = None) -> torch.Tensor:
     """out [R, Q, H, D] in q's dtype: softmax(q k^T * scale, where mask) v per request and query head.
 
     q  # [R, Q, H, D]; k, v  # [S, E', KVH, D] (a K/V pool's layer: S slots of E' >= keys positions), read for
     request r at slot slots[r]  # [R] long, positions 0..keys-1; mask  # [R, Q, keys] (bool or uint8, True/1 = seen;
     every row must see a key). Each tensor's last dim contiguous, other strides free (q may be a view). Query head h
-    reads K/V head h // (H / KVH).
+    reads K/V head h // (H / KVH). target_programs: the keys split until the grid has about this many programs
+    (None: split_target(Q)).
     """
     r, rows_q, heads, d = q.shape
     kvh = k.shape[2]
@@ -111,7 +128,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     m_blocks = triton.cdiv(group * rows_q, block_m)
     block_n = 32 if d >= 256 else 64
     programs = r * kvh * m_blocks
-    splits = max(1, min(triton.cdiv(target_programs, programs), triton.cdiv(keys, block_n)))
+    target = split_target(rows_q) if target_programs is None else target_programs
+    splits = max(1, min(triton.cdiv(target, programs), triton.cdiv(keys, block_n)))
     split = triton.cdiv(triton.cdiv(keys, splits), block_n) * block_n
     splits = triton.cdiv(keys, split)
     o_part = torch.empty(splits, r, rows_q, heads, d, dtype=torch.float32, device=q.device)
@@ -207,4 +225,4 @@ def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: tor
     return q_out
 
 
-__all__ = ["TARGET_PROGRAMS", "masked_attention", "prepare_qkv"]
+__all__ = ["TARGET_PROGRAMS", "masked_attention", "prepare_qkv", "split_target"]

@@ -183,3 +183,39 @@ def test_drafter_blocks_attend_in_place_through_the_kernel(tmp_path, monkeypatch
         full = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 56, blocks)
     assert not calls
     torch.testing.assert_close(full, outputs["gathered"], rtol=1e-5, atol=1e-5)
+
+
+def test_trees_split_their_keys_for_the_programs_the_switch_names(monkeypatch):
+    """DDTREE_ATTENTION_TREE_PROGRAMS (attention_kernel.split_target): unset, every call splits for TARGET_PROGRAMS;
+    N, calls of several rows split for N (one row keeps TARGET_PROGRAMS); N,M, N up to 32 rows and M above. A
+    17-row tree's call through it equals SDPA, with fewer splits than the default's."""
+    module = attention_kernel_module()
+    monkeypatch.delenv("DDTREE_ATTENTION_TREE_PROGRAMS", raising=False)
+    assert {module.split_target(rows) for rows in (1, 17, 65)} == {module.TARGET_PROGRAMS}
+    monkeypatch.setenv("DDTREE_ATTENTION_TREE_PROGRAMS", "132")
+    assert [module.split_target(rows) for rows in (1, 17, 65)] == [module.TARGET_PROGRAMS, 132, 132]
+    monkeypatch.setenv("DDTREE_ATTENTION_TREE_PROGRAMS", "132,66")
+    assert [module.split_target(rows) for rows in (1, 17, 32, 33, 65)] == [module.TARGET_PROGRAMS, 132, 132, 66, 66]
+    gen = torch.Generator().manual_seed(9)
+    rows, keys, heads, kv_heads, d, slots = 17, 300, 6, 2, 32, torch.tensor([1])
+    pool_k, pool_v = (torch.randn(2, keys, kv_heads, d, generator=gen) for _ in range(2))
+    q = torch.randn(1, rows, heads, d, generator=gen)
+    mask = tree_masks(1, rows, keys, gen)
+    splits = []
+    empty = torch.empty
+
+    def recording_empty(*shape, **kwargs):   # the partials' first dim: the splits
+        if len(shape) == 5 and kwargs.get("dtype") == torch.float32:
+            splits.append(shape[0])
+        return empty(*shape, **kwargs)
+
+    monkeypatch.setattr(module.torch, "empty", recording_empty)
+    monkeypatch.setenv("DDTREE_ATTENTION_TREE_PROGRAMS", "8")
+    got = module.masked_attention(q, pool_k, pool_v, slots, keys, mask, d**-0.5)
+    monkeypatch.delenv("DDTREE_ATTENTION_TREE_PROGRAMS")
+    module.masked_attention(q, pool_k, pool_v, slots, keys, mask, d**-0.5)
+    assert splits[0] < splits[1], splits
+    keys_, values = (pool[slots, :keys].transpose(1, 2) for pool in (pool_k, pool_v))
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), keys_, values, attn_mask=mask[:, None], scale=d**-0.5,
+                                          enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
