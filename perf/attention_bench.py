@@ -77,7 +77,7 @@ def variants(scale: float):
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
     def ours_with(programs: int | None = None):
-        """Our kernel with its keys split for about `programs` programs (None: the engine's TARGET_PROGRAMS)."""
+        """Our kernel with its keys split for about `programs` programs (None: the engine's, attention_kernel.split_target)."""
         split = {} if programs is None else {"target_programs": programs}
 
         def ours(q, k, v, mask):   # the engine's layouts: queries [R, Q, H, d], K/V as a pool [slots, E, KVH, d]
