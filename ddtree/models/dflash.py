@@ -20,7 +20,7 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.dense import KVPool
-from ddtree.models.kernels import draft_attention_kernel
+from ddtree.models.kernels import draft_attention_kernel, draft_qkv_kernel
 from ddtree.models.layers import FusedProjections, GatedMLP, NormedRows, RMSNorm, Rotary, attend, linear, sdpa
 from ddtree.models.loader import assign_weights, load_state_dict, read_config, rope_scaling, rope_theta
 
@@ -107,6 +107,18 @@ class DraftAttention(FusedProjections, nn.Module):
         q, k, v = self.project(x)
         q = fused.rms_norm_rotary(q.view(n, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, *rope)
         return q, self._key(k, rope), v.view(n, self.num_kv_heads, self.head_dim)
+
+    def prepare_block(self, x: torch.Tensor | NormedRows, rope: tuple[torch.Tensor, torch.Tensor], prepare,
+                      pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor
+                      ) -> torch.Tensor:
+        """Block rows' q (normed, rotated) [n, heads, d], their k (normed, rotated) and v written into a pool layer
+        (pool_k, pool_v [S, E, KVH, d]) at (slots, positions) [n]: project_qkv and the writes, the chains and writes in
+        one kernel after the GEMM (prepare: kernels.draft_qkv_kernel's)."""
+        n = x.shape[0]
+        q, k, v = self.project(x)
+        return prepare(q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim),
+                       v.view(n, self.num_kv_heads, self.head_dim), self.q_norm.weight, self.k_norm.weight,
+                       self.q_norm.eps, *rope, pool_k, pool_v, slots, positions, zero_centered=False)
 
     def _key(self, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return fused.rms_norm_rotary(k.view(k.shape[0], self.num_kv_heads, self.head_dim), self.k_norm.weight,
@@ -242,17 +254,24 @@ class DFlashDrafter(nn.Module):
         r, b, _ = block_embeds.shape
         rope = self.rotary(positions.flatten(), block_embeds.dtype)
         h = block_embeds.reshape(r * b, -1)
+        prepare = None
         if in_place is not None:
             kernel, pool, slots, keys, masks = in_place
             write_slots, write_pos = slots[:, None].expand(r, b).flatten(), positions.flatten()
+            prepare = draft_qkv_kernel(block_embeds.device)
         # each norm computed by the Linear that reads it and each residual added by the Linear before it
         # (ddtree.models.layers.linear: in our kernels' prologue and epilogue where a static pass goes through them)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k_block, v_block = attn.project_qkv(NormedRows(layer.input_layernorm, h), rope)
+            x = NormedRows(layer.input_layernorm, h)
+            if prepare is not None:   # the chains and the blocks' K/V writes in one kernel
+                q = attn.prepare_block(x, rope, prepare, pool.k[i], pool.v[i], write_slots, write_pos)
+            else:
+                q, k_block, v_block = attn.project_qkv(x, rope)
             if in_place is not None:   # the blocks' K/V after their contexts, all read where they lie
-                pool.k[i, write_slots, write_pos] = k_block
-                pool.v[i, write_slots, write_pos] = v_block
+                if prepare is None:
+                    pool.k[i, write_slots, write_pos] = k_block
+                    pool.v[i, write_slots, write_pos] = v_block
                 out = kernel(q.view(r, b, attn.num_heads, attn.head_dim), pool.k[i], pool.v[i], slots, keys,
                              masks[attn.window], attn.head_dim**-0.5)                                # [R, b, heads, d]
                 h = linear(out.reshape(r * b, -1), attn.o_proj, h)

@@ -216,6 +216,16 @@ def _qkv_kernel() -> Callable:
     return prepare_qkv
 
 
+def draft_qkv_kernel(device: torch.device) -> Callable | None:
+    """qkv_kernel for the drafter's blocks where their attention runs in place (DFlashDrafter.forward_pooled with
+    draft_attention_kernel): each layer's q/k norms, rotary and the block's K/V writes into the pool in one launch
+    instead of two compiled chains and two index writes (15 kernels less a draft of Qwen3.6-27B's 5-layer drafter).
+    DDTREE_DRAFT_QKV_KERNEL=1; off by default until measured on the GPU."""
+    if os.environ.get("DDTREE_DRAFT_QKV_KERNEL", "0") in ("", "0"):
+        return None
+    return qkv_kernel(device)
+
+
 def draft_attention_kernel(device: torch.device) -> Callable | None:
     """Our split-KV masked attention for the drafter's pooled blocks (DFlashDrafter.forward_pooled: the static pass)
     on CUDA, or None (contexts gathered, SDPA): DDTREE_DRAFT_ATTENTION_KERNEL=0 turns it off. A 16-row block against
@@ -361,7 +371,7 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 __all__ = [
     "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
-    "draft_attention_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "pdl", "qkv_kernel",
+    "draft_attention_kernel", "draft_qkv_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "pdl", "qkv_kernel",
     "replay_kernel", "step_gdn_kernel",
     "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
 ]

@@ -53,3 +53,35 @@ def test_compiled_prepare_qkv_equals_the_compiled_chains(zero_centered, rotary):
     torch.testing.assert_close(got.float(), chain(q, q_weight, eps, cos, sin).float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(pool_k[2, 5 : 5 + n].float(), chain(k, k_weight, eps, cos, sin).float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(pool_v[2, 5 : 5 + n], v) and not pool_k[:2].any() and not pool_v[:2].any()
+
+
+@pytest.mark.parametrize("split_target", ["", "132,66"])
+def test_compiled_drafter_blocks_with_their_switches_equal_without(tmp_path, monkeypatch, split_target):
+    """The drafter's pooled pass on CUDA (its attention in place through our kernel) with each layer's q/k norms,
+    rotary and block K/V writes through prepare_qkv (DDTREE_DRAFT_QKV_KERNEL=1) == through the compiled chains and
+    index writes; and with the attention's keys split for fewer programs (DDTREE_ATTENTION_TREE_PROGRAMS) == with
+    the default split (float32)."""
+    from ddtree.models import dflash
+    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
+
+    taps = [1, 16, 31, 46, 61]
+    write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
+                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
+    drafter = dflash.DFlashDrafter.from_pretrained(tmp_path / "d", device="cuda")
+    gen = torch.Generator().manual_seed(8)
+    lengths = [3, 21, 9]
+    contexts = [torch.randn(n, HIDDEN * len(taps), generator=gen).cuda() for n in lengths]
+    blocks = torch.randn(len(lengths), BLOCK, HIDDEN, generator=gen).cuda()
+    outputs = {}
+    with torch.no_grad():
+        for name, env in (("chains", {}), ("switches", {"DDTREE_DRAFT_QKV_KERNEL": "1",
+                                                        "DDTREE_ATTENTION_TREE_PROGRAMS": split_target})):
+            for key in ("DDTREE_DRAFT_QKV_KERNEL", "DDTREE_ATTENTION_TREE_PROGRAMS"):
+                monkeypatch.setenv(key, env.get(key, ""))
+            caches = drafter.new_caches(len(lengths), 64)
+            drafter.add_contexts(caches, contexts)
+            slots = torch.tensor([c.slot for c in caches], device="cuda")
+            starts = torch.tensor(lengths, device="cuda")
+            positions = starts[:, None] + torch.arange(BLOCK, device="cuda")
+            outputs[name] = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 32, blocks)
+    torch.testing.assert_close(outputs["switches"], outputs["chains"], rtol=1e-4, atol=1e-4)

@@ -152,7 +152,8 @@ def test_drafter_blocks_attend_in_place_through_the_kernel(tmp_path, monkeypatch
     """The drafter's pooled pass with our kernel (DFlashDrafter.forward_pooled on CUDA; here Triton's interpreter):
     each block's K/V written after its context in the pool and read there with the contexts, sliding windows that
     cut, padding keys past each context masked: the blocks' hidden states those of the gathered SDPA pass. A context
-    bucket with no room for a block after it keeps the gathered pass."""
+    bucket with no room for a block after it keeps the gathered pass. kernel+prepare: each layer's q/k norms, rotary
+    and the block's K/V writes through prepare_qkv too (kernels.draft_qkv_kernel, DDTREE_DRAFT_QKV_KERNEL=1)."""
     from ddtree.models import dflash
     from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
 
@@ -165,23 +166,29 @@ def test_drafter_blocks_attend_in_place_through_the_kernel(tmp_path, monkeypatch
     contexts = [torch.randn(n, HIDDEN * len(taps), generator=gen) for n in lengths]
     blocks = torch.randn(len(lengths), BLOCK, HIDDEN, generator=gen)
     kernel, calls = attention_kernel_module().masked_attention, []
+    prepare, prepared = attention_kernel_module().prepare_qkv, []
     outputs = {}
     with torch.no_grad():
         for name, make in (("gathered", lambda device: None),
-                           ("kernel", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))):
+                           ("kernel", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k)),
+                           ("kernel+prepare", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))):
             monkeypatch.setattr(dflash, "draft_attention_kernel", make)
+            monkeypatch.setattr(dflash, "draft_qkv_kernel", lambda device: (
+                lambda *a, **k: prepared.append(a[0].shape) or prepare(*a, **k)) if name == "kernel+prepare" else None)
             caches = drafter.new_caches(len(lengths), 64)
             drafter.add_contexts(caches, contexts)
             slots = torch.tensor([c.slot for c in caches])
             starts = torch.tensor(lengths)
             positions = starts[:, None] + torch.arange(BLOCK)
             outputs[name] = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 32, blocks)
-    assert calls == [(len(lengths), BLOCK, 4, 16)] * 5
+    assert calls == [(len(lengths), BLOCK, 4, 16)] * 10                # 5 layers, each form through the kernel
+    assert prepared == [(len(lengths) * BLOCK, 4, 16)] * 5
     torch.testing.assert_close(outputs["kernel"], outputs["gathered"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["kernel+prepare"], outputs["gathered"], rtol=1e-5, atol=1e-5)
     calls.clear()   # 64 - 16 < 56: no room for a block after the bucket, the gathered pass
     with torch.no_grad():
         full = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 56, blocks)
-    assert not calls
+    assert not calls and len(prepared) == 5
     torch.testing.assert_close(full, outputs["gathered"], rtol=1e-5, atol=1e-5)
 
 
