@@ -61,27 +61,13 @@ def test_compiled_drafter_blocks_with_their_switches_equal_without(tmp_path, mon
     rotary and block K/V writes through prepare_qkv (DDTREE_DRAFT_QKV_KERNEL=1) == through the compiled chains and
     index writes; and with the attention's keys split for fewer programs (DDTREE_ATTENTION_TREE_PROGRAMS) == with
     the default split (float32)."""
-    from ddtree.models import dflash
-    from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
+    from tests.unit.test_attention_kernel import drafter_blocks
 
-    taps = [1, 16, 31, 46, 61]
-    write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
-                               layer_types=["sliding_attention"] * 4 + ["full_attention"])
-    drafter = dflash.DFlashDrafter.from_pretrained(tmp_path / "d", device="cuda")
-    gen = torch.Generator().manual_seed(8)
-    lengths = [3, 21, 9]
-    contexts = [torch.randn(n, HIDDEN * len(taps), generator=gen).cuda() for n in lengths]
-    blocks = torch.randn(len(lengths), BLOCK, HIDDEN, generator=gen).cuda()
+    run = drafter_blocks(tmp_path, "cuda")
     outputs = {}
-    with torch.no_grad():
-        for name, env in (("chains", {}), ("switches", {"DDTREE_DRAFT_QKV_KERNEL": "1",
-                                                        "DDTREE_ATTENTION_TREE_PROGRAMS": split_target})):
-            for key in ("DDTREE_DRAFT_QKV_KERNEL", "DDTREE_ATTENTION_TREE_PROGRAMS"):
-                monkeypatch.setenv(key, env.get(key, ""))
-            caches = drafter.new_caches(len(lengths), 64)
-            drafter.add_contexts(caches, contexts)
-            slots = torch.tensor([c.slot for c in caches], device="cuda")
-            starts = torch.tensor(lengths, device="cuda")
-            positions = starts[:, None] + torch.arange(BLOCK, device="cuda")
-            outputs[name] = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 32, blocks)
+    for name, env in (("chains", {}), ("switches", {"DDTREE_DRAFT_QKV_KERNEL": "1",
+                                                    "DDTREE_ATTENTION_TREE_PROGRAMS": split_target})):
+        for key in ("DDTREE_DRAFT_QKV_KERNEL", "DDTREE_ATTENTION_TREE_PROGRAMS"):
+            monkeypatch.setenv(key, env.get(key, ""))
+        outputs[name] = run(32)
     torch.testing.assert_close(outputs["switches"], outputs["chains"], rtol=1e-4, atol=1e-4)

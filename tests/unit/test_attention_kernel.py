@@ -155,41 +155,57 @@ def test_drafter_blocks_attend_in_place_through_the_kernel(tmp_path, monkeypatch
     bucket with no room for a block after it keeps the gathered pass. kernel+prepare: each layer's q/k norms, rotary
     and the block's K/V writes through prepare_qkv too (kernels.draft_qkv_kernel, DDTREE_DRAFT_QKV_KERNEL=1)."""
     from ddtree.models import dflash
+    from tests.unit.test_dflash_drafter import BLOCK
+
+    run = drafter_blocks(tmp_path)
+    kernel, calls = attention_kernel_module().masked_attention, []
+    prepare, prepared = attention_kernel_module().prepare_qkv, []
+    outputs = {}
+    for name, make in (("gathered", lambda device: None),
+                       ("kernel", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k)),
+                       ("kernel+prepare", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))):
+        monkeypatch.setattr(dflash, "draft_attention_kernel", make)
+        monkeypatch.setattr(dflash, "draft_qkv_kernel", lambda device: (
+            lambda *a, **k: prepared.append(a[0].shape) or prepare(*a, **k)) if name == "kernel+prepare" else None)
+        outputs[name] = run(32)
+    assert calls == [(DRAFT_REQUESTS, BLOCK, 4, 16)] * 10                # 5 layers, each form through the kernel
+    assert prepared == [(DRAFT_REQUESTS * BLOCK, 4, 16)] * 5
+    torch.testing.assert_close(outputs["kernel"], outputs["gathered"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["kernel+prepare"], outputs["gathered"], rtol=1e-5, atol=1e-5)
+    calls.clear()   # 64 - 16 < 56: no room for a block after the bucket, the gathered pass
+    full = run(56)
+    assert not calls and len(prepared) == 5
+    torch.testing.assert_close(full, outputs["gathered"], rtol=1e-5, atol=1e-5)
+
+
+DRAFT_REQUESTS = 3
+
+
+def drafter_blocks(tmp_path, device: str = "cpu"):
+    """The drafter of the in-place block tests (Qwen3.6's 5 layers and taps, sliding windows of 6 that cut) on
+    `device`, with DRAFT_REQUESTS requests' contexts (3, 21, 9 rows) and blocks: keys -> the blocks' hidden states
+    from DFlashDrafter.forward_pooled over that many keys, the contexts written into fresh caches of 64 positions."""
+    from ddtree.models import dflash
     from tests.unit.test_dflash_drafter import BLOCK, HIDDEN, write_published_checkpoint
 
     taps = [1, 16, 31, 46, 61]
     write_published_checkpoint(tmp_path / "d", taps, seed=4, num_target_layers=64, sliding_window=6,
                                layer_types=["sliding_attention"] * 4 + ["full_attention"])
-    drafter = dflash.DFlashDrafter.from_pretrained(tmp_path / "d")
+    drafter = dflash.DFlashDrafter.from_pretrained(tmp_path / "d", device=device)
     gen = torch.Generator().manual_seed(8)
     lengths = [3, 21, 9]
-    contexts = [torch.randn(n, HIDDEN * len(taps), generator=gen) for n in lengths]
-    blocks = torch.randn(len(lengths), BLOCK, HIDDEN, generator=gen)
-    kernel, calls = attention_kernel_module().masked_attention, []
-    prepare, prepared = attention_kernel_module().prepare_qkv, []
-    outputs = {}
-    with torch.no_grad():
-        for name, make in (("gathered", lambda device: None),
-                           ("kernel", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k)),
-                           ("kernel+prepare", lambda device: lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))):
-            monkeypatch.setattr(dflash, "draft_attention_kernel", make)
-            monkeypatch.setattr(dflash, "draft_qkv_kernel", lambda device: (
-                lambda *a, **k: prepared.append(a[0].shape) or prepare(*a, **k)) if name == "kernel+prepare" else None)
-            caches = drafter.new_caches(len(lengths), 64)
-            drafter.add_contexts(caches, contexts)
-            slots = torch.tensor([c.slot for c in caches])
-            starts = torch.tensor(lengths)
-            positions = starts[:, None] + torch.arange(BLOCK)
-            outputs[name] = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 32, blocks)
-    assert calls == [(len(lengths), BLOCK, 4, 16)] * 10                # 5 layers, each form through the kernel
-    assert prepared == [(len(lengths) * BLOCK, 4, 16)] * 5
-    torch.testing.assert_close(outputs["kernel"], outputs["gathered"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outputs["kernel+prepare"], outputs["gathered"], rtol=1e-5, atol=1e-5)
-    calls.clear()   # 64 - 16 < 56: no room for a block after the bucket, the gathered pass
-    with torch.no_grad():
-        full = drafter.forward_pooled(caches[0].pool, slots, starts, positions, 56, blocks)
-    assert not calls and len(prepared) == 5
-    torch.testing.assert_close(full, outputs["gathered"], rtol=1e-5, atol=1e-5)
+    contexts = [torch.randn(n, HIDDEN * len(taps), generator=gen).to(device) for n in lengths]
+    blocks = torch.randn(DRAFT_REQUESTS, BLOCK, HIDDEN, generator=gen).to(device)
+
+    @torch.no_grad()
+    def run(keys: int) -> torch.Tensor:
+        caches = drafter.new_caches(DRAFT_REQUESTS, 64)
+        drafter.add_contexts(caches, contexts)
+        slots = torch.tensor([c.slot for c in caches], device=device)
+        starts = torch.tensor(lengths, device=device)
+        positions = starts[:, None] + torch.arange(BLOCK, device=device)
+        return drafter.forward_pooled(caches[0].pool, slots, starts, positions, keys, blocks)
+    return run
 
 
 def test_trees_split_their_keys_for_the_programs_the_switch_names(monkeypatch):
