@@ -128,9 +128,7 @@ def checkpoint(args, shape: str, verify: dict) -> None:
                      "budgets_ms": {b: e["verify_ms"] for b, e in entry["budgets"].items()},
                      "budgets_replay_ms": {b: e.get("replay_ms") for b, e in entry["budgets"].items()}}
               for form, entry in verify.items()}
-    path = Path(args.out) / f"{args.name}_{shape}_verify.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"header": header(), "verify_ms": table_}, indent=2) + "\n")
+    write_partial(args, shape, "verify", {"verify_ms": table_})
 
 
 def checkpoint_turns(args, shape: str, runs: dict) -> None:
@@ -138,9 +136,14 @@ def checkpoint_turns(args, shape: str, runs: dict) -> None:
     <out>/<name>_<shape>_turns.json, for a run cut off by a time limit."""
     table_ = {form: {name: [entry["round_ms"] for entry in entries] for name, entries in methods.items()}
               for form, methods in runs.items()}
-    path = Path(args.out) / f"{args.name}_{shape}_turns.json"
+    write_partial(args, shape, "turns", {"turns_round_ms": table_})
+
+
+def write_partial(args, shape: str, part: str, payload: dict) -> None:
+    """A shape's measurements so far as <out>/<name>_<shape>_<part>.json, with the run's header."""
+    path = Path(args.out) / f"{args.name}_{shape}_{part}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"header": header(), "turns_round_ms": table_}, indent=2) + "\n")
+    path.write_text(json.dumps({"header": header(), **payload}, indent=2) + "\n")
 
 
 def diagnostic(errors: dict, name: str, env: dict[str, str], measure: Callable[..., dict], *args, **kwargs
