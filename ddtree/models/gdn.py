@@ -542,8 +542,7 @@ def replay_batch(base: ReplayStash, paths: Sequence[Sequence[int]], states: Tens
                         + replay_columns(lengths, convs.shape[-1]), dtype=torch.long)
     index, slot_index, cu, columns = to_device(host, device).split([sum(lengths), r, r + 1, r * convs.shape[-1]])   # one copy
     if in_place is not None:
-        in_place(base.qkv, base.g, base.beta, base.key_heads, base.key_dim, base.value_heads, base.value_dim, index, cu,
-                 states, slot_index)
+        in_place(base, index, cu, states, slot_index)
         convs.index_copy_(0, slot_index, replay_windows(base, index, columns, convs.index_select(0, slot_index)))
         return
     # slots in a row (the usual case: the engine hands out the lowest free slots) are a view of the pool: no gather

@@ -463,8 +463,7 @@ class StaticCommit:
             kv.k[:, dst] = kv.k[:, src]
             kv.v[:, dst] = kv.v[:, src]
             if in_place is not None:   # the states written where they lie (kernels.replay_kernel)
-                in_place(base.qkv, base.g, base.beta, base.key_heads, base.key_dim, base.value_heads, base.value_dim,
-                         rows, cu, cache.state[None], slot, valid)
+                in_place(base, rows, cu, cache.state[None], slot, valid)
                 cache.conv.copy_(replay_windows(base, rows, columns, cache.conv[None])[0])
                 return
             state, window = replay_apply(base, rows, cu, columns, cache.state[None], cache.conv[None], kernel, valid)

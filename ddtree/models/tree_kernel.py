@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddtree.models.gdn import L2_EPS
+from ddtree.models.gdn import L2_EPS, ReplayStash
 from ddtree.models.grid_wait import wait_for_previous_grid
 from ddtree.models.kernels import pdl
 
@@ -215,18 +215,18 @@ def _replay_kernel(qkv, g, beta, valid, states, state_stride, slots, rows, bound
     tl.store(h0 + cols_k[:, None] * V + cols_v[None, :], state, mask=live)
 
 
-def replay_in_place(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, key_heads: int, key_dim: int,
-                    value_heads: int, value_dim: int, rows: torch.Tensor, bounds: torch.Tensor, states: torch.Tensor,
+def replay_in_place(stash: ReplayStash, rows: torch.Tensor, bounds: torch.Tensor, states: torch.Tensor,
                     slots: torch.Tensor, valid: torch.Tensor | None = None, block_v: int = BLOCK_V) -> None:
     """A replay commit's recurrence (gdn.replay_apply's states) with every new state written over the committed one,
-    in place: request r's accepted path, rows[bounds[r]:bounds[r + 1]] of a ReplayStash (qkv [L, N, 2 * H * dk + HV *
-    dv], the conv's outputs; g [L, N, HV] float32 log decays; beta [L, N, HV]), walked by each layer's every value head
+    in place: request r's accepted path, rows[bounds[r]:bounds[r + 1]] of a ReplayStash (its qkv [L, N, 2 * H * dk +
+    HV * dv], the conv's outputs; g [L, N, HV] float32 log decays; beta [L, N, HV]), walked by each layer's every value head
     from states[slots[r]] (states [S, L, HV, dk, dv] float32, each slot's contiguous; the slots must differ). One
     program per request, layer, value head and block of value columns, the stash read where it lies: no gather of the
     path's rows into heads, no new states beside the committed ones and no copy of them back (at Qwen3.6-27B dims
     150 MB written and 300 MB copied a commit through fla's kernel). valid [T] (0/1): replay_apply's padding rows."""
+    qkv, g, beta = stash.qkv, stash.g, stash.beta
     layers, n, width = qkv.shape
-    hv, h, dk, dv = value_heads, key_heads, key_dim, value_dim
+    hv, h, dk, dv = stash.value_heads, stash.key_heads, stash.key_dim, stash.value_dim
     assert width == 2 * h * dk + hv * dv and hv % h == 0 and qkv.stride(2) == 1, "qkv"
     assert g.shape == beta.shape == (layers, n, hv) and g.stride(2) == beta.stride(2) == 1, "gates"
     assert states.dtype == torch.float32 and states.shape[1:] == (layers, hv, dk, dv) and states[0].is_contiguous()

@@ -313,7 +313,7 @@ def test_replay_in_place_equals_the_chain_kernels_replay(module, dtype):
     bounds = torch.tensor([0, 4, 7], device=DEVICE)
     valid = torch.ones(7, device=DEVICE)
     valid[6] = 0
-    module.replay_in_place(stash.qkv, stash.g, stash.beta, key_heads, dk, heads, dv, rows, bounds, pool, slots, valid)
+    module.replay_in_place(stash, rows, bounds, pool, slots, valid)
     want, _ = replay_apply(stash, rows, bounds, torch.zeros(2 * 4, dtype=torch.long, device=DEVICE), before[slots],
                            torch.zeros(2, layers, channels, 4, dtype=dtype, device=DEVICE), chain, valid.to(dtype))
     torch.testing.assert_close(pool[slots], want, rtol=1e-4, atol=1e-5)

@@ -272,7 +272,7 @@ def test_replay_in_place_equals_the_chain_kernels_replay_and_writes_only_its_slo
     bounds = torch.tensor(np.cumsum([0] + [len(p) for p in paths]))
     valid = torch.ones(rows.shape[0], dtype=torch.float32)
     valid[4] = 0                                     # the third path's second row: a padding row
-    kernels.replay_in_place(stash.qkv, stash.g, stash.beta, key_heads, dk, heads, dv, rows, bounds, pool, slots, valid)
+    kernels.replay_in_place(stash, rows, bounds, pool, slots, valid)
     columns = torch.zeros(3 * 4, dtype=torch.long)   # unread here: the windows are replay_windows' (not the kernel's)
     want, _ = replay_apply(stash, rows, bounds, columns, before[slots], torch.zeros(3, layers, channels, 4),
                            reference_recurrent, valid)
