@@ -455,7 +455,8 @@ class StaticCommit:
         host, inputs = self.graphs.new_inputs(4 * width + kernel_size)
         cu = torch.tensor([0, width], dtype=torch.long, device=inputs.device)
         slot = torch.zeros(1, dtype=torch.long, device=inputs.device)
-        kernel, in_place, extra = qwen3_5.step_gdn_kernel(inputs.device), qwen3_5.replay_kernel(inputs.device), {}
+        in_place, extra = qwen3_5.replay_kernel(inputs.device), {}
+        kernel = qwen3_5.step_gdn_kernel(inputs.device) if in_place is None else None   # fla's, only where it replays
 
         def body():
             rows, valid, dst, src, columns = inputs.split([width] * 4 + [kernel_size])
