@@ -86,7 +86,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-noviewsreplay": {"DDTREE_PROLOGUE_VIEWS": "0", "DDTREE_REPLAY_KERNEL": "0"},
     "static-attn132": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132"},
     "static-attnrows": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132,66"},
-    "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}}
+    "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}, "static-normparts": {"DDTREE_NORM_PARTS": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -315,7 +315,9 @@ def table(result: dict) -> str:
              "(trees, draft blocks) splitting their keys for ~132 programs (DDTREE_ATTENTION_TREE_PROGRAMS=132) instead "
              "of 264; static-attnrows: 132 up to 32 rows, 66 above (=132,66); static-draftqkv: the drafter's q/k "
              "norms, rotary and block K/V writes in our one kernel (DDTREE_DRAFT_QKV_KERNEL=1) instead of two compiled "
-             "chains and two index writes a layer; "
+             "chains and two index writes a layer; static-normparts: a hybrid's norms of the stream (but the first "
+             "and the final one) taken in the epilogues of the products around them (DDTREE_NORM_PARTS=1) instead of "
+             "a kernel each; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

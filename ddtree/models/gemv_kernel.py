@@ -68,6 +68,7 @@ SWAP_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 SHARED_BYTES = 160 * 1024   # shared memory a few-rows program's pipeline may take (the H200 has 227 KB a block)
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
+NORM_PARTS_BLOCK = 64   # partial sums of squares a step of _rows_kernel's NORM_IN loop reads (per row)
 PROLOGUES = {None: 0, "norm": 1, "norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
 
 
@@ -221,15 +222,21 @@ def _rows_step(acc, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
+                 y_ptr, p_ptr, parts_out_ptr, parts_in_ptr, P, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, SWAP: tl.constexpr, GLU: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr):
+                 IEEE: tl.constexpr, SWAP: tl.constexpr, GLU: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr,
+                 NORM_OUT: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
     weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
     product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
     tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. GLU: w
     is a gated MLP's gate and up side by side ([2N, K]) and out [M, N] = silu(x @ gate.T) * (x @ up.T), rounded as
     fused.silu_mul rounds: each program's tile holds BLOCK_N // 2 columns of each, interleaved (linear_rows' glu).
-    PEEL, PDL: as _gemv_kernel's."""
+    PEEL, PDL: as _gemv_kernel's. NORM_OUT (a product whose output is the residual stream h that a zero-centered
+    RMSNorm reads next): also y = h * p (p [N] float32, the norm's scale) rounded, and each row's sum of h^2 over
+    this program's columns into parts_out [programs, M] float32 (norm_parts). NORM_IN (a product over such a y,
+    x = y): each row's product times 1 / rms(h), h's squares summed from parts_in ([P, M]) in a fixed order, before
+    the epilogue (the norm applied after the product instead of on its input: norm_parts)."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
@@ -261,6 +268,14 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
                              IEEE, SWAP, False)
     if SWAP:
         acc = tl.trans(acc)
+    if NORM_IN:   # 1 / rms(h) of each row from the product before's partial sums of squares, in program order
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        offs_p = tl.arange(0, BLOCK_P)
+        for p0 in range(0, P, BLOCK_P):
+            part = tl.load(parts_in_ptr + (p0 + offs_p)[:, None] * M + offs_m[None, :],
+                           mask=((p0 + offs_p) < P)[:, None] & m_ok[None, :], other=0.0)
+            squares += tl.sum(part, 0)
+        acc = acc * (1.0 / tl.sqrt(squares / K + eps))[:, None]
     if GLU:   # gate and up each rounded as the product's output, silu rounded, the product rounded (fused.silu_mul)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         acc = _silu(gate.to(dtype).to(tl.float32)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
@@ -271,6 +286,11 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc = (tl.load(add_ptr + offs_m[:, None] * stride_addm + offs_n[None, :], mask=out_ok, other=0.0).to(tl.float32)
                + acc.to(dtype).to(tl.float32))
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
+    if NORM_OUT:   # the next norm's input scaled (rounded as the product's output is) and this tile's squares of h
+        h = acc.to(dtype).to(tl.float32)
+        scale = tl.load(p_ptr + offs_n, mask=n_ok, other=0.0)
+        tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], (h * scale[None, :]).to(dtype), mask=out_ok)
+        tl.store(parts_out_ptr + pid * M + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), 1), mask=m_ok)
 
 
 @functools.cache
@@ -347,7 +367,8 @@ def gemv_config(n: int, k: int, prologue: str | None, group: int = 1,
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int] | None = None, *,
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
-                glu: bool = False, _peel: bool | None = None) -> torch.Tensor:
+                glu: bool = False, norm_out: torch.Tensor | None = None, norm_in: torch.Tensor | None = None,
+                _peel: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
@@ -357,7 +378,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     epilogue (_rows_kernel's GLU: the chain's kernel and the [M, 2N] product's write and read saved). Launched
     with PDL where kernels.pdl says (the first weight tile loaded before the wait, its step peeled off the loop, where
     peel_first() says); _peel (tests): the form, peeled or not, whatever PDL (None: peeled where PDL and
-    peel_first())."""
+    peel_first()). norm_out, norm_in (more than one row; kernels.norm_parts): a zero-centered RMSNorm between two
+    products taken in their epilogues. norm_out (the norm's float32 scale [N]): this product's output is the
+    residual stream h the norm reads; returns (out, y = h * scale rounded, parts: each program's sums of h^2 per row).
+    norm_in (those parts): x is such a y, and each row's product is divided by rms(h) (eps the norm's)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -365,6 +389,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     assert not glu or (m > 1 and add is None and weight.shape[0] == 2 * n), "glu: rows > 1, no add"
     if add is not None:
         assert add.shape == (m, n) and add.stride(-1) == 1, (add.shape, add.stride())
+    assert m > 1 or (norm_out is None and norm_in is None), "norm_out, norm_in: the few-rows kernel's"
+    assert norm_out is None or (not glu and norm_out.shape == (n,) and norm_out.dtype == torch.float32), "norm_out"
+    assert norm_in is None or (norm_in.dtype == torch.float32 and norm_in.shape[1] == m), "norm_in"
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     use_pdl = pdl(x.device)
     if m > 1:
@@ -372,12 +399,19 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         swap = swap_ab(block_m) if swap is None else swap
         block_n, block_k, warps, stages = rows_config(weight.shape[0], k, block_m, swap, x.element_size(), config)
         peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
-        _rows_kernel[(triton.cdiv(n, block_n // 2 if glu else block_n),)](
+        programs = triton.cdiv(n, block_n // 2 if glu else block_n)
+        y, parts = out, out
+        if norm_out is not None:
+            y = torch.empty_like(out)
+            parts = torch.empty(programs, m, device=x.device, dtype=torch.float32)
+        _rows_kernel[(programs,)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
-            0 if add is None else add.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            ADD=add is not None, IEEE=weight.dtype == torch.float32, SWAP=swap, GLU=glu, PEEL=peel, PDL=use_pdl,
-            num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
-        return out
+            0 if add is None else add.stride(0), y, out if norm_out is None else norm_out, parts,
+            out if norm_in is None else norm_in, 0 if norm_in is None else norm_in.shape[0], eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ADD=add is not None, IEEE=weight.dtype == torch.float32,
+            SWAP=swap, GLU=glu, PEEL=peel, PDL=use_pdl, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
+            BLOCK_P=NORM_PARTS_BLOCK, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
+        return out if norm_out is None else (out, y, parts)
     mode = PROLOGUES[prologue]
     peel = (use_pdl and peel_first()) if _peel is None else _peel
     if mode == 5:

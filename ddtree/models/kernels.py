@@ -150,6 +150,19 @@ def rows_glu() -> bool:
     return os.environ.get("DDTREE_ROWS_GLU", "1") not in ("", "0")
 
 
+def norm_parts() -> bool:
+    """Whether static forwards of a few rows of a hybrid target take each zero-centered RMSNorm of the residual stream
+    (but the first layer's and the final one) across the products around it, with no kernel of its own: the product
+    that adds into the stream (o_proj, out_proj, down_proj) also writes y = h * scale and each program's sums of h^2
+    per row in its epilogue, and the product reading the norm (the mixer's input projections, gate/up) multiplies y
+    and divides each row by rms(h) in its epilogue (gemv_kernel.linear_rows' norm_out, norm_in; layers.NormFeed).
+    127 norm kernels less a 27B verify (their ~2.7 us each on an H100: 118 `fused_rms_norm` kernels a `ddtree-16`
+    round, 0.32 ms, perf/results/gpu_ratios_h100_pdl2.md). The norm's input is y rounded before the product instead
+    of the normalized row rounded (the one-row GEMV's prologue never rounds it either). Off by default
+    (DDTREE_NORM_PARTS=1 turns it on): not yet measured on the GPU."""
+    return os.environ.get("DDTREE_NORM_PARTS", "0") not in ("", "0")
+
+
 def gemv_max_rows() -> int:
     """The most rows of a static forward whose Linears go through our kernels (gemv_kernel: one row through the GEMV,
     up to this many through its few-rows kernel, which streams each weight once for all of them); more go through
@@ -371,7 +384,7 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 __all__ = [
     "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
-    "draft_attention_kernel", "draft_qkv_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows", "pdl", "qkv_kernel",
-    "replay_kernel", "step_gdn_kernel",
+    "draft_attention_kernel", "draft_qkv_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows",
+    "norm_parts", "pdl", "qkv_kernel", "replay_kernel", "step_gdn_kernel",
     "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
 ]

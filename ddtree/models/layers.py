@@ -72,13 +72,29 @@ class Prologue:
         return {"prologue": self.KIND, "a": self.a, "p": self.p, "eps": self.eps, "group": self.group}
 
 
-class NormedRows(Prologue):
-    """norm(x) of a layer's residual stream x (RMSNorm or Qwen3.5's zero-centered form: norm.prologue())."""
+class NormFeed:
+    """The residual stream `add` a product adds its output to, where a zero-centered RMSNorm (`norm`) reads the sum
+    next (kernels.norm_parts): linear() passes it as the product's add and, where the rows go through the few-rows
+    kernel, has the kernel's epilogue also write y (the sum times the norm's scale) and its partial sums of squares
+    (parts), which the NormedRows of that norm then hands to the product reading it (gemv_kernel.linear_rows'
+    norm_out, norm_in)."""
 
-    def __init__(self, norm: nn.Module, x: torch.Tensor) -> None:
+    def __init__(self, add: torch.Tensor, norm: nn.Module) -> None:
+        assert norm.prologue()[0] == "norm", "a zero-centered RMSNorm (its output rounded once, after the scale)"
+        self.add, self.norm = add, norm
+        self.y: torch.Tensor | None = None
+        self.parts: torch.Tensor | None = None
+
+
+class NormedRows(Prologue):
+    """norm(x) of a layer's residual stream x (RMSNorm or Qwen3.5's zero-centered form: norm.prologue()); feed: the
+    NormFeed x was written through, if any (its y and parts, where the product before computed them)."""
+
+    def __init__(self, norm: nn.Module, x: torch.Tensor, feed: NormFeed | None = None) -> None:
         kind, p = norm.prologue()
         super().__init__(x, None, p, norm.eps)
         self.KIND, self.norm = kind, norm
+        self.fed = feed if feed is not None and feed.parts is not None else None
 
     def eager(self) -> torch.Tensor:
         return self.norm(self.x)
@@ -124,12 +140,21 @@ def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | No
     GEMV kernel with the prologue and the add in it (ddtree.models.gemv_kernel: cuBLAS streams these weights ~8%
     slower on the H200, and each prologue or add is a kernel less), a few through its few-rows kernel with the add in
     it (the prologue's chain before it). glu (a few rows through the few-rows kernel only; kernels.rows_glu): module is a
-    gated MLP's fused gate/up and the output silu(gate) * up, from the kernel's epilogue."""
+    gated MLP's fused gate/up and the output silu(gate) * up, from the kernel's epilogue. add a NormFeed, or x a
+    NormedRows fed by one (kernels.norm_parts): a few rows take the norm across the two products' epilogues."""
+    feed = add if isinstance(add, NormFeed) else None
+    add = feed.add if feed is not None else add
     if module.bias is None and through_gemv(x):
         kernel = kernels.gemv_kernel(x.device)
         if isinstance(x, Prologue) and x.shape[0] == 1:
             return kernel(x.x.contiguous(), module.weight, **x.kernel_args(), add=add)
-        return kernel(materialize(x).contiguous(), module.weight, add=add, glu=glu)
+        fed = x.fed if isinstance(x, NormedRows) else None
+        extra = {} if fed is None else {"norm_in": fed.parts, "eps": x.eps}
+        rows = fed.y if fed is not None else materialize(x).contiguous()
+        if feed is None:
+            return kernel(rows, module.weight, add=add, glu=glu, **extra)
+        out, feed.y, feed.parts = kernel(rows, module.weight, add=add, glu=glu, norm_out=feed.norm.prologue()[1], **extra)
+        return out
     assert not glu, "glu: only through the few-rows kernel"
     out = module(materialize(x))
     return out if add is None else add + out

@@ -53,6 +53,7 @@ from ddtree.models.kernels import (
     conv_windows_kernel,
     gdn_chain_fla,
     gdn_sequences_fla,
+    norm_parts,
     replay_kernel,
     step_gdn_kernel,
     steps_gdn_kernel,
@@ -66,6 +67,7 @@ from ddtree.models.layers import (
     GatedMLP,
     GatedNormed,
     NormedRows,
+    NormFeed,
     Rotary,
     SigmoidGated,
     linear,
@@ -688,12 +690,16 @@ class HybridTarget(TargetModel):
         # that reads it (one row: in the GEMV's prologue), each residual add in the epilogue of the Linear before it
         # (ddtree.models.gemv_kernel), the stream x always whole
         gemv = through_gemv(x)
+        # kernels.norm_parts: each norm but the first and the final one taken in the epilogues of the products around it
+        parts, feed = gemv and norm_parts(), None
         for i, layer in enumerate(self.layers):
             if gemv:
-                h = NormedRows(layer.input_layernorm, x)
+                h = NormedRows(layer.input_layernorm, x, feed)
             else:
                 x, h = layer.input_layernorm.add_norm(x, pending)
             residual = x if gemv else None   # added in the mixer's output projection
+            if parts:
+                residual = NormFeed(x, layer.post_attention_layernorm)
             if layer.kind == "full_attention":
                 h = layer.self_attn(h, rope, segments, attn_slot, plan.packed, residual)
                 attn_slot += 1
@@ -701,7 +707,9 @@ class HybridTarget(TargetModel):
                 h = layer.linear_attn(h, segments, gdn_slot, plan.layouts, stashes, trees, residual)
                 gdn_slot += 1
             if gemv:   # h: the stream with the mixer's output added
-                x = layer.mlp(NormedRows(layer.post_attention_layernorm, h), h)
+                fed = residual if parts else None
+                feed = NormFeed(h, self.layers[i + 1].input_layernorm) if parts and i + 1 < len(self.layers) else None
+                x = layer.mlp(NormedRows(layer.post_attention_layernorm, h, fed), h if feed is None else feed)
             else:
                 x, h = layer.post_attention_layernorm.add_norm(x, h)
                 pending = layer.mlp(h)

@@ -118,3 +118,38 @@ def test_hybrid_engine_with_prologue_views_decodes_what_it_decodes_without(tiny_
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_PROLOGUE_VIEWS", tiny_config("hybrid", tiny_models, tmp_path),
                                       [("dflash", 1), ("ddtree", 16)], seed=13)
+
+
+def test_hybrid_engine_with_the_norms_across_products_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with the hybrid's norms of the stream taken across the
+    products around them (DDTREE_NORM_PARTS=1, kernels.norm_parts) == each norm's own kernel."""
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
+
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_NORM_PARTS", tiny_config("hybrid", tiny_models, tmp_path),
+                                      [("dflash", 1), ("ddtree", 16)], seed=17)
+
+
+@pytest.mark.parametrize("rows", [16, 17, 65])
+@pytest.mark.parametrize("glu", [False, True])
+def test_a_norm_across_two_products_is_the_norm_between_them_at_27b_shapes_in_bf16(rows, glu):
+    """norm_out then norm_in at a 27B layer's shapes (down_proj into the stream, then gate/up or the GDN's input
+    projections over it) in bf16: to a bf16 ulp or two of the output's scale from the norm computed apart."""
+    from ddtree.models import fused
+    from ddtree.models.gemv_kernel import linear_rows
+
+    gen = torch.Generator().manual_seed(rows + glu)
+    n2 = 34816 if glu else 16480
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+    a, w1, add, w2 = rand(rows, 17408), rand(5120, 17408) / 17408**0.5, rand(rows, 5120), rand(n2, 5120) / 5120**0.5
+    scale = (1.0 + 0.1 * torch.randn(5120, generator=gen)).cuda()
+    with torch.inference_mode():
+        h, y, parts = linear_rows(a, w1, add=add, norm_out=scale)
+        got = linear_rows(y, w2, glu=glu, norm_in=parts, eps=1e-6).float()
+        want = F.linear(fused.zero_centered_rms_norm.eager(h, scale, 1e-6), w2)
+        if glu:
+            want = fused.silu_mul.eager(*want.split(n2 // 2, dim=-1))
+    want = want.float()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max().clamp(min=1.0)

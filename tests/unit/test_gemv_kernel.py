@@ -181,6 +181,58 @@ def test_engines_with_the_rows_glu_form_decode_what_they_decode_without(kind, ti
     assert len(chains) == chains_without - len(glu), (len(chains), chains_without, len(glu))
 
 
+@pytest.mark.parametrize("rows", [2, 17])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("glu", [False, True])
+def test_a_norm_across_two_products_epilogues_equals_the_norm_between_them(rows, swap, glu):
+    """norm_out then norm_in (kernels.norm_parts): the first product adds into the stream h and writes y = h * scale
+    and its programs' sums of h^2 (12 programs of 8 columns, 3 of them partial past n = 90 on the last one); the
+    second, over y, divides by rms(h): equal to the zero-centered norm of h computed apart before the second product
+    (plain, or its GLU epilogue)."""
+    from ddtree.models import fused
+
+    linear_rows = gemv_module().linear_rows
+    gen = torch.Generator().manual_seed(rows * 2 + swap)
+    n, k, n2, eps = 90, 70, 24, 1e-6
+    a, w1, add = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(rows, n, generator=gen)
+    w2, scale = torch.randn(n2, n, generator=gen) / n**0.5, 1.0 + 0.1 * torch.randn(n, generator=gen)
+    h, y, parts = linear_rows(a, w1, (8, 32, 4, 2), swap=swap, add=add, norm_out=scale)
+    torch.testing.assert_close(h, add + F.linear(a, w1), rtol=1e-5, atol=1e-4)
+    assert parts.shape == (12, rows)
+    torch.testing.assert_close(y, h * scale)
+    got = linear_rows(y, w2, (16, 32, 4, 2), swap=swap, glu=glu, norm_in=parts, eps=eps)
+    want = F.linear(fused.zero_centered_rms_norm.eager(h, scale, eps), w2)
+    if glu:
+        want = fused.silu_mul.eager(*want.split(n2 // 2, dim=-1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError, match="few-rows"):
+        linear_rows(a[:1], w1, add=add[:1], norm_out=scale)
+
+
+def test_engines_with_the_norms_across_products_decode_what_they_decode_without(tiny_models, tmp_path, monkeypatch):
+    """DDTREE_NORM_PARTS=1: a hybrid target's static forwards of a few rows take each norm of the stream but the
+    first layer's (and the final one, apart) across the products around it; greedy `ddtree` and `dflash` tokens as
+    without it, and each norm so taken is an eager norm less."""
+    from ddtree.engine import Engine
+    from ddtree.models import layers
+
+    config, kernel, jobs = drafting_jobs_through_the_kernels("hybrid", tiny_models, tmp_path, monkeypatch, seed=11)
+    expected = [run_together(Engine(config), [job]) for job in jobs]
+    norms, calls = [], []
+    eager = layers.NormedRows.eager
+    monkeypatch.setattr(layers.NormedRows, "eager", lambda self: norms.append(self.shape[0]) or eager(self))
+    assert [run_together(Engine(config), [job]) for job in jobs] == expected
+    norms_without = len(norms)
+    norms.clear()
+    monkeypatch.setattr(layers.kernels, "gemv_kernel", lambda device: lambda x, w, **k: calls.append(
+        (x.shape[0], "norm_out" in k, "norm_in" in k)) or kernel(x, w, **k))
+    monkeypatch.setenv("DDTREE_NORM_PARTS", "1")
+    assert [run_together(Engine(config), [job]) for job in jobs] == expected
+    outs, ins = [r for r, out, _ in calls if out], [r for r, _, into in calls if into]
+    assert outs and min(outs) > 1 and len(ins) == len(outs), (len(ins), len(outs))
+    assert len(norms) == norms_without - len(ins), (len(norms), norms_without, len(ins))
+
+
 def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
     """DDTREE_GEMV_TUNED=<gemv_bench json>:<rows> gives linear_rows the configurations that run chose, per form."""
     import json
