@@ -85,7 +85,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-noviews": {"DDTREE_PROLOGUE_VIEWS": "0"}, "static-noreplay": {"DDTREE_REPLAY_KERNEL": "0"},
     "static-noviewsreplay": {"DDTREE_PROLOGUE_VIEWS": "0", "DDTREE_REPLAY_KERNEL": "0"},
     "static-attn132": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132"},
-    "static-attnrows": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132,66"},
+    "static-noattnrows": {"DDTREE_ATTENTION_TREE_PROGRAMS": "0"},
     "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}, "static-normparts": {"DDTREE_NORM_PARTS": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
@@ -312,8 +312,10 @@ def table(result: dict) -> str:
              "states copied back (DDTREE_REPLAY_KERNEL=0) instead of our replay kernel writing them where they lie; "
              "static-noviewsreplay: both, the default before the 23rd session (static-views, static-replay in "
              "earlier results: the switches turned on); static-attn132: our attention kernel's calls of several rows "
-             "(trees, draft blocks) splitting their keys for ~132 programs (DDTREE_ATTENTION_TREE_PROGRAMS=132) instead "
-             "of 264; static-attnrows: 132 up to 32 rows, 66 above (=132,66); static-draftqkv: the drafter's q/k "
+             "(trees, draft blocks) splitting their keys for ~132 programs whatever their rows "
+             "(DDTREE_ATTENTION_TREE_PROGRAMS=132) instead of 132 up to 32 rows and 66 above; static-noattnrows: for "
+             "264 like one-row calls (=0; the default before the 24th session; static-attnrows in earlier results: "
+             "132,66 turned on); static-draftqkv: the drafter's q/k "
              "norms, rotary and block K/V writes in our one kernel (DDTREE_DRAFT_QKV_KERNEL=1) instead of two compiled "
              "chains and two index writes a layer; static-normparts: a hybrid's norms of the stream (but the first "
              "and the final one) taken in the epilogues of the products around them (DDTREE_NORM_PARTS=1) instead of "

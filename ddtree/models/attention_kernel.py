@@ -28,12 +28,15 @@ TARGET_PROGRAMS = 264   # about two programs per SM on an H200 (132 SMs): keys a
 
 def split_target(rows_q: int) -> int:
     """The programs masked_attention splits the keys for, a call of rows_q query rows: TARGET_PROGRAMS, or for several
-    rows (trees, drafts' blocks) DDTREE_ATTENTION_TREE_PROGRAMS=N (N programs) or N,M (N up to 32 rows, M above). Each
-    split writes float32 partials of every row (at 17 rows, 19 splits over 593 keys: 7.9 MB written and read again by
-    the join, 3x the K/V the call reads), so trees may want fewer: 16 layers at 1,024 keys between their GEMMs took
-    0.852 ms split for ~132 programs against 0.952 for 264 at 17 rows, 1.063 for ~66 against 1.105 at 65 rows, and
-    the same at one row (H200, perf/results/attention_h200_between.md). Not yet measured in whole rounds: unset, 264."""
-    spec = os.environ.get("DDTREE_ATTENTION_TREE_PROGRAMS", "")
+    rows (trees, drafts' blocks) DDTREE_ATTENTION_TREE_PROGRAMS=N (N programs) or N,M (N up to 32 rows, M above);
+    by default 132,66, "0" (or empty) TARGET_PROGRAMS for every call. Each split writes float32 partials of every row
+    (at 17 rows, 19 splits over 593 keys: 7.9 MB written and read again by the join, 3x the K/V the call reads), so
+    trees want fewer: 16 layers at 1,024 keys between their GEMMs took 0.852 ms split for ~132 programs against 0.952
+    for 264 at 17 rows, 1.063 for ~66 against 1.105 at 65 rows (H200, perf/results/attention_h200_between.md); whole
+    27B rounds on an H100 0.998 / 0.996 / 0.990x and 0.989 / 0.992 / 0.996x (`dflash` / `ddtree-16` / `ddtree-64`)
+    the rounds with 264 in two runs of 3 turns (perf/results/gpu_ratios_h100_attnnorm.md, gpu_ratios_h100_draftqkv.md,
+    e35526a)."""
+    spec = os.environ.get("DDTREE_ATTENTION_TREE_PROGRAMS", "132,66")
     if rows_q == 1 or spec in ("", "0"):
         return TARGET_PROGRAMS
     few, _, many = spec.partition(",")

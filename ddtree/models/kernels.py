@@ -159,7 +159,8 @@ def norm_parts() -> bool:
     127 norm kernels less a 27B verify (their ~2.7 us each on an H100: 118 `fused_rms_norm` kernels a `ddtree-16`
     round, 0.32 ms, perf/results/gpu_ratios_h100_pdl2.md). The norm's input is y rounded before the product instead
     of the normalized row rounded (the one-row GEMV's prologue never rounds it either). Off by default
-    (DDTREE_NORM_PARTS=1 turns it on): not yet measured on the GPU."""
+    (DDTREE_NORM_PARTS=1 turns it on): on an H100 at 27B dims the verify's GPU time 0.1 ms shorter, whole rounds
+    0.994 / 1.001 / 1.009x (`dflash` / `ddtree-16` / `ddtree-64`; perf/results/gpu_ratios_h100_attnnorm.md, e35526a)."""
     return os.environ.get("DDTREE_NORM_PARTS", "0") not in ("", "0")
 
 
@@ -233,7 +234,8 @@ def draft_qkv_kernel(device: torch.device) -> Callable | None:
     """qkv_kernel for the drafter's blocks where their attention runs in place (DFlashDrafter.forward_pooled with
     draft_attention_kernel): each layer's q/k norms, rotary and the block's K/V writes into the pool in one launch
     instead of two compiled chains and two index writes (15 kernels less a draft of Qwen3.6-27B's 5-layer drafter).
-    DDTREE_DRAFT_QKV_KERNEL=1; off by default until measured on the GPU."""
+    DDTREE_DRAFT_QKV_KERNEL=1; off by default: whole 27B rounds on an H100 0.985 / 1.016 / 1.015x (`dflash` /
+    `ddtree-16` / `ddtree-64`) those without it (perf/results/gpu_ratios_h100_draftqkv.md, 3 turns, e35526a)."""
     if os.environ.get("DDTREE_DRAFT_QKV_KERNEL", "0") in ("", "0"):
         return None
     return qkv_kernel(device)

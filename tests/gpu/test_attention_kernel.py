@@ -59,8 +59,8 @@ def test_compiled_prepare_qkv_equals_the_compiled_chains(zero_centered, rotary):
 def test_compiled_drafter_blocks_with_their_switches_equal_without(tmp_path, monkeypatch, split_target):
     """The drafter's pooled pass on CUDA (its attention in place through our kernel) with each layer's q/k norms,
     rotary and block K/V writes through prepare_qkv (DDTREE_DRAFT_QKV_KERNEL=1) == through the compiled chains and
-    index writes; and with the attention's keys split for fewer programs (DDTREE_ATTENTION_TREE_PROGRAMS) == with
-    the default split (float32)."""
+    index writes; and with the attention's keys split for fewer programs (DDTREE_ATTENTION_TREE_PROGRAMS: by default
+    132,66) == split for 264 like one-row calls (empty) (float32)."""
     from tests.unit.test_attention_kernel import drafter_blocks
 
     run = drafter_blocks(tmp_path, "cuda")

@@ -209,12 +209,14 @@ def drafter_blocks(tmp_path, device: str = "cpu"):
 
 
 def test_trees_split_their_keys_for_the_programs_the_switch_names(monkeypatch):
-    """DDTREE_ATTENTION_TREE_PROGRAMS (attention_kernel.split_target): unset, every call splits for TARGET_PROGRAMS;
-    N, calls of several rows split for N (one row keeps TARGET_PROGRAMS); N,M, N up to 32 rows and M above. A
-    17-row tree's call through it equals SDPA, with fewer splits than the default's."""
+    """DDTREE_ATTENTION_TREE_PROGRAMS (attention_kernel.split_target): "0", every call splits for TARGET_PROGRAMS;
+    N, calls of several rows split for N (one row keeps TARGET_PROGRAMS); N,M, N up to 32 rows and M above (unset:
+    132,66). A 17-row tree's call through it equals SDPA, with fewer splits than the default's."""
     module = attention_kernel_module()
-    monkeypatch.delenv("DDTREE_ATTENTION_TREE_PROGRAMS", raising=False)
+    monkeypatch.setenv("DDTREE_ATTENTION_TREE_PROGRAMS", "0")
     assert {module.split_target(rows) for rows in (1, 17, 65)} == {module.TARGET_PROGRAMS}
+    monkeypatch.delenv("DDTREE_ATTENTION_TREE_PROGRAMS")
+    assert [module.split_target(rows) for rows in (1, 17, 65)] == [module.TARGET_PROGRAMS, 132, 66]
     monkeypatch.setenv("DDTREE_ATTENTION_TREE_PROGRAMS", "132")
     assert [module.split_target(rows) for rows in (1, 17, 65)] == [module.TARGET_PROGRAMS, 132, 132]
     monkeypatch.setenv("DDTREE_ATTENTION_TREE_PROGRAMS", "132,66")
