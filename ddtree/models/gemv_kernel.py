@@ -255,7 +255,18 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PEEL:   # the weight's first tile before the wait (PDL)
         w_first = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, offs_k, K)
+    if NORM_OUT:   # the next norm's scale (a weight: before the wait too) for the epilogue
+        scale = tl.load(p_ptr + offs_n, mask=n_ok, other=0.0)
     wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
+    if NORM_IN:   # 1 / rms(h) of each row from the product before's partial sums of squares, in program order: read
+        # before the loop, so that their latency hides under the weight's first tiles rather than lengthen the tail
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        offs_p = tl.arange(0, BLOCK_P)
+        for p0 in range(0, P, BLOCK_P):
+            part = tl.load(parts_in_ptr + (p0 + offs_p)[:, None] * M + offs_m[None, :],
+                           mask=((p0 + offs_p) < P)[:, None] & m_ok[None, :], other=0.0)
+            squares += tl.sum(part, 0)
+        inv_rms = 1.0 / tl.sqrt(squares / K + eps)
     if PEEL:   # the first tile's step out of the loop
         acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
                          IEEE, SWAP, True)
@@ -268,14 +279,8 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
                              IEEE, SWAP, False)
     if SWAP:
         acc = tl.trans(acc)
-    if NORM_IN:   # 1 / rms(h) of each row from the product before's partial sums of squares, in program order
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        offs_p = tl.arange(0, BLOCK_P)
-        for p0 in range(0, P, BLOCK_P):
-            part = tl.load(parts_in_ptr + (p0 + offs_p)[:, None] * M + offs_m[None, :],
-                           mask=((p0 + offs_p) < P)[:, None] & m_ok[None, :], other=0.0)
-            squares += tl.sum(part, 0)
-        acc = acc * (1.0 / tl.sqrt(squares / K + eps))[:, None]
+    if NORM_IN:
+        acc = acc * inv_rms[:, None]
     if GLU:   # gate and up each rounded as the product's output, silu rounded, the product rounded (fused.silu_mul)
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         acc = _silu(gate.to(dtype).to(tl.float32)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
@@ -288,7 +293,6 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(dtype), mask=out_ok)
     if NORM_OUT:   # the next norm's input scaled (rounded as the product's output is) and this tile's squares of h
         h = acc.to(dtype).to(tl.float32)
-        scale = tl.load(p_ptr + offs_n, mask=n_ok, other=0.0)
         tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], (h * scale[None, :]).to(dtype), mask=out_ok)
         tl.store(parts_out_ptr + pid * M + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), 1), mask=m_ok)
 

@@ -160,7 +160,8 @@ def norm_parts() -> bool:
     round, 0.32 ms, perf/results/gpu_ratios_h100_pdl2.md). The norm's input is y rounded before the product instead
     of the normalized row rounded (the one-row GEMV's prologue never rounds it either). Off by default
     (DDTREE_NORM_PARTS=1 turns it on): on an H100 at 27B dims the verify's GPU time 0.1 ms shorter, whole rounds
-    0.994 / 1.001 / 1.009x (`dflash` / `ddtree-16` / `ddtree-64`; perf/results/gpu_ratios_h100_attnnorm.md, e35526a)."""
+    0.994 / 1.001 / 1.009x (`dflash` / `ddtree-16` / `ddtree-64`; perf/results/gpu_ratios_h100_attnnorm.md, e35526a),
+    with the partial sums read in the reading product's epilogue (before its loop since: not yet measured)."""
     return os.environ.get("DDTREE_NORM_PARTS", "0") not in ("", "0")
 
 
