@@ -151,7 +151,7 @@ def linear(x: torch.Tensor | Prologue, module: nn.Linear, add: torch.Tensor | No
         fed = x.fed if isinstance(x, NormedRows) else None
         extra = {} if fed is None else {"norm_in": fed.parts, "eps": x.eps}
         rows = fed.y if fed is not None else materialize(x).contiguous()
-        if feed is None:
+        if feed is None or x.shape[0] == 1:   # one row: the norm in the GEMV's prologue after all
             return kernel(rows, module.weight, add=add, glu=glu, **extra)
         out, feed.y, feed.parts = kernel(rows, module.weight, add=add, glu=glu, norm_out=feed.norm.prologue()[1], **extra)
         return out
