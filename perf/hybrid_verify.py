@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -459,6 +460,9 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
     first form's in the same turn (median, min, max). on_turn: called after each turn with every form's rounds so far
     (form -> method -> one entry a turn), so that a run cut off by a time limit keeps its finished turns."""
     engines, prompt = {}, round_prompt(target, prompt_len)
+    gc.collect()   # the engines of a run's earlier stages, if still held in cycles: every form's engine lives at once
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     for form, env in forms.items():
         with mock.patch.dict(os.environ, env):
             engines[form] = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, "on",
