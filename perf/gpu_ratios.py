@@ -86,7 +86,8 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-noviewsreplay": {"DDTREE_PROLOGUE_VIEWS": "0", "DDTREE_REPLAY_KERNEL": "0"},
     "static-attn132": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132"},
     "static-noattnrows": {"DDTREE_ATTENTION_TREE_PROGRAMS": "0"},
-    "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}, "static-normparts": {"DDTREE_NORM_PARTS": "1"}}
+    "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}, "static-normparts": {"DDTREE_NORM_PARTS": "1"},
+    "static-drafttop": {"DDTREE_DRAFT_TOP_KERNEL": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -319,7 +320,8 @@ def table(result: dict) -> str:
              "norms, rotary and block K/V writes in our one kernel (DDTREE_DRAFT_QKV_KERNEL=1) instead of two compiled "
              "chains and two index writes a layer; static-normparts: a hybrid's norms of the stream (but the first "
              "and the final one) taken in the epilogues of the products around them (DDTREE_NORM_PARTS=1) instead of "
-             "a kernel each; "
+             "a kernel each; static-drafttop (whole rounds): the draft's log-probabilities' top k in the tree "
+             "program in two launches of ours (DDTREE_DRAFT_TOP_KERNEL=1) instead of log_softmax then torch.topk; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

@@ -510,13 +510,17 @@ class StaticTreeBuild:
         extra = {"hidden": torch.zeros_like(hidden), "head": None, "grid": candidate_grid(width, width, device)}
         columns, depths = torch.arange(width, device=device), torch.arange(levels, device=device)
         build = kernels.tree_build_kernel(device)   # the body in two Triton launches, or None: tensor forms
+        top_k = kernels.draft_top_kernel(device)   # the log-probabilities' top k in two launches, or None: torch's
         if build is not None:
             scratch = kernels.tree_build_scratch(levels, width, extra["grid"][0].shape[0], device)
 
         def body():
             logits = extra["head"](extra["hidden"])                                        # [levels, vocab]
             top = min(width, logits.shape[-1])
-            log_probs, positions = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top)
+            if top_k is not None:
+                log_probs, positions = top_k(logits, top)
+            else:
+                log_probs, positions = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top)
             token_ids = self.token_ids(positions)
             if top < width:   # a vocabulary smaller than the row bucket (tiny models): padding ranks at -inf
                 log_probs = F.pad(log_probs, (0, width - top), value=float("-inf"))

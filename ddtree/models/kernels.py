@@ -100,6 +100,22 @@ def tree_build_kernel(device: torch.device) -> Callable | None:
     return _tree_build_kernel()
 
 
+def draft_top_kernel(device: torch.device) -> Callable | None:
+    """The draft's log-probabilities' top k in a tree program (graphs.StaticTreeBuild) in two Triton launches
+    (ddtree.models.tree_build_kernel.draft_top_k) instead of log_softmax then torch.topk (~20 kernels: 0.157 ms of
+    the 1.019 of a `ddtree-16` draft's eager tail on an H100 besides the lm_head, perf/results/gpu_ratios_h100_keys.md)
+    on CUDA with DDTREE_DRAFT_TOP_KERNEL=1, else None. Off by default: not yet measured on the GPU."""
+    if device.type != "cuda" or os.environ.get("DDTREE_DRAFT_TOP_KERNEL", "0") in ("", "0"):
+        return None
+    return _draft_top_kernel()
+
+
+@functools.cache
+def _draft_top_kernel() -> Callable:
+    from ddtree.models.tree_build_kernel import draft_top_k
+    return draft_top_k
+
+
 def tree_build_scratch(depth: int, width: int, grid_size: int, device: torch.device):
     """tree_build_kernel's scratch for one program shape (made before its capture)."""
     from ddtree.models.tree_build_kernel import TreeBuildScratch
@@ -387,7 +403,7 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 
 __all__ = [
     "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
-    "draft_attention_kernel", "draft_qkv_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows",
+    "draft_attention_kernel", "draft_qkv_kernel", "draft_top_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows",
     "norm_parts", "pdl", "qkv_kernel", "replay_kernel", "step_gdn_kernel",
     "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
 ]

@@ -51,3 +51,29 @@ def test_kernel_equals_the_tensor_build_and_replays(depth, width, k):
         graph.replay()
         want = build_tree_device(log_probs, token_ids, width, grid)
         assert all(torch.equal(w, g) for w, g in zip(want, out)), ties
+
+
+@pytest.mark.parametrize("top", [16, 64])
+def test_draft_top_k_equals_log_softmax_then_topk_at_qwen36s_vocabulary_in_bf16(top):
+    """draft_top_k over 15 levels of 248,320 bf16 logits (many ties) and replayed from a CUDA graph on new ones: the
+    log-probabilities of log_softmax then torch.topk to float32 rounding, each at a position holding its logit, ties
+    in ascending positions."""
+    from ddtree.models.tree_build_kernel import draft_top_k
+
+    gen = torch.Generator().manual_seed(top)
+    logits = (3 * torch.randn(15, 248320, generator=gen)).to("cuda", torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    draft_top_k(logits, top)   # compiled before the capture
+    with torch.cuda.graph(graph):
+        log_probs, positions = draft_top_k(logits, top)
+    for trial in range(2):
+        logits.copy_((3 * torch.randn(15, 248320, generator=gen)).to(torch.bfloat16))
+        graph.replay()
+        want = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top).values
+        torch.testing.assert_close(log_probs, want, rtol=0, atol=1e-5)
+        for level in range(15):
+            picked = logits[level, positions[level]]
+            assert torch.equal(picked, logits[level].sort(descending=True).values[:top]), (trial, level)
+            for value in picked.unique():
+                at = positions[level][picked == value]
+                assert torch.equal(at, at.sort().values)

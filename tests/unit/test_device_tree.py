@@ -304,3 +304,66 @@ def test_draft_ahead_is_off_by_default(tiny_models):
     assert not Engine(EngineConfig(**base)).draft_ahead
     assert Engine(EngineConfig(**base, draft_ahead=True)).draft_ahead
     assert not Engine(EngineConfig(**{**base, "device_tree": False}, draft_ahead=True)).draft_ahead   # needs the device tree
+
+
+@pytest.mark.parametrize("levels, vocab, top", [(2, 9000, 16), (1, 5000, 64), (2, 300, 5), (1, 70, 64), (2, 4096, 16)])
+def test_the_draft_top_k_kernel_equals_log_softmax_then_topk(levels, vocab, top):
+    """tree_build_kernel.draft_top_k (Triton's interpreter here) == torch.topk(log_softmax(logits)): distinct logits,
+    a vocabulary across several chunks, one not a multiple of the chunk, smaller than one, and top = vocab; with ties
+    (logits on a grid of 0.25), the same values, each at a position holding it, ties in ascending positions."""
+    from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+
+    if not AVAILABLE:
+        pytest.skip("needs triton (its interpreter runs the kernel on the CPU)")
+    tree_kernel_module()
+    from ddtree.models.tree_build_kernel import draft_top_k
+
+    gen = torch.Generator().manual_seed(vocab + top)
+    top = min(top, vocab)
+    logits = 3 * torch.randn(levels, vocab, generator=gen)
+    log_probs, positions = draft_top_k(logits, top)
+    want, want_positions = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top)
+    assert torch.equal(positions, want_positions)
+    torch.testing.assert_close(log_probs, want, rtol=0, atol=2e-6)
+    tied = (logits * 4).round() / 4
+    log_probs, positions = draft_top_k(tied, top)
+    want = torch.topk(torch.log_softmax(tied, dim=-1, dtype=torch.float32), top).values
+    torch.testing.assert_close(log_probs, want, rtol=0, atol=2e-6)
+    for level in range(levels):
+        picked = tied[level, positions[level]]
+        assert torch.equal(picked, picked.sort(descending=True).values) and positions[level].unique().numel() == top
+        for value in picked.unique():
+            at = positions[level][picked == value]
+            assert torch.equal(at, at.sort().values)
+        assert torch.equal(picked, tied[level].sort(descending=True).values[:top])
+
+
+def test_tree_programs_with_the_draft_top_k_kernel_decode_the_targets_greedy_tokens(tiny_models, hybrid, monkeypatch):
+    """DDTREE_DRAFT_TOP_KERNEL's draft_top_k (Triton's interpreter here; kernels.draft_top_kernel) in the engine's
+    tree programs: called on each draft's logits with the tree's top, it returns what log_softmax then torch.topk do,
+    and the rounds decode the target's greedy tokens."""
+    from ddtree.models import kernels
+    from tests.triton_interpreter import AVAILABLE, tree_kernel_module
+
+    if not AVAILABLE:
+        pytest.skip("needs triton (its interpreter runs the kernel on the CPU)")
+    tree_kernel_module()
+    from ddtree.models.tree_build_kernel import draft_top_k
+
+    calls = []
+
+    def checked(logits, top):
+        got = draft_top_k(logits, top)
+        want = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top)
+        assert torch.equal(got[1], want.indices)
+        torch.testing.assert_close(got[0], want.values, rtol=0, atol=2e-6)
+        calls.append(top)
+        return got
+
+    monkeypatch.setattr(kernels, "draft_top_kernel", lambda device: checked)
+    plain, engine = engines("qwen3", tiny_models, hybrid)
+    prompt = [5, 9, 17, 33, 2, 71]
+    expected = plain.generate_ids(prompt, greedy("ar", 1, max_tokens=12)).output_ids
+    for mode, budget in [("dflash", 1), ("ddtree", 16)]:
+        assert engine.generate_ids(prompt, greedy(mode, budget, max_tokens=12)).output_ids == expected, f"{mode}-{budget}"
+    assert calls and max(calls) >= 16
