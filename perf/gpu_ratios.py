@@ -216,13 +216,14 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
                                                    args.prompt_len, args.rounds, static_forward="on",
                                                    **ROUND_SETTINGS["static-hosttree"])
     round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV or f in ROUND_SETTINGS]
-    round_turns = {}
+    round_turns, failed = {}, {}
     if args.round_turns and ("static" in forwards or args.turns_only):
         # the static forward's rounds and its variants' in turns (pairs under the same machine state)
         round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
                                  args.dtype, round_budgets, args.prompt_len, args.rounds,
                                  {"static": {}, **{f: VARIANT_ENV.get(f, {}) for f in round_forms}}, args.round_turns,
-                                 ROUND_SETTINGS, lambda runs: checkpoint_turns(args, shape, runs)) or {}
+                                 ROUND_SETTINGS, lambda runs: checkpoint_turns(args, shape, runs), failed) or {}
+        errors.update({f"{form} rounds": error for form, error in failed.items()})
         round_forms = []
     for form in (f for f in round_forms if args.device.startswith("cuda") and f in VARIANT_ENV):
         # whole rounds under a variant's environment, otherwise as the static forward's, for comparison with them

@@ -450,7 +450,7 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
 def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
                             prompt_len: int, rounds: int, forms: dict[str, dict[str, str]], turns: int,
                             settings: dict[str, dict] | None = None,
-                            on_turn: Callable[[dict], None] | None = None) -> dict:
+                            on_turn: Callable[[dict], None] | None = None, failed: dict | None = None) -> dict:
     """Whole rounds of several engine forms (name -> the environment it runs under, read when its programs are captured and
     in its turns; settings: form -> rounds_engine keywords, e.g. device_tree False) measured in turns: every engine
     built and warmed first, then in each turn every form runs every method once, the forms in an order that starts one
@@ -458,16 +458,24 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
     the machine's state. Per form and method: the median round over turns (round_ms, round_over_ar: the median of each
     turn's ratio to the form's own `ar`), the turns' rounds, and per form other than the first its round against the
     first form's in the same turn (median, min, max). on_turn: called after each turn with every form's rounds so far
-    (form -> method -> one entry a turn), so that a run cut off by a time limit keeps its finished turns."""
+    (form -> method -> one entry a turn), so that a run cut off by a time limit keeps its finished turns. failed: a
+    dict where a form other than the first whose engine cannot be built (e.g. a kernel of its that does not compile)
+    is recorded (form -> the error) and left out, the others measured; None: the error raised."""
     engines, prompt = {}, round_prompt(target, prompt_len)
     gc.collect()   # the engines of a run's earlier stages, if still held in cycles: every form's engine lives at once
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    for form, env in forms.items():
+    for i, (form, env) in enumerate(forms.items()):
         with mock.patch.dict(os.environ, env):
-            engines[form] = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, "on",
-                                          **(settings or {}).get(form, {}))
-    names = list(forms)
+            try:
+                engines[form] = rounds_engine(target, drafter, device, dtype, budgets, prompt_len, rounds, "on",
+                                              **(settings or {}).get(form, {}))
+            except Exception as error:
+                if failed is None or i == 0:
+                    raise
+                failed[form] = f"{type(error).__name__}: {error}"
+                print(f"{form}: its engine failed, left out: {failed[form][:2000]}", flush=True)
+    names = list(engines)
     runs: dict[str, dict[str, list[dict]]] = {form: {name: [] for name, _, _ in round_methods(budgets)} for form in names}
     for turn in range(turns):
         for form in names[turn % len(names):] + names[:turn % len(names)]:

@@ -263,7 +263,7 @@ def draft_top_k(logits: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Ten
     [levels, top] float32, positions [levels, top] long), both descending. Outputs and scratch are new tensors."""
     levels, vocab = logits.shape
     assert logits.stride(1) == 1 and 1 <= top <= vocab and vocab < 1 << INDEX_BITS, (logits.shape, top)
-    k = triton.next_power_of_2(top)
+    k = max(2, triton.next_power_of_2(top))   # tl.topk takes no k of 1 (a dflash chain's last levels ask for 1)
     chunk = max(k, min(DRAFT_TOP_CHUNK, triton.next_power_of_2(vocab)))
     chunks = triton.cdiv(vocab, chunk)
     device = logits.device

@@ -306,10 +306,12 @@ def test_draft_ahead_is_off_by_default(tiny_models):
     assert not Engine(EngineConfig(**{**base, "device_tree": False}, draft_ahead=True)).draft_ahead   # needs the device tree
 
 
-@pytest.mark.parametrize("levels, vocab, top", [(2, 9000, 16), (1, 5000, 64), (2, 300, 5), (1, 70, 64), (2, 4096, 16)])
+@pytest.mark.parametrize("levels, vocab, top", [(2, 9000, 16), (1, 5000, 64), (2, 300, 5), (1, 70, 64), (2, 4096, 16),
+                                                 (2, 5000, 1)])
 def test_the_draft_top_k_kernel_equals_log_softmax_then_topk(levels, vocab, top):
     """tree_build_kernel.draft_top_k (Triton's interpreter here) == torch.topk(log_softmax(logits)): distinct logits,
-    a vocabulary across several chunks, one not a multiple of the chunk, smaller than one, and top = vocab; with ties
+    a vocabulary across several chunks, one not a multiple of the chunk, smaller than one, top = vocab and top = 1
+    (a dflash chain's last levels; tl.topk takes no k of 1); with ties
     (logits on a grid of 0.25), the same values, each at a position holding it, ties in ascending positions."""
     from tests.triton_interpreter import AVAILABLE, tree_kernel_module
 

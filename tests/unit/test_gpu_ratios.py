@@ -107,6 +107,27 @@ def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path):
         gpu_ratios.main(["--shapes", "tiny-dense", "--turns-only", "--out", str(tmp_path)])
 
 
+def test_a_form_whose_engine_fails_is_left_out_of_the_turns(tmp_path, monkeypatch):
+    """A variant whose engine cannot be built (a kernel of its that does not compile, 6a7041c on an H100) costs its
+    own turns only: its error recorded under "<form> rounds", the static forward measured as usual."""
+    from perf import hybrid_verify
+
+    build = hybrid_verify.rounds_engine
+
+    def failing(*args, device_tree: bool = True, **kwargs):
+        if not device_tree:
+            raise RuntimeError("does not compile")
+        return build(*args, device_tree=device_tree, **kwargs)
+
+    monkeypatch.setattr(hybrid_verify, "rounds_engine", failing)
+    gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--turns-only",
+                     "--round-variants", "static-hosttree", "--round-turns", "2", "--prompt-len", "24", "--repeats", "1",
+                     "--rounds", "3", "--out", str(tmp_path), "--name", "t"])
+    shape = json.loads((tmp_path / "t.json").read_text())["shapes"]["tiny-dense"]
+    assert list(shape["round_turns"]) == ["static"] and len(shape["round_turns"]["static"]["ar"]["turns_ms"]) == 2
+    assert shape["errors"] == {"static-hosttree rounds": "RuntimeError: does not compile"}
+
+
 def test_kernels_per_round_subtract_the_prefill():
     from perf.hybrid_verify import kernels_per_round
 
