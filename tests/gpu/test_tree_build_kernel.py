@@ -59,6 +59,7 @@ def test_draft_top_k_equals_log_softmax_then_topk_at_qwen36s_vocabulary_in_bf16(
     log-probabilities of log_softmax then torch.topk to float32 rounding, each at a position holding its logit, ties
     in ascending positions."""
     from ddtree.models.tree_build_kernel import draft_top_k
+    from tests.unit.test_device_tree import assert_draft_top_k
 
     gen = torch.Generator().manual_seed(top)
     logits = (3 * torch.randn(15, 248320, generator=gen)).to("cuda", torch.bfloat16)
@@ -66,14 +67,7 @@ def test_draft_top_k_equals_log_softmax_then_topk_at_qwen36s_vocabulary_in_bf16(
     draft_top_k(logits, top)   # compiled before the capture
     with torch.cuda.graph(graph):
         log_probs, positions = draft_top_k(logits, top)
-    for trial in range(2):
+    for _ in range(2):
         logits.copy_((3 * torch.randn(15, 248320, generator=gen)).to(torch.bfloat16))
         graph.replay()
-        want = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top).values
-        torch.testing.assert_close(log_probs, want, rtol=0, atol=1e-5)
-        for level in range(15):
-            picked = logits[level, positions[level]]
-            assert torch.equal(picked, logits[level].sort(descending=True).values[:top]), (trial, level)
-            for value in picked.unique():
-                at = positions[level][picked == value]
-                assert torch.equal(at, at.sort().values)
+        assert_draft_top_k(logits, log_probs, positions, atol=1e-5)

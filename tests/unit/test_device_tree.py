@@ -328,16 +328,21 @@ def test_the_draft_top_k_kernel_equals_log_softmax_then_topk(levels, vocab, top)
     assert torch.equal(positions, want_positions)
     torch.testing.assert_close(log_probs, want, rtol=0, atol=2e-6)
     tied = (logits * 4).round() / 4
-    log_probs, positions = draft_top_k(tied, top)
-    want = torch.topk(torch.log_softmax(tied, dim=-1, dtype=torch.float32), top).values
-    torch.testing.assert_close(log_probs, want, rtol=0, atol=2e-6)
-    for level in range(levels):
-        picked = tied[level, positions[level]]
-        assert torch.equal(picked, picked.sort(descending=True).values) and positions[level].unique().numel() == top
+    assert_draft_top_k(tied, *draft_top_k(tied, top), atol=2e-6)
+
+
+def assert_draft_top_k(logits: torch.Tensor, log_probs: torch.Tensor, positions: torch.Tensor, atol: float) -> None:
+    """draft_top_k's outputs for logits whatever their ties: log_softmax then topk's values (to atol), each at a
+    position holding its logit, ties in ascending positions."""
+    top = positions.shape[1]
+    want = torch.topk(torch.log_softmax(logits, dim=-1, dtype=torch.float32), top).values
+    torch.testing.assert_close(log_probs, want, rtol=0, atol=atol)
+    for level in range(logits.shape[0]):
+        picked = logits[level, positions[level]]
+        assert torch.equal(picked, logits[level].sort(descending=True).values[:top]), level
         for value in picked.unique():
             at = positions[level][picked == value]
-            assert torch.equal(at, at.sort().values)
-        assert torch.equal(picked, tied[level].sort(descending=True).values[:top])
+            assert torch.equal(at, at.sort().values), level
 
 
 def test_tree_programs_with_the_draft_top_k_kernel_decode_the_targets_greedy_tokens(tiny_models, hybrid, monkeypatch):
