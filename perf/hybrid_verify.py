@@ -475,6 +475,7 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
                     raise
                 failed[form] = f"{type(error).__name__}: {error}"
                 print(f"{form}: its engine failed, left out: {failed[form][:2000]}", flush=True)
+                continue
         if torch.cuda.is_available():   # what each form's engine holds (four forms after a full run did not fit an H100)
             print(f"{form}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated after its engine", flush=True)
     names = list(engines)
