@@ -143,7 +143,7 @@ def test_draft_ahead_with_graphs_decodes_what_it_decodes_without(family, tiny_mo
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     for mode, budget in [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]:
         params = SamplingParams(mode=mode, tree_budget=budget, max_tokens=48, ignore_eos=True)
-        assert ahead.generate_ids(prompt, params).output_ids == plain.generate_ids(prompt, params).output_ids, mode
+        assert ahead.generate_ids(prompt, params).output_ids == plain.generate_ids(prompt, params).output_ids, (mode, budget)
     assert ahead.stage_times.drafts_ahead > 30 and ahead.stage_times.drafts_ahead_undone == 0
     first = Request("first", prompt, SamplingParams(mode="ddtree", tree_budget=16, max_tokens=40, ignore_eos=True))
     second = Request("second", prompt[:23], SamplingParams(mode="dflash", max_tokens=20, ignore_eos=True))
