@@ -1023,7 +1023,10 @@ class Engine:
         cache = self.draft_caches[seq.slot]
         length, pending = cache.length, list(seq.pending_taps)
         self._events.record("draft")
-        hidden = self._draft_hidden(seqs)
+        # a copy: the drafter program's output lies in the graphs' shared pool, valid only until the next replay of any
+        # program (GraphPool), and this round's commit replays before the next round's tree program reads it (on the
+        # H100 a hybrid's commit overwrote it and a round decoded a wrong token: draft_ahead_switches_h100_0d7f4dc.log)
+        hidden = self._draft_hidden(seqs).clone()
         self._draft_ahead = DraftAhead(seq, seq.start, plan, hidden, length, pending)
         self.stage_times.drafts_ahead += 1
 

@@ -526,7 +526,9 @@ class StaticTreeBuild:
                 log_probs = F.pad(log_probs, (0, width - top), value=float("-inf"))
                 token_ids = F.pad(token_ids, (0, width - top))
             past = (columns[None, :] >= inputs[3]) | (depths[:, None] >= inputs[4])     # ranks past k, levels past depth
-            log_probs = log_probs.masked_fill(past, float("-inf"))
+            # and NaN (a level of the draft with a NaN logit): the builders order nodes by score, and a NaN sorted first
+            # would put a node under a parent outside the tree; at -inf no node outranks its parent
+            log_probs = log_probs.masked_fill(past | log_probs.isnan(), float("-inf"))
             if build is not None:
                 return build(log_probs, token_ids, width, extra["grid"], scratch, inputs, num_paths, PATHS_MAX_LEN)
             root, start, num_nodes = inputs[:3]

@@ -102,6 +102,56 @@ def test_the_one_program_build_equals_the_tensor_build(seed):
             assert got_paths is None or int(want[2][:n].max()) >= PATHS_MAX_LEN
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_draft_with_nan_levels_still_builds_a_tree(seed):
+    """A draft whose logits hold NaN at some levels (a drafter overflowing in bf16; a draft overwritten in memory)
+    builds a well-formed tree all the same: each node's parent a row before it, one level up (the device builders
+    order nodes by score, and a NaN score sorted first put nodes three levels down under the root, whose verify then
+    committed a wrong token). Those levels' log-probabilities count as -inf: the tree is the one built from them."""
+    from ddtree.models.graphs import GraphPool, StaticTreeBuild
+
+    gen = torch.Generator().manual_seed(seed)
+    levels, size, vocab, rows = 8, 8, 40, [16, 64][seed % 2]
+    depth, budget, k = levels, rows - 1, 1 if seed % 3 == 0 else min(rows - 1, vocab)
+    weight = 3 * torch.randn(vocab, size, generator=gen)
+    hidden = torch.randn(levels, size, generator=gen)
+    logits = hidden @ weight.T
+    nan_levels = torch.randperm(levels, generator=gen)[: 1 + seed % 3]
+    logits[nan_levels, :: 1 + seed % 4] = float("nan")
+    program = StaticTreeBuild(GraphPool(torch.device("cpu"), capture=False), token_ids=lambda positions: positions)
+    out, _ = program(hidden, lambda h: logits, k, budget, depth, 7, 30, rows, 0)
+    n = fits_budget(depth, k, budget) + 1
+    positions, parents = out[1, :n].tolist(), out[2, :n].tolist()
+    assert parents[0] == -1 and positions[0] == 30
+    for row in range(1, n):
+        assert 0 <= parents[row] < row and positions[row] == positions[parents[row]] + 1, (row, parents, positions)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    want = StaticTreeBuild(GraphPool(torch.device("cpu"), capture=False), token_ids=lambda positions: positions)(
+        hidden, lambda h: log_probs.nan_to_num(nan=float("-inf")), k, budget, depth, 7, 30, rows, 0)[0]
+    assert out[:, :n].tolist() == want[:, :n].tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_drafts_with_nan_levels_decode_the_targets_greedy_tokens(family, tiny_models, hybrid, monkeypatch):
+    """Device trees from drafts whose logits are NaN at their third and fourth levels (the oracle's otherwise: its
+    trees accepted deep) decode the target's greedy tokens, in every drafting mode."""
+    plain, engine = engines(family, tiny_models, hybrid)
+    draft_logits = engine.draft_logits
+
+    def broken(hidden, requests):
+        logits = draft_logits(hidden, requests).clone()
+        logits[:, 2:4] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine, "draft_logits", broken)
+    prompt = list(range(3, 40))
+    expected = plain.generate_ids(prompt, greedy("ar", 1)).output_ids
+    for mode, budget in [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]:
+        request = engine.generate_ids(prompt, greedy(mode, budget))
+        assert request.output_ids == expected, f"{family} {mode}-{budget}"
+        assert max(request.acceptance_lengths) > 1
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_device_paths_equal_the_host_paths(seed):
     (log_probs, token_ids), _, budget = random_case(seed)
@@ -261,6 +311,43 @@ def test_drafts_launched_ahead_decode_the_targets_greedy_tokens(family, tiny_mod
             # every round after the first drafts ahead of it, but the last (the request ends there)
             assert taken >= len(request.acceptance_lengths) - 2 > 0, (taken, request.acceptance_lengths)
             assert engine.stage_times.drafts_ahead_undone == undone
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_a_draft_ahead_outlives_the_commit_replayed_before_its_round(family, tiny_models, hybrid, monkeypatch):
+    """A static program's outputs are valid only until the next replay of any program (GraphPool: one memory pool),
+    and a draft launched ahead is read by the next round's tree program after this round's commit has replayed (on
+    the H100 at 0d7f4dc a hybrid's commit overwrote it with DDTREE_DRAFT_TOP_KERNEL=1 and DDTREE_NORM_PARTS=1, and a
+    ddtree-64 round decoded token 0 where the target's is 77: perf/results/draft_ahead_switches_h100_0d7f4dc.log).
+    Here every draft's output is overwritten with NaN once the commit after it is queued, as such a replay would; the
+    tree programs still read finite drafts, and the tokens are the target's."""
+    plain, engine = engines(family, tiny_models, hybrid, draft_ahead=True)
+    drafts, read = [], []
+    draft_hidden, commit, tree = engine._draft_hidden, engine._commit_caches, engine.static_tree
+
+    def drafted(seqs):
+        drafts.append(draft_hidden(seqs))
+        return drafts[-1]
+
+    def committed(*args):
+        commit(*args)
+        while drafts:
+            drafts.pop().fill_(float("nan"))
+
+    def built(hidden, *args):
+        read.append(bool(hidden.isfinite().all()))
+        return tree(hidden, *args)
+
+    monkeypatch.setattr(engine, "_draft_hidden", drafted)
+    monkeypatch.setattr(engine, "_commit_caches", committed)
+    monkeypatch.setattr(engine, "static_tree", built)
+    prompt = list(range(3, 40))
+    expected = plain.generate_ids(prompt, greedy("ar", 1)).output_ids
+    for mode, budget in [("dflash", 1), ("ddtree", 64)]:
+        ahead = engine.stage_times.drafts_ahead
+        assert engine.generate_ids(prompt, greedy(mode, budget)).output_ids == expected, f"{family} {mode}-{budget}"
+        assert engine.stage_times.drafts_ahead > ahead
+    assert read and all(read), read
 
 
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
