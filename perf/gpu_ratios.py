@@ -86,7 +86,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-noviewsreplay": {"DDTREE_PROLOGUE_VIEWS": "0", "DDTREE_REPLAY_KERNEL": "0"},
     "static-attn132": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132"},
     "static-noattnrows": {"DDTREE_ATTENTION_TREE_PROGRAMS": "0"},
-    "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}, "static-normparts": {"DDTREE_NORM_PARTS": "1"},
+    "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}, "static-nonormparts": {"DDTREE_NORM_PARTS": "0"},
     "static-drafttop": {"DDTREE_DRAFT_TOP_KERNEL": "1"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
@@ -319,9 +319,10 @@ def table(result: dict) -> str:
              "264 like one-row calls (=0; the default before the 24th session; static-attnrows in earlier results: "
              "132,66 turned on); static-draftqkv: the drafter's q/k "
              "norms, rotary and block K/V writes in our one kernel (DDTREE_DRAFT_QKV_KERNEL=1) instead of two compiled "
-             "chains and two index writes a layer; static-normparts: a hybrid's norms of the stream (but the first "
-             "and the final one) taken in the epilogues of the products around them (DDTREE_NORM_PARTS=1) instead of "
-             "a kernel each; static-drafttop (whole rounds): the draft's log-probabilities' top k in the tree "
+             "chains and two index writes a layer; static-nonormparts: a hybrid's norms of the stream each a kernel "
+             "of its own (DDTREE_NORM_PARTS=0; the default before the 25th session; static-normparts in earlier "
+             "results: the switch turned on) instead of (but the first and the final one) taken in the epilogues of "
+             "the products around them; static-drafttop (whole rounds): the draft's log-probabilities' top k in the tree "
              "program in two launches of ours (DDTREE_DRAFT_TOP_KERNEL=1) instead of log_softmax then torch.topk; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "

@@ -174,11 +174,11 @@ def norm_parts() -> bool:
     and divides each row by rms(h) in its epilogue (gemv_kernel.linear_rows' norm_out, norm_in; layers.NormFeed).
     127 norm kernels less a 27B verify (their ~2.7 us each on an H100: 118 `fused_rms_norm` kernels a `ddtree-16`
     round, 0.32 ms, perf/results/gpu_ratios_h100_pdl2.md). The norm's input is y rounded before the product instead
-    of the normalized row rounded (the one-row GEMV's prologue never rounds it either). Off by default
-    (DDTREE_NORM_PARTS=1 turns it on): on an H100 at 27B dims the verify's GPU time 0.1 ms shorter, whole rounds
-    0.994 / 1.001 / 1.009x (`dflash` / `ddtree-16` / `ddtree-64`; perf/results/gpu_ratios_h100_attnnorm.md, e35526a),
-    with the partial sums read in the reading product's epilogue (before its loop since: not yet measured)."""
-    return os.environ.get("DDTREE_NORM_PARTS", "0") not in ("", "0")
+    of the normalized row rounded (the one-row GEMV's prologue never rounds it either). On by default
+    (DDTREE_NORM_PARTS=0 turns it off): whole 27B rounds on an H100 with the partial sums read before the reading
+    product's loop, two runs of 3 turns against it off, 0.993 / 0.992 / 0.989x and 0.990 / 0.986 / 1.002x (`dflash` /
+    `ddtree-16` / `ddtree-64`; perf/results/gpu_ratios_h100_drafttop{2,3}.md, 0d7f4dc)."""
+    return os.environ.get("DDTREE_NORM_PARTS", "1") not in ("", "0")
 
 
 def gemv_max_rows() -> int:

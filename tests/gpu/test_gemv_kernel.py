@@ -122,7 +122,7 @@ def test_hybrid_engine_with_prologue_views_decodes_what_it_decodes_without(tiny_
 
 def test_hybrid_engine_with_the_norms_across_products_decodes_what_it_decodes_without(tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with the hybrid's norms of the stream taken across the
-    products around them (DDTREE_NORM_PARTS=1, kernels.norm_parts) == each norm's own kernel."""
+    products around them (DDTREE_NORM_PARTS, on by default; kernels.norm_parts) == each norm's own kernel (=0)."""
     from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_NORM_PARTS", tiny_config("hybrid", tiny_models, tmp_path),

@@ -210,13 +210,14 @@ def test_a_norm_across_two_products_epilogues_equals_the_norm_between_them(rows,
 
 
 def test_engines_with_the_norms_across_products_decode_what_they_decode_without(tiny_models, tmp_path, monkeypatch):
-    """DDTREE_NORM_PARTS=1: a hybrid target's static forwards of a few rows take each norm of the stream but the
-    first layer's (and the final one, apart) across the products around it; greedy `ddtree` and `dflash` tokens as
-    without it, and each norm so taken is an eager norm less."""
+    """DDTREE_NORM_PARTS (on by default): a hybrid target's static forwards of a few rows take each norm of the
+    stream but the first layer's (and the final one, apart) across the products around it; greedy `ddtree` and
+    `dflash` tokens as without it (=0), and each norm so taken is an eager norm less."""
     from ddtree.engine import Engine
     from ddtree.models import layers
 
     config, kernel, jobs = drafting_jobs_through_the_kernels("hybrid", tiny_models, tmp_path, monkeypatch, seed=11)
+    monkeypatch.setenv("DDTREE_NORM_PARTS", "0")
     expected = [run_together(Engine(config), [job]) for job in jobs]
     norms, calls = [], []
     eager = layers.NormedRows.eager
