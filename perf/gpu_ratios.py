@@ -91,7 +91,11 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
-                  "static-draftahead": {"draft_ahead": True}}
+                  "static-draftahead": {"draft_ahead": True},
+                  # an A/A control: a second engine of the default form (its rounds against the first's: the spread of
+                  # two identical engines in the same turns; the 25th session's turns saw one form's commit host time
+                  # twice another's whatever the switch: gpu_ratios_h100_draftqkv.json's commit_parts_ms)
+                  "static-again": {}}
 GOALS = {"ar_over_floor": 1.10, "ar_round_over_floor": 1.10, "ddtree-16_over_ar": 1.15, "ddtree-64_over_ar": 1.30, "host_share": 0.05,
          "gpu_idle_share": 0.05}   # host_share from the stage counters; gpu_idle_share from the kernels (CUDA)
 
@@ -520,7 +524,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--round-variants", default="",
                         help="environment variants (of --variants' list) whose whole rounds to measure too; with "
                              "--round-turns also ROUND_SETTINGS' forms (static-hosttree, static-vocab32k, static-arahead, static-noahead, "
-                             "static-draftahead)")
+                             "static-draftahead, static-again: the default form's engine a second time, an A/A control)")
     parser.add_argument("--turns-only", action="store_true",
                         help="only the whole rounds in turns (--round-turns): no verify curve, no variants' verifies, no "
                              "separate rounds, no batches; an A/B of --round-variants in a shorter run (the ratios from the "
