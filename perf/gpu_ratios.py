@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree.models import fused, qwen3_5  # noqa: E402
 from ddtree.models.dense import DenseConfig, DenseTarget  # noqa: E402
-from perf.common import ROOT, header, write_cost_model, write_results  # noqa: E402
+from perf.common import ROOT, add_freeze_heap_arg, header, write_cost_model, write_results  # noqa: E402
 from perf.hybrid_verify import (  # noqa: E402
     DRAFTERS,
     _fill_random,
@@ -226,7 +226,8 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
                                  args.dtype, round_budgets, args.prompt_len, args.rounds,
                                  {"static": {}, **{f: VARIANT_ENV.get(f, {}) for f in round_forms}}, args.round_turns,
-                                 ROUND_SETTINGS, lambda runs: checkpoint_turns(args, shape, runs), failed) or {}
+                                 ROUND_SETTINGS, lambda runs: checkpoint_turns(args, shape, runs), failed,
+                                 args.freeze_heap) or {}
         errors.update({f"{form} rounds": error for form, error in failed.items()})
         round_forms = []
     for form in (f for f in round_forms if args.device.startswith("cuda") and f in VARIANT_ENV):
@@ -529,6 +530,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="only the whole rounds in turns (--round-turns): no verify curve, no variants' verifies, no "
                              "separate rounds, no batches; an A/B of --round-variants in a shorter run (the ratios from the "
                              "static forward's turns; ar / floor then NaN)")
+    add_freeze_heap_arg(parser)   # the round turns' (from the 25th session; before, every collection walked every engine)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)
@@ -540,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     bandwidth = copy_bandwidth(args.device)   # NaN without a GPU: the floor and ar / floor are then NaN
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "prompt_len": args.prompt_len,
-              "copy_bytes_per_s": bandwidth, "goals": GOALS, "shapes": {}}
+              "copy_bytes_per_s": bandwidth, "goals": GOALS, "freeze_heap": args.freeze_heap, "shapes": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):

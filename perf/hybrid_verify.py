@@ -39,7 +39,7 @@ from ddtree.request import Request  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 from ddtree.tree import build_tree, compile_tree, top_ids, top_log_probs  # noqa: E402
 from ddtree.tree.compile import VerifyBatch  # noqa: E402
-from perf.common import ROOT, header, write_results  # noqa: E402
+from perf.common import ROOT, frozen_heap, header, write_results  # noqa: E402
 
 SHAPES = {
     # Qwen3.6-27B text decoder (hybrid_gdn.md §1.2): 64 layers = 16 x (3 GDN + 1 gated attention)
@@ -450,7 +450,8 @@ def measure_rounds(target: HybridTarget, drafter: DFlashDrafter, device: str, dt
 def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device: str, dtype: str, budgets: list[int],
                             prompt_len: int, rounds: int, forms: dict[str, dict[str, str]], turns: int,
                             settings: dict[str, dict] | None = None,
-                            on_turn: Callable[[dict], None] | None = None, failed: dict | None = None) -> dict:
+                            on_turn: Callable[[dict], None] | None = None, failed: dict | None = None,
+                            freeze_heap: bool = False) -> dict:
     """Whole rounds of several engine forms (name -> the environment it runs under, read when its programs are captured and
     in its turns; settings: form -> rounds_engine keywords, e.g. device_tree False) measured in turns: every engine
     built and warmed first, then in each turn every form runs every method once, the forms in an order that starts one
@@ -460,7 +461,9 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
     first form's in the same turn (median, min, max). on_turn: called after each turn with every form's rounds so far
     (form -> method -> one entry a turn), so that a run cut off by a time limit keeps its finished turns. failed: a
     dict where a form other than the first whose engine cannot be built (e.g. a kernel of its that does not compile)
-    is recorded (form -> the error) and left out, the others measured; None: the error raised."""
+    is recorded (form -> the error) and left out, the others measured; None: the error raised. freeze_heap: the turns
+    run with what building the engines left frozen (perf.common.frozen_heap), as the served model's heap after its
+    warm-up, so that no form's rounds pay full collections of the other forms' objects."""
     engines, prompt = {}, round_prompt(target, prompt_len)
     gc.collect()   # the engines of a run's earlier stages, if still held in cycles: every form's engine lives at once
     if torch.cuda.is_available():
@@ -480,15 +483,18 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
             print(f"{form}: {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated after its engine", flush=True)
     names = list(engines)
     runs: dict[str, dict[str, list[dict]]] = {form: {name: [] for name, _, _ in round_methods(budgets)} for form in names}
-    for turn in range(turns):
-        for form in names[turn % len(names):] + names[:turn % len(names)]:
-            with mock.patch.dict(os.environ, forms[form]):
-                for name, mode, budget in round_methods(budgets):
-                    runs[form][name].append(measure_method(engines[form], prompt, mode, budget, rounds, profile=False))
-        print(f"turn {turn + 1}/{turns}: " + ", ".join(
-            f"{form} {name} {runs[form][name][-1]['round_ms']:.2f}" for form in names for name in runs[form]), flush=True)
-        if on_turn is not None:
-            on_turn(runs)
+    with frozen_heap(freeze_heap):
+        for turn in range(turns):
+            for form in names[turn % len(names):] + names[:turn % len(names)]:
+                with mock.patch.dict(os.environ, forms[form]):
+                    for name, mode, budget in round_methods(budgets):
+                        runs[form][name].append(measure_method(engines[form], prompt, mode, budget, rounds,
+                                                               profile=False))
+            print(f"turn {turn + 1}/{turns}: " + ", ".join(
+                f"{form} {name} {runs[form][name][-1]['round_ms']:.2f}" for form in names for name in runs[form]),
+                flush=True)
+            if on_turn is not None:
+                on_turn(runs)
     first, out = names[0], {}
     for form in names:
         out[form] = {}

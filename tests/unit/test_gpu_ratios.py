@@ -84,16 +84,29 @@ def test_rounds_in_turns_pair_each_form_with_the_static_forward(tmp_path):
     assert "whole rounds in turns (3 turns" in (tmp_path / "t.md").read_text()
 
 
-def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path):
+def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path, monkeypatch):
     """--turns-only: no verify curve, no separate rounds, no batches, no cost model; the ratios from the static
-    forward's turns, the variant paired with it; the table still written, and each turn's rounds as it ends."""
+    forward's turns, the variants paired with it (static-again: the default form's engine a second time, an A/A
+    control); the table still written, and each turn's rounds as it ends. The turns run with the engines' heap frozen
+    (--freeze-heap, the default: as the served model's after warm-up), unfrozen after."""
+    import gc
+
+    from perf import hybrid_verify
+
+    gc.unfreeze()   # whatever an earlier test left frozen: the turns' count must come from their own freeze
+    frozen, measure = [], hybrid_verify.measure_method
+    monkeypatch.setattr(hybrid_verify, "measure_method",
+                        lambda *a, **k: frozen.append(gc.get_freeze_count()) or measure(*a, **k))
     gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--turns-only",
-                     "--round-variants", "static-hosttree", "--round-turns", "2", "--prompt-len", "24", "--repeats", "1",
-                     "--rounds", "3", "--out", str(tmp_path), "--name", "t"])
-    shape = json.loads((tmp_path / "t.json").read_text())["shapes"]["tiny-dense"]
+                     "--round-variants", "static-hosttree,static-again", "--round-turns", "2", "--prompt-len", "24",
+                     "--repeats", "1", "--rounds", "3", "--out", str(tmp_path), "--name", "t"])
+    assert frozen and min(frozen) > 0 and gc.get_freeze_count() == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["freeze_heap"] is True
+    shape = result["shapes"]["tiny-dense"]
     assert shape["verify"] == {} and shape["rounds"] == {} and shape["batched"] == {} and not shape["errors"]
     turns = shape["round_turns"]
-    assert list(turns) == ["static", "static-hosttree"]
+    assert list(turns) == ["static", "static-hosttree", "static-again"]
     assert shape["ratios"]["ddtree-16_over_ar"] == turns["static"]["ddtree-16"]["round_over_ar"]
     assert shape["ratios"]["dflash_over_ar"] == turns["static"]["dflash"]["round_over_ar"]
     assert 0 <= shape["ratios"]["host_share"] < 1 and math.isnan(shape["ratios"]["ar_over_floor"])
