@@ -61,7 +61,8 @@ def test_device_build_equals_the_host_build(seed):
 @pytest.mark.parametrize("seed", range(12))
 def test_the_one_program_build_equals_the_tensor_build(seed):
     """ddtree.models.tree_build_kernel (Triton's interpreter here) == build_tree_device, all `width` nodes, exact ties
-    (rounded log-probabilities), -0.0 and ranks at -inf included; twice in a row on one scratch (a replay's reuse)."""
+    (rounded log-probabilities), -0.0, ranks and whole levels at -inf included; twice in a row on one scratch (a
+    replay's reuse)."""
     from tests.triton_interpreter import AVAILABLE, tree_kernel_module
 
     if not AVAILABLE:
@@ -83,6 +84,8 @@ def test_the_one_program_build_equals_the_tensor_build(seed):
         if seed % 5 == 2:      # ranks past a budget at -inf, and -0.0
             log_probs[:, k // 2 + 1 :] = float("-inf")
             log_probs[0, 0] = -0.0
+        if seed % 4 == 3:      # a whole level at -inf (the tree program's NaN draft levels)
+            log_probs[int(torch.randint(0, depth, (), generator=gen))] = float("-inf")
         token_ids = torch.randint(0, 1000, (depth, k), generator=gen)
         want = build_tree_device(log_probs, token_ids, width, grid)
         got = build_tree_kernel(log_probs.contiguous(), token_ids, width, grid, scratch)
@@ -322,13 +325,21 @@ def test_a_draft_ahead_outlives_the_commit_replayed_before_its_round(family, tin
     and a draft launched ahead is read by the next round's tree program after this round's commit has replayed (on
     the H100 at 0d7f4dc a hybrid's commit overwrote it with DDTREE_DRAFT_TOP_KERNEL=1 and DDTREE_NORM_PARTS=1, and a
     ddtree-64 round decoded token 0 where the target's is 77: perf/results/draft_ahead_switches_h100_0d7f4dc.log).
-    Here every draft's output is overwritten with NaN once the commit after it is queued, as such a replay would; the
-    tree programs still read finite drafts, and the tokens are the target's."""
+    Likewise the verify's stash (a hybrid's GDN inputs of every row, what its commit replays from) must not wait for
+    its commit behind the drafter's replay. Here every draft's output is overwritten with NaN once the commit after it
+    is queued, and every pending stash as a draft starts, as such replays would; the tree programs still read finite
+    drafts, and the tokens are the target's."""
     plain, engine = engines(family, tiny_models, hybrid, draft_ahead=True)
     drafts, read = [], []
     draft_hidden, commit, tree = engine._draft_hidden, engine._commit_caches, engine.static_tree
 
     def drafted(seqs):
+        for cache in engine.caches:
+            stash = getattr(cache, "pending", None)
+            for name in ("qkv", "g", "beta", "x", "k", "v_new", "log_decay"):
+                value = getattr(stash, name, None)
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.fill_(float("nan"))
         drafts.append(draft_hidden(seqs))
         return drafts[-1]
 
