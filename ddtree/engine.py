@@ -1026,8 +1026,9 @@ class Engine:
         length, pending = cache.length, list(seq.pending_taps)
         self._events.record("draft")
         # a copy: the drafter program's output lies in the graphs' shared pool, valid only until the next replay of any
-        # program (GraphPool), and this round's commit replays before the next round's tree program reads it (on the
-        # H100 a hybrid's commit overwrote it and a round decoded a wrong token: draft_ahead_switches_h100_0d7f4dc.log)
+        # program (GraphPool), and other programs may replay before the next round's tree program reads it (on the H100
+        # a round with drafts ahead decoded a wrong token, this or the commit's stash read after the draft's replay:
+        # draft_ahead_switches_h100_0d7f4dc.log)
         hidden = self._draft_hidden(seqs).clone()
         self._draft_ahead = DraftAhead(seq, seq.start, plan, hidden, length, pending)
         self.stage_times.drafts_ahead += 1
