@@ -399,6 +399,13 @@ def table(result: dict) -> str:
                     lines.append(f"| {form} | {name} | {e['round_ms']:.2f} | {e['round_over_ar']:.3f} | {stage(e, 'draft')} | "
                                  f"{stage(e, 'verify')} | {stage(e, 'commit')} | "
                                  + (f"{paired['median']:.3f} [{paired['min']:.3f}, {paired['max']:.3f}] |" if paired else "- |"))
+            # by part: in the 24th and 25th sessions' H100 turns these differed up to 2x between forms of one run,
+            # every part alike, whatever the switch (perf/RESULTS.md)
+            lines += ["", "the turns' commit stage host time by part, ms per round, median over turns (acceptance walks / "
+                      "cache commits / kept features / token bookkeeping): " + "; ".join(
+                          f"{form} {name} " + " / ".join(f"{v:.3f}" for v in e["commit_parts_ms"].values())
+                          for form, methods in r["round_turns"].items() for name, e in methods.items()
+                          if name != "ar" and "commit_parts_ms" in e)]
         if r["rounds"]:
             lines += ["", "commit stage's host time by part, ms per round (acceptance walks / cache commits / kept features / "
                       "token bookkeeping): " + "; ".join(

@@ -116,6 +116,7 @@ def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path, monkeypat
     assert not (tmp_path / "cost_model_t_tiny-dense.json").exists()
     md = (tmp_path / "t.md").read_text()
     assert "whole rounds in turns (2 turns" in md and "target verify alone" not in md and "whole engine rounds" not in md
+    assert "the turns' commit stage host time by part" in md and "static-again ddtree-16 " in md
     with pytest.raises(SystemExit):
         gpu_ratios.main(["--shapes", "tiny-dense", "--turns-only", "--out", str(tmp_path)])
 
