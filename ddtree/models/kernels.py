@@ -104,7 +104,8 @@ def draft_top_kernel(device: torch.device) -> Callable | None:
     """The draft's log-probabilities' top k in a tree program (graphs.StaticTreeBuild) in two Triton launches
     (ddtree.models.tree_build_kernel.draft_top_k) instead of log_softmax then torch.topk (~20 kernels: 0.157 ms of
     the 1.019 of a `ddtree-16` draft's eager tail on an H100 besides the lm_head, perf/results/gpu_ratios_h100_keys.md)
-    on CUDA with DDTREE_DRAFT_TOP_KERNEL=1, else None. Off by default: not yet measured on the GPU."""
+    on CUDA with DDTREE_DRAFT_TOP_KERNEL=1, else None. Off by default: measured, not faster (whole 27B rounds on an
+    H100 0.994 / 0.995 / 0.997x and 0.995 / 1.003 / 1.002x, perf/results/gpu_ratios_h100_drafttop{2,3}.md)."""
     if device.type != "cuda" or os.environ.get("DDTREE_DRAFT_TOP_KERNEL", "0") in ("", "0"):
         return None
     return _draft_top_kernel()
