@@ -342,7 +342,9 @@ def table(result: dict) -> str:
              "lm_head; static-arahead (whole rounds in turns only): a lone greedy `ar` request's next step queued "
              "before its token is read (ar_lookahead=True; on CUDA the default); static-noahead: without it "
              "(ar_lookahead=False); static-draftahead (whole rounds in turns only): a lone request's next draft launched as soon "
-             "as its round's acceptance is known, before that round's commit (draft_ahead=True).", "",
+             "as its round's acceptance is known, before that round's commit (draft_ahead=True)."
+             + "".join(f" {name} (this run's own, --variant-env): {env}." for name, env in result.get("variant_env", {}).items()),
+             "",
              "| shape | weights GB | floor ms | ar step ms | ar / floor | ar round / floor | uncompiled ar / floor | "
              "dynamic ar / floor | ddtree-16 / ar | ddtree-64 / ar | max host share (stages) | max GPU idle share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -537,10 +539,19 @@ def main(argv: list[str] | None = None) -> dict:
                         help="only the whole rounds in turns (--round-turns): no verify curve, no variants' verifies, no "
                              "separate rounds, no batches; an A/B of --round-variants in a shorter run (the ratios from the "
                              "static forward's turns; ar / floor then NaN)")
+    parser.add_argument("--variant-env", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                        help="an environment variant of this run's own, usable in --variants and --round-variants (e.g. "
+                             "static-tuned17:DDTREE_GEMV_TUNED=/tmp/out/gemv_rows.json:17, a search's configurations "
+                             "from perf/gemv_bench.py); repeatable, recorded in the results")
     add_freeze_heap_arg(parser)   # the round turns' (from the 25th session; before, every collection walked every engine)
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)
+    for spec in args.variant_env:
+        name, _, pairs = spec.partition(":")
+        if not name.startswith("static-") or "=" not in pairs:
+            parser.error(f"--variant-env {spec!r}: expected static-<name>:KEY=VALUE[,KEY=VALUE...]")
+        VARIANT_ENV[name] = dict(pair.split("=", 1) for pair in pairs.split(","))
     if args.turns_only:
         if not args.round_turns:
             parser.error("--turns-only needs --round-turns")
@@ -549,7 +560,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
     bandwidth = copy_bandwidth(args.device)   # NaN without a GPU: the floor and ar / floor are then NaN
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "prompt_len": args.prompt_len,
-              "copy_bytes_per_s": bandwidth, "goals": GOALS, "freeze_heap": args.freeze_heap, "shapes": {}}
+              "copy_bytes_per_s": bandwidth, "goals": GOALS, "freeze_heap": args.freeze_heap,
+              "variant_env": {spec.partition(":")[0]: VARIANT_ENV[spec.partition(":")[0]] for spec in args.variant_env},
+              "shapes": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
