@@ -200,7 +200,7 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         # the same static forward with one default kernel swapped for the form before it (VARIANT_ENV; the table's
         # preamble says what each one is), for comparison; measured one after another, so a difference of a few tenths
         # of a millisecond can be drift: perf/graph_turns.py times them in turns
-        for form, env in VARIANT_ENV.items():
+        for form, env in args.env_forms.items():
             if form not in variants:
                 continue
             result = diagnostic(errors, form, env, measure_verify, target, args.device,
@@ -219,20 +219,20 @@ def measure_shape(shape: str, args, bandwidth: float) -> dict:
         rounds["static-hosttree"] = measure_rounds(target, drafter, args.device, args.dtype, round_budgets,
                                                    args.prompt_len, args.rounds, static_forward="on",
                                                    **ROUND_SETTINGS["static-hosttree"])
-    round_forms = [f for f in args.round_variants.split(",") if f in VARIANT_ENV or f in ROUND_SETTINGS]
+    round_forms = [f for f in args.round_variants.split(",") if f in args.env_forms or f in ROUND_SETTINGS]
     round_turns, failed = {}, {}
     if args.round_turns and ("static" in forwards or args.turns_only):
         # the static forward's rounds and its variants' in turns (pairs under the same machine state)
         round_turns = diagnostic(errors, "round turns", {}, measure_rounds_in_turns, target, drafter, args.device,
                                  args.dtype, round_budgets, args.prompt_len, args.rounds,
-                                 {"static": {}, **{f: VARIANT_ENV.get(f, {}) for f in round_forms}}, args.round_turns,
+                                 {"static": {}, **{f: args.env_forms.get(f, {}) for f in round_forms}}, args.round_turns,
                                  ROUND_SETTINGS, lambda runs: checkpoint_turns(args, shape, runs), failed,
                                  args.freeze_heap) or {}
         errors.update({f"{form} rounds": error for form, error in failed.items()})
         round_forms = []
-    for form in (f for f in round_forms if args.device.startswith("cuda") and f in VARIANT_ENV):
+    for form in (f for f in round_forms if args.device.startswith("cuda") and f in args.env_forms):
         # whole rounds under a variant's environment, otherwise as the static forward's, for comparison with them
-        result = diagnostic(errors, f"{form} rounds", VARIANT_ENV[form], measure_rounds, target, drafter, args.device,
+        result = diagnostic(errors, f"{form} rounds", args.env_forms[form], measure_rounds, target, drafter, args.device,
                             args.dtype, round_budgets, args.prompt_len, args.rounds, static_forward="on")
         if result is not None:
             rounds[form] = result
@@ -547,11 +547,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gpu_ratios")
     args = parser.parse_args(argv)
+    own = {}   # --variant-env's forms, beside VARIANT_ENV's (args.env_forms: every environment form of the run)
     for spec in args.variant_env:
         name, _, pairs = spec.partition(":")
         if not name.startswith("static-") or "=" not in pairs:
             parser.error(f"--variant-env {spec!r}: expected static-<name>:KEY=VALUE[,KEY=VALUE...]")
-        VARIANT_ENV[name] = dict(pair.split("=", 1) for pair in pairs.split(","))
+        own[name] = dict(pair.split("=", 1) for pair in pairs.split(","))
+    args.env_forms = {**VARIANT_ENV, **own}
     if args.turns_only:
         if not args.round_turns:
             parser.error("--turns-only needs --round-turns")
@@ -561,7 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = copy_bandwidth(args.device)   # NaN without a GPU: the floor and ar / floor are then NaN
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "prompt_len": args.prompt_len,
               "copy_bytes_per_s": bandwidth, "goals": GOALS, "freeze_heap": args.freeze_heap,
-              "variant_env": {spec.partition(":")[0]: VARIANT_ENV[spec.partition(":")[0]] for spec in args.variant_env},
+              "variant_env": own,
               "shapes": {}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

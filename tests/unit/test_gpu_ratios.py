@@ -121,6 +121,31 @@ def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path, monkeypat
         gpu_ratios.main(["--shapes", "tiny-dense", "--turns-only", "--out", str(tmp_path)])
 
 
+def test_a_variant_of_the_runs_own_runs_under_its_environment(tmp_path, monkeypatch):
+    """--variant-env: a form given on the command line (NAME:KEY=VALUE,...) runs its engine under that environment in
+    the turns, beside the default's without it; the results record it, and the module's forms stay as they were."""
+    import os
+
+    from perf import hybrid_verify
+
+    seen, build = [], hybrid_verify.Engine
+    monkeypatch.setattr(hybrid_verify, "Engine", lambda *a, **k: seen.append(os.environ.get("DDTREE_TEST_FORM")) or build(*a, **k))
+    before = dict(gpu_ratios.VARIANT_ENV)
+    gpu_ratios.main(["--shapes", "tiny-dense", "--dtype", "float32", "--budgets", "16", "--turns-only",
+                     "--round-variants", "static-mine", "--variant-env", "static-mine:DDTREE_TEST_FORM=a:b,DDTREE_X=1",
+                     "--round-turns", "1", "--prompt-len", "24", "--repeats", "1", "--rounds", "2", "--out", str(tmp_path),
+                     "--name", "t"])
+    assert gpu_ratios.VARIANT_ENV == before and "DDTREE_TEST_FORM" not in os.environ
+    assert sorted(seen, key=str) == [None, "a:b"]   # the default's engine, then the variant's (its value keeps its colon)
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["variant_env"] == {"static-mine": {"DDTREE_TEST_FORM": "a:b", "DDTREE_X": "1"}}
+    assert list(result["shapes"]["tiny-dense"]["round_turns"]) == ["static", "static-mine"]
+    assert "static-mine (this run's own, --variant-env)" in (tmp_path / "t.md").read_text()
+    with pytest.raises(SystemExit):
+        gpu_ratios.main(["--shapes", "tiny-dense", "--turns-only", "--round-turns", "1", "--variant-env", "mine:A=1",
+                         "--out", str(tmp_path)])
+
+
 def test_a_form_whose_engine_fails_is_left_out_of_the_turns(tmp_path, monkeypatch):
     """A variant whose engine cannot be built (a kernel of its that does not compile, 6a7041c on an H100) costs its
     own turns only: its error recorded under "<form> rounds", the static forward measured as usual."""
