@@ -97,11 +97,11 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
 
 
 def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int,
-                 forms: tuple[str, ...] = ("rows",)) -> dict:
+                 forms: tuple[str, ...] = ("rows",), swap_grid: list[tuple[int, int, int, int]] | None = None) -> dict:
     """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
     where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph); forms
     (more than one row): "rows" the few-rows kernel's rows-first form (variants plain, prologue), "swap" its swapped
-    one (swap, swap_prologue)."""
+    one (swap, swap_prologue); swap_grid: the swapped form's configurations to search (default SWAP_GRID)."""
     from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block
 
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -121,7 +121,7 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
                 variants.append(("prologue" if form == "rows" else "swap_prologue", {**kwargs, **swap}))
         for variant, kw in variants:
             first = "swap" if variant.startswith("swap") else "plain"
-            times, grid = {}, CONFIG_GRID if rows == 1 else SWAP_GRID if first == "swap" else ROWS_GRID
+            times, grid = {}, CONFIG_GRID if rows == 1 else (swap_grid or SWAP_GRID) if first == "swap" else ROWS_GRID
             if rows > 1 and variant != first:
                 grid = [tuple(c) for c, _ in entry[first]["top"][:ROWS_TOP]]
             if rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
@@ -211,9 +211,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", default="1", help="input rows, comma-separated (one: the GEMV; more: the few-rows kernel)")
     parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure: rows, swap or both")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--swap-grid", default="", metavar="BN,../BK,../WARPS,../STAGES,..",
+                        help="the swapped form's search, one list per field (default SWAP_GRID's; a narrower one compiles "
+                             "fewer kernels: e.g. 64,128/64,128/4,8/3,4)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")
     args = parser.parse_args(argv)
+    swap_grid = (list(itertools.product(*([int(v) for v in field.split(",")] for field in args.swap_grid.split("/"))))
+                 if args.swap_grid else None)
+    if swap_grid and len(swap_grid[0]) != 4:
+        parser.error("--swap-grid: four fields, BN/BK/WARPS/STAGES")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.set_grad_enabled(False)
@@ -224,8 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
               "read_bytes_per_s": read_bandwidth(), "copy_bytes_per_s": copy_bandwidth("cuda"),
               "shapes": {}, "steps": {}}
     print(f"read {result['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    result["swap_grid"] = swap_grid or SWAP_GRID
     for rows in (int(r) for r in args.rows.split(",")):
-        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")))
+        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")), swap_grid)
         result["shapes"][rows] = {f"{n}x{k} {kind}{'+add' if add else ''}": v for (n, k, kind, _, add), v in chosen.items()}
         result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats)
         print(f"rows {rows}: {result['steps'][rows]}", flush=True)
