@@ -657,24 +657,24 @@ class Engine:
         t_accepted = time.perf_counter()
         parts = times.commit_parts   # the stage's host time by part: they add up to it
         parts[0] += t_accepted - t_commit
-        # the features kept and the requests advanced, then this round's cache commit (and, drafting ahead, the next
-        # round's draft launched: the device drafts while the host reports and starts the next round). The features
-        # first: the verify's taps are an output of the graphs' shared pool (GraphPool), valid only until the next
-        # replay of any program, and the commit may replay one. The commit before the draft: it reads the verify's
-        # stash (a hybrid's GDN inputs of every row), also a pool output, which the drafter's replay may overwrite
-        # (launched the other way round until the 25th session, a CPU test with the stash overwritten as the draft
-        # starts decodes wrong tokens)
-        old_starts = [seq.start for seq in seqs]
+        # the features kept, this round's cache commit, the requests advanced (and, drafting ahead, the next round's
+        # draft launched: the device drafts while the host reports and starts the next round). The features first:
+        # the verify's taps are an output of the graphs' shared pool (GraphPool), valid only until the next replay of
+        # any program, and the commit may replay one (until the 26th session the commit went first without the draft
+        # ahead). The commit before the requests advance, so that its device work runs under their bookkeeping, and
+        # before the draft: it reads the verify's stash (a hybrid's GDN inputs of every row), also a pool output, which
+        # the drafter's replay may overwrite (launched the other way round until the 25th session, a CPU test with the
+        # stash overwritten as the draft starts decodes wrong tokens)
         self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
         t_features = time.perf_counter()
-        outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
-        t_advanced = time.perf_counter()
-        self._commit_caches(seqs, [a.accepted for a in accepted], old_starts)
+        self._commit_caches(seqs, [a.accepted for a in accepted])
         self._events.record("committed")   # the commit's GPU time alone (a draft queued after it is the draft's)
+        t_caches = time.perf_counter()
+        outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]
         t_end = time.perf_counter()   # the commit stage's host time, less a draft's launch
-        parts[1] += t_end - t_advanced
+        parts[1] += t_caches - t_features
         parts[2] += t_features - t_accepted
-        parts[3] += t_advanced - t_features
+        parts[3] += t_end - t_caches
         if self.draft_ahead and verified is not None:
             self._launch_draft_ahead(seqs)
             times.draft += time.perf_counter() - t_end

@@ -364,6 +364,56 @@ def test_a_draft_ahead_outlives_the_commit_replayed_before_its_round(family, tin
     assert read and all(read), read
 
 
+@pytest.mark.parametrize("device_tree", [True, False])
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_the_verifys_features_outlive_the_commit_replayed_after_it(family, device_tree, tiny_models, hybrid, monkeypatch):
+    """Without a draft ahead too, the verify's taps (the target features the drafter's next context takes) are a
+    static program's output, valid only until the next replay of any program (GraphPool), and the round's commit may
+    replay one: they are kept before it. Here every verify's taps are overwritten with NaN once the commit has been
+    queued, as such a replay would; the drafter still reads finite features, alone and batched, and the tokens are the
+    target's (with the commit first, as until the 26th session, the drafts read NaN)."""
+    from ddtree.request import Request
+
+    plain, engine = engines(family, tiny_models, hybrid, draft_ahead=False, device_tree=device_tree, max_num_seqs=2)
+    taps, finite = [], []
+    verify, on_device, commit, draft_hidden = (engine._verify, engine._round_on_device, engine._commit_caches,
+                                                engine._draft_hidden)
+
+    def verified(*args, **kwargs):
+        result = verify(*args, **kwargs)
+        taps.append(result[1])
+        return result
+
+    def verified_on_device(*args, **kwargs):
+        result = on_device(*args, **kwargs)
+        taps.append(result[1][1])
+        return result
+
+    def committed(*args):
+        commit(*args)
+        while taps:
+            out = taps.pop()
+            if out is not None:
+                out.fill_(float("nan"))
+
+    def drafted(seqs):
+        finite.extend(bool(t[lo:hi].isfinite().all()) for s in seqs for t, lo, hi in s.pending_taps)
+        return draft_hidden(seqs)
+
+    monkeypatch.setattr(engine, "_verify", verified)
+    monkeypatch.setattr(engine, "_round_on_device", verified_on_device)
+    monkeypatch.setattr(engine, "_commit_caches", committed)
+    monkeypatch.setattr(engine, "_draft_hidden", drafted)
+    prompts = [[5, 9, 17, 33, 2, 71], list(range(3, 40))]
+    expected = [plain.generate_ids(p, greedy("ar", 1)).output_ids for p in prompts]
+    for mode, budget in [("dflash", 1), ("ddtree", 16)]:
+        assert engine.generate_ids(prompts[1], greedy(mode, budget)).output_ids == expected[1], f"{family} {mode}-{budget}"
+    requests = [Request(request_id=str(i), prompt_ids=p, params=greedy("ddtree", 16)) for i, p in enumerate(prompts)]
+    serve_together(engine, requests)
+    assert [r.output_ids for r in requests] == expected
+    assert finite and all(finite), finite
+
+
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_a_draft_ahead_is_undone_when_the_batch_changes_or_its_request_goes(family, tiny_models, hybrid):
     """A draft launched ahead for a lone request that the next round does not take is undone (a second request joins
