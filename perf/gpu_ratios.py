@@ -408,6 +408,13 @@ def table(result: dict) -> str:
                           f"{form} {name} " + " / ".join(f"{v:.3f}" for v in e["commit_parts_ms"].values())
                           for form, methods in r["round_turns"].items() for name, e in methods.items()
                           if name != "ar" and "commit_parts_ms" in e)]
+            # the static programs' runs (the inputs' copy and the graph's launch) by kind: whether the launches are
+            # what differs between engines
+            lines += ["", "the turns' static program runs' host time by kind (inputs copied, graph launched), ms per round, "
+                      "median over turns: " + "; ".join(
+                          f"{form} {name} " + ", ".join(f"{k} {v:.3f}" for k, v in e["program_host_ms"].items())
+                          for form, methods in r["round_turns"].items() for name, e in methods.items()
+                          if e.get("program_host_ms"))]
         if r["rounds"]:
             lines += ["", "commit stage's host time by part, ms per round (acceptance walks / cache commits / kept features / "
                       "token bookkeeping): " + "; ".join(

@@ -327,10 +327,22 @@ def round_device_time(engine: Engine, prompt: list[int], params: SamplingParams,
             "round_kernels_all": kernels_per_round(whole, prefill, rounds, top=None)}
 
 
-def record_programs(graphs) -> tuple[list[tuple], Callable[[], None]]:
-    """(the keys of the static programs `graphs` runs from now on, in order; a call that stops recording)."""
+def record_programs(graphs, host: dict[str, float] | None = None) -> tuple[list[tuple], Callable[[], None]]:
+    """(the keys of the static programs `graphs` runs from now on, in order; a call that stops recording). host: the
+    host's seconds inside those runs are added to it by program kind (key[0]): the inputs' copy and the graph's launch
+    of a replay (the 25th and 26th sessions' turns saw an engine's commit and draft host times differ 2x between
+    engines and methods of one form; this says whether the launches do)."""
     ran, run = [], graphs.run
-    graphs.run = lambda key, program, *args: (ran.append(key), run(key, program, *args))[1]
+
+    def timed_run(key, program, *args):
+        ran.append(key)
+        start = time.perf_counter()
+        try:
+            return run(key, program, *args)
+        finally:
+            if host is not None:
+                host[str(key[0])] = host.get(str(key[0]), 0.0) + time.perf_counter() - start
+    graphs.run = timed_run
 
     def stop() -> None:
         graphs.run = run
@@ -402,7 +414,8 @@ def measure_method(engine: Engine, prompt: list[int], mode: str, budget: int, ro
     stages = ("draft", "tree_build", "verify", "commit", "decode", "draft_gpu", "verify_gpu", "commit_gpu")
     before = {k: getattr(engine.stage_times, k) for k in stages + ("batch_rounds", "static_commits", "device_trees")}
     parts_before = list(engine.stage_times.commit_parts)
-    ran, stop = record_programs(engine.graphs)   # the programs the measured request runs
+    launches: dict[str, float] = {}
+    ran, stop = record_programs(engine.graphs, launches)   # the programs the measured request runs, their host time
     try:
         engine.generate_ids(prompt, params)
     finally:
@@ -415,6 +428,7 @@ def measure_method(engine: Engine, prompt: list[int], mode: str, budget: int, ro
     entry["device_tree_share"] = (t.device_trees - before["device_trees"]) / n   # rounds read once
     entry["commit_parts_ms"] = {name: (after - prior) / n * 1e3
                                 for name, after, prior in zip(COMMIT_PARTS, t.commit_parts, parts_before)}
+    entry["program_host_ms"] = {kind: seconds / n * 1e3 for kind, seconds in sorted(launches.items())}
     # programs whose capture failed run eagerly (logged once): which kinds
     entry["eager_programs"] = sorted({key[0] for key, p in engine.graphs.programs.items() if p.graph is False})
     # programs made (compiled, captured) inside the measured rounds: their cost is in the stage times above
@@ -507,7 +521,9 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
                          static_commit_share=statistics.median(e["static_commit_share"] for e in entries),
                          device_tree_share=statistics.median(e["device_tree_share"] for e in entries),
                          commit_parts_ms={k: statistics.median(e["commit_parts_ms"][k] for e in entries)
-                                          for k in entries[0]["commit_parts_ms"]})
+                                          for k in entries[0]["commit_parts_ms"]},
+                         program_host_ms={k: statistics.median(e["program_host_ms"].get(k, 0.0) for e in entries)
+                                          for k in entries[0]["program_host_ms"]})
             if form != first:
                 paired = [m / f["round_ms"] for m, f in zip(ms, runs[first][name])]
                 entry["over_first"] = {"form": first, "median": statistics.median(paired), "min": min(paired),

@@ -117,6 +117,10 @@ def test_turns_only_measures_the_whole_rounds_in_turns_alone(tmp_path, monkeypat
     md = (tmp_path / "t.md").read_text()
     assert "whole rounds in turns (2 turns" in md and "target verify alone" not in md and "whole engine rounds" not in md
     assert "the turns' commit stage host time by part" in md and "static-again ddtree-16 " in md
+    # the static programs' runs timed by kind (on the CPU their bodies run eagerly: the host time is their compute)
+    assert {"batch", "draft", "tree"} <= set(turns["static"]["ddtree-16"]["program_host_ms"])   # the verify, draft, tree
+    assert all(v > 0 for v in turns["static-again"]["ddtree-16"]["program_host_ms"].values())
+    assert "the turns' static program runs' host time by kind" in md
     with pytest.raises(SystemExit):
         gpu_ratios.main(["--shapes", "tiny-dense", "--turns-only", "--out", str(tmp_path)])
 
