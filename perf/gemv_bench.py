@@ -102,7 +102,7 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
     where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph); forms
     (more than one row): "rows" the few-rows kernel's rows-first form (variants plain, prologue), "swap" its swapped
     one (swap, swap_prologue); swap_grid: the swapped form's configurations to search (default SWAP_GRID)."""
-    from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block
+    from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block, shared_budget
 
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w, kind, group, add in weights:
@@ -125,7 +125,8 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
             if rows > 1 and variant != first:
                 grid = [tuple(c) for c, _ in entry[first]["top"][:ROWS_TOP]]
             if rows > 1:   # configurations whose tiles do not fit in shared memory are cut down by linear_rows: skipped
-                grid = [c for c in grid if fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size()) == (c[1], c[3])]
+                grid = [c for c in grid if fit_shared(rows_block(rows), c[0], c[1], c[3], x.element_size(),
+                                                  shared_budget(x.device)) == (c[1], c[3])]
             for config in grid:
                 try:
                     times[config] = graph_ms(lambda: [linear_rows(x, w, config, **kw) for w in ws], repeats)

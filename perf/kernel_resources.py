@@ -1,4 +1,5 @@
-"""What our matrix-product kernels take of an SM on Hopper, compiled offline (no GPU needed): shared memory, registers,
+"""What our matrix-product kernels take of an SM on Hopper (or Blackwell, --arch 120), compiled offline
+(no GPU needed): shared memory, registers,
 spills, and the programs an SM holds at once, per 27B weight shape and form.
 
 The GEMV (`_gemv_kernel`, one row) and the few-rows kernel (`_rows_kernel`: 16 rows rows-first, 17 in the swapped
@@ -28,7 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import ROOT, header, write_results  # noqa: E402
 
-SM_SHARED = 233472        # bytes of shared memory an sm90 SM gives its programs (228 KB)
+# per architecture (CUDA's "technical specifications per compute capability"; CCCL's cuda/__device/arch_traits.h):
+# shared memory an SM gives its programs, threads and programs an SM holds; a block may opt in to the SM's shared
+# memory less SHARED_RESERVED (sm90: 227 KB; sm120, the RTX PRO 6000 Blackwell's: 99 KB)
+# (ptxas: the -arch and Triton's own binary that assembles its PTX for it: Blackwell's is the newer one it ships)
+ARCHS = {90: {"sm_shared": 228 * 1024, "sm_threads": 2048, "sm_programs": 32, "ptxas": ("sm_90a", "ptxas")},
+         120: {"sm_shared": 100 * 1024, "sm_threads": 1536, "sm_programs": 24, "ptxas": ("sm_120a", "ptxas-blackwell")}}
+SM_SHARED = ARCHS[90]["sm_shared"]   # the default architecture's (sm90)
 SHARED_RESERVED = 1024    # ... less this much the system keeps per program
 SM_REGISTERS = 65536
 SM_THREADS = 2048
@@ -37,19 +44,22 @@ FORMS = {"loop": (False, False), "peel": (True, True), "wait": (False, True)}   
 INTS_ALIGNED = ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")   # multiples of 16 here
 
 
-def programs_per_sm(shared: int, registers: int, warps: int) -> dict[str, int]:
-    """How many programs of a kernel an SM holds at once, and what each resource alone would allow (registers are
-    allocated per warp in units of 256)."""
+def programs_per_sm(shared: int, registers: int, warps: int, arch: int = 90) -> dict[str, int]:
+    """How many programs of a kernel an SM of this architecture holds at once, and what each resource alone would
+    allow (registers are allocated per warp in units of 256); 0 where one program's shared memory exceeds what a
+    block may take (it does not launch)."""
+    a = ARCHS[arch]
     threads = 32 * warps
     per_warp = math.ceil(registers * 32 / 256) * 256
-    limits = {"shared": SM_SHARED // (shared + SHARED_RESERVED), "registers": SM_REGISTERS // (per_warp * warps),
-              "threads": SM_THREADS // threads, "cap": SM_PROGRAMS}
+    limits = {"shared": a["sm_shared"] // (shared + SHARED_RESERVED), "registers": SM_REGISTERS // (per_warp * warps),
+              "threads": a["sm_threads"] // threads, "cap": a["sm_programs"]}
     return {"programs": min(limits.values()), **limits}
 
 
-def compile_resources(kernel, constexprs: dict, warps: int, stages: int) -> dict:
-    """The kernel compiled for sm90 with these constexprs (every pointer and the strides and sizes in INTS_ALIGNED
-    16-byte aligned, as a launch on the 27B shapes specializes them): shared bytes, registers, spill bytes."""
+def compile_resources(kernel, constexprs: dict, warps: int, stages: int, arch: int = 90) -> dict:
+    """The kernel compiled for this architecture (sm90, sm120) with these constexprs (every pointer and the strides
+    and sizes in INTS_ALIGNED 16-byte aligned, as a launch on the 27B shapes specializes them): shared bytes,
+    registers, spill bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -59,12 +69,13 @@ def compile_resources(kernel, constexprs: dict, warps: int, stages: int) -> dict
                  for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in INTS_ALIGNED}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    target, binary = ARCHS[arch]["ptxas"]
+    ptxas = Path(triton.__file__).parent / "backends/nvidia/bin" / binary
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"])
         f.flush()
-        report = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", f.name, "-o", "/dev/null"], capture_output=True,
+        report = subprocess.run([str(ptxas), "-v", f"-arch={target}", f.name, "-o", "/dev/null"], capture_output=True,
                                 text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = re.search(r"(\d+) bytes spill stores", report)
@@ -72,9 +83,10 @@ def compile_resources(kernel, constexprs: dict, warps: int, stages: int) -> dict
             "async_copies": len(re.findall("async_copy_global_to_local", compiled.asm["ttgir"]))}
 
 
-def cases() -> list[dict]:
+def cases(budget_arch: int = 90) -> list[dict]:
     """Every 27B shape the default configurations name: the GEMV per (N, K, prologue), the few-rows kernel per (N, K)
-    at 16 rows rows-first and 17 in the swapped form."""
+    at 16 rows rows-first and 17 in the swapped form, its stages cut as a launch on that architecture cuts them
+    (gemv_kernel.shared_budget: what a block may take less its spare)."""
     import triton
 
     from ddtree.models import gemv_kernel as g
@@ -91,7 +103,8 @@ def cases() -> list[dict]:
         shapes = sorted({(n, k) for n, k, _ in g.CONFIGS} | set(table))
         for n, k in shapes:
             block_m = g.rows_block(rows)
-            block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2)
+            budget = min(g.SHARED_BYTES, ARCHS[budget_arch]["sm_shared"] - SHARED_RESERVED - g.SHARED_SPARE)
+            block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2, budget=budget)
             glu = (k, n // 2) in shapes   # a gated MLP's gate and up: the down projection reads N // 2 columns
             for silu_up in [False] + [True] * glu:
                 name = ("rows swapped" if swap else "rows") + (" glu" if silu_up else "")
@@ -122,31 +135,48 @@ def main() -> None:
     parser.add_argument("--forms", default=",".join(FORMS))
     parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows glu,rows swapped glu")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
-    parser.add_argument("--name", default="kernel_resources_sm90")
+    parser.add_argument("--arch", type=int, default=90, choices=sorted(ARCHS),
+                        help="compile for sm<arch> (90: H100/H200; 120: the RTX PRO 6000 Blackwell)")
+    parser.add_argument("--budget-of", type=int, choices=sorted(ARCHS),
+                        help="cut the few-rows kernel's stages to this architecture's shared memory a block (default: "
+                             "--arch's, as a launch there cuts them; 90 with --arch 120: Hopper's cuts on a Blackwell)")
+    parser.add_argument("--name", default="")
     args = parser.parse_args()
     from tqdm import tqdm
 
     from ddtree.models import gemv_kernel as g
 
+    arch, budget_arch = args.arch, args.budget_of or args.arch
+    name = args.name or f"kernel_resources_sm{arch}"
+    block_limit = ARCHS[arch]["sm_shared"] - SHARED_RESERVED
     forms, kernels = args.forms.split(","), args.kernels.split(",")
-    todo = [c for c in cases() if c["kernel"] in kernels]
+    todo = [c for c in cases(budget_arch) if c["kernel"] in kernels]
     results = []
-    for case in tqdm(todo, desc="compiling for sm90"):
+    for case in tqdm(todo, desc=f"compiling for sm{arch}"):
         kernel = g._gemv_kernel if case["kernel"] == "gemv" else g._rows_kernel
         entry = {k: v for k, v in case.items() if k != "constexprs"} | {"forms": {}}
         for form in forms:
             peel, pdl = FORMS[form]
             try:
-                found = compile_resources(kernel, {**case["constexprs"], "PEEL": peel, "PDL": pdl}, case["warps"], case["stages"])
-                found["occupancy"] = programs_per_sm(found["shared"], found["registers"], case["warps"])
+                found = compile_resources(kernel, {**case["constexprs"], "PEEL": peel, "PDL": pdl}, case["warps"],
+                                          case["stages"], arch)
+                found["occupancy"] = programs_per_sm(found["shared"], found["registers"], case["warps"], arch)
+                found["fits_a_block"] = found["shared"] <= block_limit
             except Exception as e:   # one configuration that does not compile is a row of the table, not the end of the run
                 found = {"error": f"{type(e).__name__}: {e}"}
             entry["forms"][form] = found
         results.append(entry)
-    text = ("Compiled offline for sm90 (Triton's compiler and ptxas -v, no GPU); an SM's programs: the fewest its shared "
-            f"memory ({SM_SHARED // 1024} KB, {SHARED_RESERVED} bytes reserved a program), registers ({SM_REGISTERS}) "
-            f"and threads ({SM_THREADS}) allow.\n\n" + table(results, forms))
-    write_results(Path(args.out), args.name, {"header": header(), "forms": forms, "cases": results}, text)
+    a = ARCHS[arch]
+    too_big = sorted({f"{r['kernel']} {r['shape']}" for r in results for f in r["forms"].values() if not f.get("fits_a_block", True)})
+    text = (f"Compiled offline for sm{arch} (Triton's compiler and ptxas -v, no GPU), the few-rows kernel's stages cut to "
+            f"sm{budget_arch}'s shared memory a block; an SM's programs: the fewest its shared memory "
+            f"({a['sm_shared'] // 1024} KB, {SHARED_RESERVED} bytes reserved a program), registers ({SM_REGISTERS}), "
+            f"threads ({a['sm_threads']}) and its cap ({a['sm_programs']}) allow; 0 where a program takes more shared "
+            f"memory than a block may ({block_limit // 1024} KB): it does not launch.\n\n"
+            f"Programs over a block's shared memory: {', '.join(too_big) if too_big else 'none'}.\n\n" + table(results, forms))
+    write_results(Path(args.out), name, {"header": header(), "arch": arch, "budget_arch": budget_arch,
+                                         "block_shared_limit": block_limit, "forms": forms, "cases": results,
+                                         "over_block_limit": too_big}, text)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ SWAP_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (5120, 6144): (64, 128, 4, 4), (16480, 5120): (64, 128, 4, 4), (5120, 17408): (64, 128, 4, 4),
     (34816, 5120): (64, 64, 4, 3), (14336, 5120): (128, 128, 4, 4), (248320, 5120): (128, 128, 4, 4)}
 SHARED_BYTES = 160 * 1024   # shared memory a few-rows program's pipeline may take (the H200 has 227 KB a block)
+SHARED_SPARE = 4 * 1024     # kept free of the pipeline below a device's own limit a block (shared_budget)
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
 NORM_PARTS_BLOCK = 64   # partial sums of squares a step of _rows_kernel's NORM_IN loop reads (per row)
@@ -334,10 +335,24 @@ def rows_block(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int) -> tuple[int, int]:
-    """(BLOCK_K, stages) of a few-rows configuration cut until its pipelined tiles fit SHARED_BYTES: fewer stages
-    first (down to 2), then shorter steps."""
-    while stages * (block_m + block_n) * block_k * itemsize > SHARED_BYTES and (stages > 2 or block_k > 32):
+@functools.cache
+def shared_budget(device: torch.device) -> int:
+    """Shared memory a few-rows program's pipeline may take on this device: SHARED_BYTES, or less on a device that
+    gives a block less (its opt-in limit less SHARED_SPARE). Hopper gives 227 KB; an RTX PRO 6000 Blackwell (sm_120)
+    99 KB, where the H200's configurations (up to 160 KB: perf/results/kernel_resources_sm90.md) would not launch
+    (perf/results/kernel_resources_sm120.md). Off CUDA (Triton's interpreter) SHARED_BYTES."""
+    if device.type != "cuda":
+        return SHARED_BYTES
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_multiprocessor - 1024
+    return min(SHARED_BYTES, optin - SHARED_SPARE)
+
+
+def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int,
+               budget: int = SHARED_BYTES) -> tuple[int, int]:
+    """(BLOCK_K, stages) of a few-rows configuration cut until its pipelined tiles fit budget bytes (shared_budget):
+    fewer stages first (down to 2), then shorter steps."""
+    while stages * (block_m + block_n) * block_k * itemsize > budget and (stages > 2 or block_k > 32):
         if stages > 2:
             stages -= 1
         else:
@@ -346,16 +361,16 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
 
 
 def rows_config(n: int, k: int, block_m: int, swap: bool, itemsize: int,
-                config: tuple[int, int, int, int] | None = None) -> tuple[int, int, int, int]:
+                config: tuple[int, int, int, int] | None = None, budget: int = SHARED_BYTES) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of the few-rows kernel's programs of block_m rows over an [n, k] weight: the
     given config as it is, else a DDTREE_GEMV_TUNED choice or the form's table (SWAP_CONFIGS, ROWS_CONFIGS), its
-    pipeline's stages cut to fit shared memory (fit_shared)."""
+    pipeline's stages cut to fit budget bytes of shared memory (fit_shared; the device's: shared_budget)."""
     if config is not None:
         return config
     block_n, block_k, warps, stages = (tuned_configs(os.environ.get("DDTREE_GEMV_TUNED", "")).get((n, k, swap, block_m))
                                        or (SWAP_CONFIGS.get((n, k), SWAP_DEFAULT) if swap
                                            else ROWS_CONFIGS.get((n, k), ROWS_DEFAULT)))
-    block_k, stages = fit_shared(block_m, block_n, block_k, stages, itemsize)
+    block_k, stages = fit_shared(block_m, block_n, block_k, stages, itemsize, budget)
     return block_n, block_k, warps, stages
 
 
@@ -401,7 +416,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     if m > 1:
         block_m = rows_block(m)
         swap = swap_ab(block_m) if swap is None else swap
-        block_n, block_k, warps, stages = rows_config(weight.shape[0], k, block_m, swap, x.element_size(), config)
+        block_n, block_k, warps, stages = rows_config(weight.shape[0], k, block_m, swap, x.element_size(), config,
+                                                      shared_budget(x.device))
         peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
         programs = triton.cdiv(n, block_n // 2 if glu else block_n)
         y, parts = out, out

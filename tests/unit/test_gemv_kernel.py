@@ -252,6 +252,35 @@ def test_tuned_configs_read_a_gemv_bench_result(tmp_path, monkeypatch):
                                        atol=1e-4)
 
 
+def test_the_few_rows_pipeline_fits_the_devices_shared_memory(monkeypatch):
+    """The few-rows kernel's stages are cut to what the device gives a block (shared_budget): Hopper's 227 KB leave the
+    H200's configurations as they are (SHARED_BYTES), an RTX PRO 6000 Blackwell's 99 KB (sm_120) cut every one of
+    them to fit, the lm_head's and the swapped 14336-wide ones among them (120 KB compiled for sm120 with Hopper's
+    cuts: perf/results/kernel_resources_sm120_hopper_cuts.md); off CUDA nothing is cut further."""
+    import types
+
+    module = gemv_module()
+    budgets = {}
+    for name, optin in (("hopper", 232448), ("blackwell", 101376)):
+        props = types.SimpleNamespace(shared_memory_per_block_optin=optin, shared_memory_per_multiprocessor=optin + 1024)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+        module.shared_budget.cache_clear()
+        budgets[name] = module.shared_budget(torch.device("cuda", 0))
+    module.shared_budget.cache_clear()
+    assert budgets == {"hopper": module.SHARED_BYTES, "blackwell": 101376 - module.SHARED_SPARE}
+    assert module.shared_budget(torch.device("cpu")) == module.SHARED_BYTES
+    shapes = set(module.ROWS_CONFIGS) | set(module.SWAP_CONFIGS) | {(n, k) for n, k, _ in module.CONFIGS}
+    cut = 0
+    for (n, k), block_m, swap in ((s, m, w) for s in sorted(shapes) for m in (16, 32, 128) for w in (False, True)):
+        hopper = module.rows_config(n, k, block_m, swap, 2, budget=budgets["hopper"])
+        assert hopper == module.rows_config(n, k, block_m, swap, 2)   # the default budget is Hopper's
+        block_n, block_k, warps, stages = module.rows_config(n, k, block_m, swap, 2, budget=budgets["blackwell"])
+        assert stages * (block_m + block_n) * block_k * 2 <= budgets["blackwell"], (n, k, block_m, swap)
+        assert stages >= 2 and block_n == hopper[0] and warps == hopper[2]
+        cut += (block_k, stages) != (hopper[1], hopper[3])
+    assert cut > 0
+
+
 # PDL's form (kernels.pdl): the weight's first tile loaded first, its step peeled off the loop (linear_rows' _peel
 # alone: the interpreter cannot run the wait between them). The same products summed in the same order as the single
 # loop's, so the outputs are exactly equal.

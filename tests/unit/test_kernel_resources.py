@@ -1,5 +1,5 @@
-"""perf/kernel_resources.py's arithmetic: the programs an sm90 SM holds, from a kernel's shared memory, registers and
-warps (the compile itself needs Triton's compiler, not its interpreter: the script runs it, not the suite)."""
+"""perf/kernel_resources.py's arithmetic: the programs an sm90 (or sm120) SM holds, from a kernel's shared memory,
+registers and warps (the compile itself needs Triton's compiler, not its interpreter: the script runs it, not the suite)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ from perf.kernel_resources import programs_per_sm, table
 ])
 def test_programs_per_sm(shared, registers, warps, programs, limit):
     found = programs_per_sm(shared, registers, warps)
+    assert found["programs"] == programs == found[limit]
+
+
+@pytest.mark.parametrize("shared, registers, warps, arch, programs, limit", [
+    (98304, 71, 4, 90, 2, "shared"),
+    (122880, 140, 4, 120, 0, "shared"),   # Hopper's cut of the lm_head's few-rows pipeline on sm120: does not launch
+    (49152, 80, 4, 120, 2, "shared"),     # the same cut to sm120's budget (gemv_kernel.shared_budget)
+    (0, 32, 1, 120, 24, "cap"),           # sm120 holds 24 programs an SM, not 32
+    (0, 16, 16, 120, 3, "threads"),       # ... and 1536 threads
+])
+def test_programs_per_sm_by_architecture(shared, registers, warps, arch, programs, limit):
+    found = programs_per_sm(shared, registers, warps, arch)
     assert found["programs"] == programs == found[limit]
 
 
