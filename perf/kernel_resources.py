@@ -56,20 +56,35 @@ def programs_per_sm(shared: int, registers: int, warps: int, arch: int = 90) -> 
     return {"programs": min(limits.values()), **limits}
 
 
-def compile_resources(kernel, constexprs: dict, warps: int, stages: int, arch: int = 90) -> dict:
+# the other kernels with matrix products on tensor cores (the ones whose pipelines take shared memory), their
+# pointers' element types as the engine passes them and their scalars'; the rest are i32 (strides, sizes)
+POINTERS = {"tree chunk": {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "o": "*bf16",
+                           "states": "*fp32", "tree_state": "*i64", "tree_row0": "*i64", "tree_rows": "*i64", "anc": "*i8",
+                           "scale": "fp32", "eps": "fp32"},
+            "attention split": {"q": "*bf16", "k": "*bf16", "v": "*bf16", "mask": "*u8", "slots": "*i64",
+                                "o_part": "*fp32", "lse_part": "*fp32", "scale": "fp32"}}
+
+
+def compile_resources(kernel, constexprs: dict, warps: int, stages: int | None, arch: int = 90,
+                      pointers: dict[str, str] | None = None) -> dict:
     """The kernel compiled for this architecture (sm90, sm120) with these constexprs (every pointer and the strides
     and sizes in INTS_ALIGNED 16-byte aligned, as a launch on the 27B shapes specializes them): shared bytes,
-    registers, spill bytes."""
+    registers, spill bytes. pointers: the types of its pointers and float scalars by name (default: the GEMV's and the
+    few-rows kernel's, *_ptr in bf16 but p_ptr and s_ptr); stages None: Triton's default."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = [p.name for p in kernel.params if not p.is_constexpr]
-    signature = {n: "*fp32" if n in ("p_ptr", "s_ptr") else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
-                 for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr") or n in INTS_ALIGNED}
+    if pointers is None:
+        signature = {n: "*fp32" if n in ("p_ptr", "s_ptr") else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps"
+                     else "i32" for n in names}
+    else:
+        signature = {n: pointers.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*") or n in INTS_ALIGNED}
+    options = {"num_warps": warps} | ({} if stages is None else {"num_stages": stages})
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+                              target=GPUTarget("cuda", arch, 32), options=options)
     target, binary = ARCHS[arch]["ptxas"]
     ptxas = Path(triton.__file__).parent / "backends/nvidia/bin" / binary
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -106,12 +121,48 @@ def cases(budget_arch: int = 90) -> list[dict]:
             budget = min(g.SHARED_BYTES, ARCHS[budget_arch]["sm_shared"] - SHARED_RESERVED - g.SHARED_SPARE)
             block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2, budget=budget)
             glu = (k, n // 2) in shapes   # a gated MLP's gate and up: the down projection reads N // 2 columns
-            for silu_up in [False] + [True] * glu:
-                name = ("rows swapped" if swap else "rows") + (" glu" if silu_up else "")
+            # a hybrid's norms across products (kernels.norm_parts): the products writing the stream (N = hidden)
+            # gather its norm's partial sums in their epilogue, those reading it (K = hidden) apply them
+            hidden = 5120
+            for silu_up, norm in [(False, "")] + [(True, "")] * glu + [(False, " norm out")] * (n == hidden and k != hidden) \
+                    + [(glu, " norm in")] * (k == hidden):
+                name = ("rows swapped" if swap else "rows") + (" glu" if silu_up else "") + norm
                 out.append({"kernel": name, "shape": f"{n}x{k}", "prologue": "-", "rows": rows, "warps": warps,
                             "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {
                                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                                "ADD": not silu_up, "IEEE": False, "SWAP": swap, "GLU": silu_up}})
+                                # the add: as before for the plain forms; with a norm, only the stream's writers add
+                                "ADD": not silu_up if not norm else norm == " norm out", "IEEE": False, "SWAP": swap,
+                                "GLU": silu_up, "NORM_OUT": norm == " norm out", "NORM_IN": norm == " norm in",
+                                "BLOCK_P": g.NORM_PARTS_BLOCK}})
+    out += other_cases()
+    return out
+
+
+def other_cases() -> list[dict]:
+    """The tree chunk kernel (a hybrid's tree GDN: 17, 33 and 65 rows, chunk_shape's defaults) and the split-KV
+    attention kernel (the 27B target's 24 query and 4 K/V heads of 256 at 1, 17 and 65 rows; the drafter's 32 and 8
+    of 128 at a block of 16), at the 27B dims, as their launches configure them."""
+    import triton
+
+    from ddtree.models import tree_kernel as t
+
+    out = []
+    for rows in (17, 33, 65):
+        bn = max(16, triton.next_power_of_2(rows - 1))
+        bv, warps, bk = t.chunk_shape(bn)
+        out.append({"kernel": "tree chunk", "shape": "48 heads x 128x128", "prologue": "-", "rows": rows, "warps": warps,
+                    "stages": None, "config": (bv, bk, warps), "constexprs": {
+                        "H": 16, "HV": 48, "K": 128, "V": 128, "BK": bk, "BN": bn, "BV": bv,
+                        "FACTORS": max(1, (rows - 2).bit_length()), "PRECISION": "tf32", "PDL": False}})
+    for heads, kvh, d, rows in ((24, 4, 256, 1), (24, 4, 256, 17), (24, 4, 256, 65), (32, 8, 128, 16)):
+        group = heads // kvh
+        block_m = min(64, max(16, triton.next_power_of_2(group * rows)))
+        block_n = 32 if d >= 256 else 64
+        warps = 8 if d * block_m >= 16384 else 4
+        out.append({"kernel": "attention split", "shape": f"{heads}/{kvh} heads of {d}", "prologue": "-", "rows": rows,
+                    "warps": warps, "stages": None, "config": (block_m, block_n, warps), "constexprs": {
+                        "KVH": kvh, "G": group, "D": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                        "M_BLOCKS": triton.cdiv(group * rows, block_m), "PRECISION": "tf32", "PDL": False}})
     return out
 
 
@@ -133,7 +184,9 @@ def table(rows: list[dict], forms: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--forms", default=",".join(FORMS))
-    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows glu,rows swapped glu")
+    parser.add_argument("--kernels", default="gemv,rows,rows swapped,rows glu,rows swapped glu,rows norm out,"
+                        "rows swapped norm out,rows norm in,rows swapped norm in,rows glu norm in,rows swapped glu norm in,"
+                        "tree chunk,attention split")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--arch", type=int, default=90, choices=sorted(ARCHS),
                         help="compile for sm<arch> (90: H100/H200; 120: the RTX PRO 6000 Blackwell)")
@@ -144,7 +197,9 @@ def main() -> None:
     args = parser.parse_args()
     from tqdm import tqdm
 
+    from ddtree.models import attention_kernel as a
     from ddtree.models import gemv_kernel as g
+    from ddtree.models import tree_kernel as t
 
     arch, budget_arch = args.arch, args.budget_of or args.arch
     name = args.name or f"kernel_resources_sm{arch}"
@@ -153,13 +208,17 @@ def main() -> None:
     todo = [c for c in cases(budget_arch) if c["kernel"] in kernels]
     results = []
     for case in tqdm(todo, desc=f"compiling for sm{arch}"):
-        kernel = g._gemv_kernel if case["kernel"] == "gemv" else g._rows_kernel
+        kernel = {"gemv": g._gemv_kernel, "tree chunk": t._chunk_kernel, "attention split": a._split_kernel}.get(
+            case["kernel"], g._rows_kernel)
+        pointers = POINTERS.get(case["kernel"])
         entry = {k: v for k, v in case.items() if k != "constexprs"} | {"forms": {}}
         for form in forms:
             peel, pdl = FORMS[form]
+            # the others have no peeled form: PDL's wait alone (their own form's is the loop's resources)
+            extra = {"PEEL": peel, "PDL": pdl} if pointers is None else {"PDL": pdl}
             try:
-                found = compile_resources(kernel, {**case["constexprs"], "PEEL": peel, "PDL": pdl}, case["warps"],
-                                          case["stages"], arch)
+                found = compile_resources(kernel, {**case["constexprs"], **extra}, case["warps"], case["stages"], arch,
+                                          pointers)
                 found["occupancy"] = programs_per_sm(found["shared"], found["registers"], case["warps"], arch)
                 found["fits_a_block"] = found["shared"] <= block_limit
             except Exception as e:   # one configuration that does not compile is a row of the table, not the end of the run
