@@ -1,16 +1,19 @@
-"""What our matrix-product kernels take of an SM on Hopper (or Blackwell, --arch 120), compiled offline
-(no GPU needed): shared memory, registers,
-spills, and the programs an SM holds at once, per 27B weight shape and form.
+"""What our matrix-product kernels take of an SM on Hopper (or Blackwell, --arch 120), compiled offline (no GPU
+needed): shared memory, registers, spills, and the programs an SM holds at once, per 27B weight shape and form.
 
 The GEMV (`_gemv_kernel`, one row) and the few-rows kernel (`_rows_kernel`: 16 rows rows-first, 17 in the swapped
-form; "glu": its GLU form on the MLPs' gate/up products) are compiled for sm90 exactly as a launch compiles them (the
-configuration linear_rows picks, its pipeline's stages cut to fit, the 16-byte alignment a launch on these shapes
-specializes), then ptxas -v (Triton's own) reports registers and spills. Forms: `loop` (the default), `peel`
-(DDTREE_PDL=1: the first weight tile loaded before the wait, its step out of the loop), `wait` (DDTREE_PDL=1 with
-DDTREE_PDL_PEEL=0: the wait first, the one loop). An SM's programs: the fewest its shared memory (228 KB, 1 KB
-reserved a program), its registers (64K) and its threads (2048) allow.
+form; "glu": its GLU form on the MLPs' gate/up products; "norm out" / "norm in": a hybrid's norms across products)
+are compiled for sm90 (or sm120) exactly as a launch compiles them (the configuration linear_rows picks, its
+pipeline's stages cut to fit the architecture's block, the 16-byte alignment a launch on these shapes specializes),
+then ptxas -v (Triton's own) reports registers and spills; so are the tree chunk kernel and the split-KV attention
+kernel (other_cases). Forms: `loop` (the default), `peel` (DDTREE_PDL=1: the first weight tile loaded before the
+wait, its step out of the loop), `wait` (DDTREE_PDL=1 with DDTREE_PDL_PEEL=0: the wait first, the one loop). An
+SM's programs: the fewest its shared memory (sm90 228 KB, sm120 100 KB; 1 KB reserved a program), its registers
+(64K), its threads (2048, 1536) and its cap (32, 24) allow; 0: more shared memory than a block may take.
 
-    python perf/kernel_resources.py --name kernel_resources_sm90
+    python perf/kernel_resources.py                     # kernel_resources_sm90
+    python perf/kernel_resources.py --arch 120 --forms loop
+    python perf/kernel_resources.py --arch 120 --budget-of 90 --forms loop --name kernel_resources_sm120_hopper_cuts
 
 Writes perf/results/<name>.{json,md}.
 """
@@ -35,11 +38,8 @@ from perf.common import ROOT, header, write_results  # noqa: E402
 # (ptxas: the -arch and Triton's own binary that assembles its PTX for it: Blackwell's is the newer one it ships)
 ARCHS = {90: {"sm_shared": 228 * 1024, "sm_threads": 2048, "sm_programs": 32, "ptxas": ("sm_90a", "ptxas")},
          120: {"sm_shared": 100 * 1024, "sm_threads": 1536, "sm_programs": 24, "ptxas": ("sm_120a", "ptxas-blackwell")}}
-SM_SHARED = ARCHS[90]["sm_shared"]   # the default architecture's (sm90)
 SHARED_RESERVED = 1024    # ... less this much the system keeps per program
-SM_REGISTERS = 65536
-SM_THREADS = 2048
-SM_PROGRAMS = 32
+SM_REGISTERS = 65536      # both architectures'
 FORMS = {"loop": (False, False), "peel": (True, True), "wait": (False, True)}   # name: (PEEL, PDL)
 INTS_ALIGNED = ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")   # multiples of 16 here
 
