@@ -15,6 +15,8 @@
 #   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; cat them into .deps/bundle/) and .deps/tc
 #           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
 #   sweep   after eval, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
+#   tune    carry .deps/xa: `tune search` then `tune turns` on one warm machine: the few-rows kernel's configurations
+#           searched on this GPU, then whole 27B rounds with them beside the default (see the stage)
 #   pack    HERE, after `make setup` and `make perf-tools`: make what those calls carry (below)
 # The GGUF is split so that each part plus the working tree (which holds the shipped drafter, ~42 MB) stays under
 # 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~19.7 MB each, xa with the wheels), one carried per call;
@@ -127,6 +129,32 @@ sweep)
   chmod +x .deps/bin/perf_analyzer
   python3 perf/concurrency_sweep.py --device cuda --dtype bfloat16 --max-tokens 64 \
     --methods ar,dflash,ddtree-4,ddtree-16,ddtree-64,auto --out "$OUT" --name "${NAME:-concurrency_h200}" "$@"
+  ;;
+tune)
+  # the few-rows kernel's configurations searched on this GPU, then tried in whole rounds, in two calls of one warm
+  # machine (each fits the 10 minutes): `tune search` (perf/gemv_bench.py at 17 rows, the swapped form, a narrowed
+  # grid; its json also kept in .deps/tuned/, which the next call reads), then `tune turns` (the 27B rounds in turns:
+  # the default beside static-tuned17, its search's configurations through DDTREE_GEMV_TUNED, and static-again, an
+  # A/A control). Extra arguments go to the script of the call. NAME: the results' name (default gemv_rows_tuned17).
+  install_wheels
+  name="${NAME:-gemv_rows_tuned17}"
+  mkdir -p .deps/tuned
+  case "${1:-}" in
+  search)
+    shift
+    python3 perf/gemv_bench.py --rows 17 --forms swap --swap-grid 64,128/64,128/4,8/3,4 --repeats 10 --out "$OUT" \
+      --name "$name" "$@"
+    cp "$OUT/$name.json" .deps/tuned/ ;;
+  turns)
+    shift
+    [ -f ".deps/tuned/$name.json" ] || { echo "no .deps/tuned/$name.json: run 'tune search' first (or carry it)" >&2; exit 2; }
+    python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
+      --batches '' --rounds 12 --variants none --turns-only --round-turns 3 --round-variants static-tuned17,static-again \
+      --variant-env "static-tuned17:DDTREE_GEMV_TUNED=$PWD/.deps/tuned/$name.json:17" --out "$OUT" \
+      --name "gpu_ratios_$name" "$@" ;;
+  *)
+    echo "tune search | tune turns" >&2; exit 2 ;;
+  esac
   ;;
 *)
   echo "unknown stage $stage" >&2; exit 2 ;;
