@@ -557,9 +557,12 @@ def main(argv: list[str] | None = None) -> dict:
     own = {}   # --variant-env's forms, beside VARIANT_ENV's (args.env_forms: every environment form of the run)
     for spec in args.variant_env:
         name, _, pairs = spec.partition(":")
-        if not name.startswith("static-") or "=" not in pairs:
+        items = [pair.split("=", 1) for pair in pairs.split(",")]
+        if not name.startswith("static-") or any(len(item) != 2 or not item[0] for item in items):
             parser.error(f"--variant-env {spec!r}: expected static-<name>:KEY=VALUE[,KEY=VALUE...]")
-        own[name] = dict(pair.split("=", 1) for pair in pairs.split(","))
+        if name in VARIANT_ENV or name in ROUND_SETTINGS or name in own:
+            parser.error(f"--variant-env {spec!r}: {name} is already a form of the run")
+        own[name] = dict(items)
     args.env_forms = {**VARIANT_ENV, **own}
     if args.turns_only:
         if not args.round_turns:

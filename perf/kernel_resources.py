@@ -123,9 +123,10 @@ def cases(budget_arch: int = 90) -> list[dict]:
             glu = (k, n // 2) in shapes   # a gated MLP's gate and up: the down projection reads N // 2 columns
             # a hybrid's norms across products (kernels.norm_parts): the products writing the stream (N = hidden)
             # gather its norm's partial sums in their epilogue, those reading it (K = hidden) apply them
-            hidden = 5120
+            # (the final norm stays a kernel of its own: the lm_head takes no norm in)
+            hidden, vocab = 5120, 248320
             for silu_up, norm in [(False, "")] + [(True, "")] * glu + [(False, " norm out")] * (n == hidden and k != hidden) \
-                    + [(glu, " norm in")] * (k == hidden):
+                    + [(glu, " norm in")] * (k == hidden and n != vocab):
                 name = ("rows swapped" if swap else "rows") + (" glu" if silu_up else "") + norm
                 out.append({"kernel": name, "shape": f"{n}x{k}", "prologue": "-", "rows": rows, "warps": warps,
                             "stages": stages, "config": (block_n, block_k, warps, stages), "constexprs": {

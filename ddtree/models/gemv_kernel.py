@@ -343,9 +343,7 @@ def shared_budget(device: torch.device) -> int:
     (perf/results/kernel_resources_sm120.md). Off CUDA (Triton's interpreter) SHARED_BYTES."""
     if device.type != "cuda":
         return SHARED_BYTES
-    props = torch.cuda.get_device_properties(device)
-    optin = getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_multiprocessor - 1024
-    return min(SHARED_BYTES, optin - SHARED_SPARE)
+    return min(SHARED_BYTES, torch.cuda.get_device_properties(device).shared_memory_per_block_optin - SHARED_SPARE)
 
 
 def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int,

@@ -261,19 +261,29 @@ def test_the_few_rows_pipeline_fits_the_devices_shared_memory(monkeypatch):
 
     module = gemv_module()
     budgets = {}
-    for name, optin in (("hopper", 232448), ("blackwell", 101376)):
-        props = types.SimpleNamespace(shared_memory_per_block_optin=optin, shared_memory_per_multiprocessor=optin + 1024)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
-        module.shared_budget.cache_clear()
-        budgets[name] = module.shared_budget(torch.device("cuda", 0))
-    module.shared_budget.cache_clear()
+    try:
+        for name, optin in (("hopper", 232448), ("blackwell", 101376)):   # what torch reports for sm_90 and sm_120
+            props = types.SimpleNamespace(shared_memory_per_block_optin=optin)
+            monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, props=props: props)
+            module.shared_budget.cache_clear()
+            budgets[name] = module.shared_budget(torch.device("cuda", 0))
+    finally:
+        module.shared_budget.cache_clear()   # nothing faked stays cached for a real device
+        monkeypatch.undo()
     assert budgets == {"hopper": module.SHARED_BYTES, "blackwell": 101376 - module.SHARED_SPARE}
     assert module.shared_budget(torch.device("cpu")) == module.SHARED_BYTES
+    # linear_rows asks for its device's budget (here a fake one: the interpreter's CPU tensors have the default)
+    asked, rows_config = [], module.rows_config
+    monkeypatch.setattr(module, "shared_budget", lambda device: asked.append(device) or budgets["blackwell"])
+    monkeypatch.setattr(module, "rows_config", lambda *args: asked.append(args[-1]) or rows_config(*args))
+    x, w = torch.randn(17, 512), torch.randn(64, 512)
+    torch.testing.assert_close(module.linear_rows(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert asked == [x.device, budgets["blackwell"]]
+    monkeypatch.undo()
     shapes = set(module.ROWS_CONFIGS) | set(module.SWAP_CONFIGS) | {(n, k) for n, k, _ in module.CONFIGS}
     cut = 0
     for (n, k), block_m, swap in ((s, m, w) for s in sorted(shapes) for m in (16, 32, 128) for w in (False, True)):
         hopper = module.rows_config(n, k, block_m, swap, 2, budget=budgets["hopper"])
-        assert hopper == module.rows_config(n, k, block_m, swap, 2)   # the default budget is Hopper's
         block_n, block_k, warps, stages = module.rows_config(n, k, block_m, swap, 2, budget=budgets["blackwell"])
         assert stages * (block_m + block_n) * block_k * 2 <= budgets["blackwell"], (n, k, block_m, swap)
         assert stages >= 2 and block_n == hopper[0] and warps == hopper[2]

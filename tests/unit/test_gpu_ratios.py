@@ -145,9 +145,10 @@ def test_a_variant_of_the_runs_own_runs_under_its_environment(tmp_path, monkeypa
     assert result["variant_env"] == {"static-mine": {"DDTREE_TEST_FORM": "a:b", "DDTREE_X": "1"}}
     assert list(result["shapes"]["tiny-dense"]["round_turns"]) == ["static", "static-mine"]
     assert "static-mine (this run's own, --variant-env)" in (tmp_path / "t.md").read_text()
-    with pytest.raises(SystemExit):
-        gpu_ratios.main(["--shapes", "tiny-dense", "--turns-only", "--round-turns", "1", "--variant-env", "mine:A=1",
-                         "--out", str(tmp_path)])
+    for bad in ("mine:A=1", "static-x:A=1,B", "static-x:=1", "static-again:A=1", "static-sdpa:A=1"):
+        with pytest.raises(SystemExit):   # not a static- name, a pair without its value or key, a form already there
+            gpu_ratios.main(["--shapes", "tiny-dense", "--turns-only", "--round-turns", "1", "--variant-env", bad,
+                             "--out", str(tmp_path)])
 
 
 def test_a_form_whose_engine_fails_is_left_out_of_the_turns(tmp_path, monkeypatch):
