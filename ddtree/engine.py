@@ -665,9 +665,10 @@ class Engine:
         # before the draft: it reads the verify's stash (a hybrid's GDN inputs of every row), also a pool output, which
         # the drafter's replay may overwrite (launched the other way round until the 25th session, a CPU test with the
         # stash overwritten as the draft starts decodes wrong tokens)
-        self._keep_taps(seqs, [a.accepted for a in accepted], taps, starts)
+        paths = [a.accepted for a in accepted]
+        self._keep_taps(seqs, paths, taps, starts)
         t_features = time.perf_counter()
-        self._commit_caches(seqs, [a.accepted for a in accepted])
+        self._commit_caches(seqs, paths)
         self._events.record("committed")   # the commit's GPU time alone (a draft queued after it is the draft's)
         t_caches = time.perf_counter()
         outputs = [self._advance(seq, tree, acceptance) for seq, tree, acceptance in zip(seqs, trees, accepted)]

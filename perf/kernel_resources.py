@@ -118,7 +118,7 @@ def cases(budget_arch: int = 90) -> list[dict]:
         shapes = sorted({(n, k) for n, k, _ in g.CONFIGS} | set(table))
         for n, k in shapes:
             block_m = g.rows_block(rows)
-            budget = min(g.SHARED_BYTES, ARCHS[budget_arch]["sm_shared"] - SHARED_RESERVED - g.SHARED_SPARE)
+            budget = g.budget_of(ARCHS[budget_arch]["sm_shared"] - SHARED_RESERVED)
             block_n, block_k, warps, stages = g.rows_config(n, k, block_m, swap, 2, budget=budget)
             glu = (k, n // 2) in shapes   # a gated MLP's gate and up: the down projection reads N // 2 columns
             # a hybrid's norms across products (kernels.norm_parts): the products writing the stream (N = hidden)
@@ -143,27 +143,24 @@ def other_cases() -> list[dict]:
     """The tree chunk kernel (a hybrid's tree GDN: 17, 33 and 65 rows, chunk_shape's defaults) and the split-KV
     attention kernel (the 27B target's 24 query and 4 K/V heads of 256 at 1, 17 and 65 rows; the drafter's 32 and 8
     of 128 at a block of 16), at the 27B dims, as their launches configure them."""
-    import triton
-
+    from ddtree.models import attention_kernel as a
     from ddtree.models import tree_kernel as t
 
     out = []
-    for rows in (17, 33, 65):
-        bn = max(16, triton.next_power_of_2(rows - 1))
+    for rows in (17, 33, 65):   # a chain's depth: as many rows as the tree (the most WY factors)
+        bn, factors = t.chunk_forest(rows, rows)
         bv, warps, bk = t.chunk_shape(bn)
         out.append({"kernel": "tree chunk", "shape": "48 heads x 128x128", "prologue": "-", "rows": rows, "warps": warps,
                     "stages": None, "config": (bv, bk, warps), "constexprs": {
                         "H": 16, "HV": 48, "K": 128, "V": 128, "BK": bk, "BN": bn, "BV": bv,
-                        "FACTORS": max(1, (rows - 2).bit_length()), "PRECISION": "tf32", "PDL": False}})
+                        "FACTORS": factors, "PRECISION": "tf32", "PDL": False}})
     for heads, kvh, d, rows in ((24, 4, 256, 1), (24, 4, 256, 17), (24, 4, 256, 65), (32, 8, 128, 16)):
         group = heads // kvh
-        block_m = min(64, max(16, triton.next_power_of_2(group * rows)))
-        block_n = 32 if d >= 256 else 64
-        warps = 8 if d * block_m >= 16384 else 4
+        block_m, block_n, m_blocks, warps = a.split_tiles(group, rows, d)
         out.append({"kernel": "attention split", "shape": f"{heads}/{kvh} heads of {d}", "prologue": "-", "rows": rows,
                     "warps": warps, "stages": None, "config": (block_m, block_n, warps), "constexprs": {
                         "KVH": kvh, "G": group, "D": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                        "M_BLOCKS": triton.cdiv(group * rows, block_m), "PRECISION": "tf32", "PDL": False}})
+                        "M_BLOCKS": m_blocks, "PRECISION": "tf32", "PDL": False}})
     return out
 
 

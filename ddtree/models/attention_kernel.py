@@ -108,6 +108,13 @@ def _join_kernel(o_part, lse_part, out, splits, rows, D: tl.constexpr, BLOCK_S: 
     tl.store(out + i * D + cols, joined.to(out.dtype.element_ty))
 
 
+def split_tiles(group: int, rows_q: int, d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, M_BLOCKS, warps) of _split_kernel for a K/V head's group query heads of rows_q rows each and
+    heads of d: the group's query rows stacked in blocks of up to 64, keys 64 a step (32 for heads of 256 or more)."""
+    block_m = min(64, max(16, triton.next_power_of_2(group * rows_q)))
+    return block_m, 32 if d >= 256 else 64, triton.cdiv(group * rows_q, block_m), 8 if d * block_m >= 16384 else 4
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, keys: int,
                      mask: torch.Tensor, scale: float, target_programs: int | None = None) -> torch.Tensor:
     """out [R, Q, H, D] in q's dtype: softmax(q k^T * scale, where mask) v per request and query head.
@@ -127,9 +134,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
     group = heads // kvh
-    block_m = min(64, max(16, triton.next_power_of_2(group * rows_q)))
-    m_blocks = triton.cdiv(group * rows_q, block_m)
-    block_n = 32 if d >= 256 else 64
+    block_m, block_n, m_blocks, warps = split_tiles(group, rows_q, d)
     programs = r * kvh * m_blocks
     target = split_target(rows_q) if target_programs is None else target_programs
     splits = max(1, min(triton.cdiv(target, programs), triton.cdiv(keys, block_n)))
@@ -144,7 +149,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
         KVH=kvh, G=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n, M_BLOCKS=m_blocks,
         # float32 inputs multiply in float32 (tl.dot's default rounds them to TF32: ~1e-3 off SDPA, which a float32
         # engine's static forward, tested against its dynamic one, must not be); bf16 and fp16 are unaffected
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, num_warps=8 if d * block_m >= 16384 else 4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, num_warps=warps,
         launch_pdl=use_pdl)
     out = torch.empty(r, rows_q, heads, d, dtype=q.dtype, device=q.device)
     _join_kernel[(r * rows_q * heads,)](o_part, lse_part, out, splits, r * rows_q * heads, D=d,

@@ -343,7 +343,12 @@ def shared_budget(device: torch.device) -> int:
     (perf/results/kernel_resources_sm120.md). Off CUDA (Triton's interpreter) SHARED_BYTES."""
     if device.type != "cuda":
         return SHARED_BYTES
-    return min(SHARED_BYTES, torch.cuda.get_device_properties(device).shared_memory_per_block_optin - SHARED_SPARE)
+    return budget_of(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
+def budget_of(optin: int) -> int:
+    """shared_budget of a device whose blocks may opt in to `optin` bytes of shared memory."""
+    return min(SHARED_BYTES, optin - SHARED_SPARE)
 
 
 def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int,

@@ -54,6 +54,13 @@ CHUNK_SHAPES = {16: (64, 4), 32: (64, 4), 64: (64, 4)}
 CHUNK_BLOCK_K = 64
 
 
+def chunk_forest(max_rows: int, max_depth: int) -> tuple[int, int]:
+    """(BN, FACTORS) of the chunk form for trees of up to max_rows rows and max_depth rows on a root-to-leaf path: the
+    forest below the root padded to a power of two >= 16 rows, and the (I + L^(2^j)) factors its solve takes (paths
+    below the root have max_depth - 1 rows: L^(max_depth - 1) = 0)."""
+    return max(16, triton.next_power_of_2(max(max_rows - 1, 1))), max(1, (max_depth - 2).bit_length())
+
+
 def chunk_shape(block_n: int) -> tuple[int, int, int]:
     """(value columns per program, warps, key columns a step) of the chunk form for a forest block of block_n rows."""
     shapes = {bn: (*shape, CHUNK_BLOCK_K) for bn, shape in CHUNK_SHAPES.items()}
@@ -357,8 +364,7 @@ def batched_tree_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     q, k, v, g, beta = _node_inputs(q, k, v, g, beta)
     if ancestors.dtype == torch.bool:
         ancestors = ancestors.view(torch.int8)
-    bn = max(16, triton.next_power_of_2(max(max_rows - 1, 1)))
-    factors = max(1, (max_depth - 2).bit_length())   # paths below the root have max_depth - 1 rows: L^(max_depth - 1) = 0
+    bn, factors = chunk_forest(max_rows, max_depth)
     shape = chunk_shape(bn)
     block_v, num_warps, block_k = block_v or shape[0], num_warps or shape[1], block_k or shape[2]
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
