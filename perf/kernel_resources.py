@@ -41,7 +41,7 @@ ARCHS = {90: {"sm_shared": 228 * 1024, "sm_threads": 2048, "sm_programs": 32, "p
 SHARED_RESERVED = 1024    # ... less this much the system keeps per program
 SM_REGISTERS = 65536      # both architectures'
 FORMS = {"loop": (False, False), "peel": (True, True), "wait": (False, True)}   # name: (PEEL, PDL)
-INTS_ALIGNED = ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")   # multiples of 16 here
+INTS_ALIGNED = ("K_SPLIT", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")   # multiples of 16 here
 
 
 def programs_per_sm(shared: int, registers: int, warps: int, arch: int = 90) -> dict[str, int]:
@@ -77,8 +77,8 @@ def compile_resources(kernel, constexprs: dict, warps: int, stages: int | None, 
 
     names = [p.name for p in kernel.params if not p.is_constexpr]
     if pointers is None:
-        signature = {n: "*fp32" if n in ("p_ptr", "s_ptr") else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps"
-                     else "i32" for n in names}
+        signature = {n: "*fp32" if n in ("p_ptr", "s_ptr", "ws_ptr") else "*i32" if n == "count_ptr"
+                     else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in names}
     else:
         signature = {n: pointers.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*") or n in INTS_ALIGNED}
@@ -134,7 +134,7 @@ def cases(budget_arch: int = 90) -> list[dict]:
                                 # the add: as before for the plain forms; with a norm, only the stream's writers add
                                 "ADD": not silu_up if not norm else norm == " norm out", "IEEE": False, "SWAP": swap,
                                 "GLU": silu_up, "NORM_OUT": norm == " norm out", "NORM_IN": norm == " norm in",
-                                "BLOCK_P": g.NORM_PARTS_BLOCK}})
+                                "BLOCK_P": g.NORM_PARTS_BLOCK, "SPLIT": 1}})
     out += other_cases()
     return out
 

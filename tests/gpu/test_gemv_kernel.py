@@ -153,3 +153,54 @@ def test_a_norm_across_two_products_is_the_norm_between_them_at_27b_shapes_in_bf
             want = fused.silu_mul.eager(*want.split(n2 // 2, dim=-1))
     want = want.float()
     assert (got - want).abs().max() <= 2e-2 * want.abs().max().clamp(min=1.0)
+
+
+@pytest.mark.parametrize("rows, swap", [(16, False), (17, True)])
+@pytest.mark.parametrize("split", [2, 3])
+def test_the_split_rows_kernel_replays_from_a_cuda_graph(rows, swap, split):
+    """The reduction split (DDTREE_GEMV_SPLIT's form) at a 27B down projection's shape in bf16, the residual added
+    and the next norm's parts written: close to the unsplit kernel, and a captured split launch replayed twice over
+    new inputs computes what it computes eagerly (the counts set back to zero by each launch's last programs)."""
+    from ddtree.models.gemv_kernel import _split_counts, linear_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + split)
+    n, k = 5120, 17408
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
+    x, add = (torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen),
+              torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, generator=gen))
+    scale = 1.0 + 0.1 * torch.randn(n, device="cuda", generator=gen)
+    whole = linear_rows(x, w, swap=swap, add=add, norm_out=scale, split=1)
+    eager = linear_rows(x, w, swap=swap, add=add, norm_out=scale, split=split)
+    for got, want in zip(eager, whole):
+        assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max().clamp(min=1.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear_rows(x, w, swap=swap, add=add, norm_out=scale, split=split)
+    for _ in range(2):
+        x.copy_(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        again = linear_rows(x, w, swap=swap, add=add, norm_out=scale, split=split)
+        for got, want in zip(captured, again):
+            assert torch.equal(got, want)
+    torch.cuda.synchronize()
+    assert not _split_counts(x.device).any()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "hybrid"])
+def test_engine_with_split_products_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
+    """Greedy tokens (fp32, static forwards with graphs) with the few-rows kernel's reductions split in 4
+    (DDTREE_GEMV_SPLIT=4: every tiny product has fewer column blocks than the GPU has SMs) == unsplit."""
+    from ddtree.engine import Engine
+    from ddtree.sampling_params import SamplingParams
+    from tests.gpu.switches import tiny_config
+
+    config = tiny_config(family, tiny_models, tmp_path)
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(19)).tolist()
+    cases = [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]
+    outputs = {}
+    for value in ("1", "4"):
+        monkeypatch.setenv("DDTREE_GEMV_SPLIT", value)
+        engine = Engine(config)
+        outputs[value] = [engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=40,
+                                                                     ignore_eos=True)).output_ids for mode, budget in cases]
+    assert outputs["4"] == outputs["1"]
