@@ -41,7 +41,8 @@ ARCHS = {90: {"sm_shared": 228 * 1024, "sm_threads": 2048, "sm_programs": 32, "p
 SHARED_RESERVED = 1024    # ... less this much the system keeps per program
 SM_REGISTERS = 65536      # both architectures'
 FORMS = {"loop": (False, False), "peel": (True, True), "wait": (False, True)}   # name: (PEEL, PDL)
-INTS_ALIGNED = ("K_SPLIT", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")   # multiples of 16 here
+# multiples of 16 here (K_SPLIT: whole steps a range)
+INTS_ALIGNED = ("K_SPLIT", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")
 
 
 def programs_per_sm(shared: int, registers: int, warps: int, arch: int = 90) -> dict[str, int]:

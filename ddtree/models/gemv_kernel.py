@@ -406,8 +406,10 @@ def split_k(programs: int, k_blocks: int, device: torch.device) -> int:
     """How many ranges the few-rows kernel splits a product's reduction into (_rows_kernel's SPLIT): DDTREE_GEMV_SPLIT
     (default 1: none) for a weight of fewer column blocks (programs) than the device has SMs, at most MAX_SPLIT and
     k_blocks. A 27B layer's 5120-wide products at 17 rows are 80 programs of 64 columns on the H100's 132 SMs: they
-    streamed at 2.4-2.6 TB/s where the wider ones reached 2.8-2.9 (perf/results/gemv_rows_tuned17.md). Off CUDA 1
-    (the interpreter's tests ask for a split themselves)."""
+    streamed at 2.4-2.6 TB/s where the wider ones reached 2.8-2.9 (perf/results/gemv_rows_tuned17.md). Off by default:
+    a split in two lost inside the engine on the H200 (15.35 against 15.20 ms of a budget-16 verify: README, "Session
+    25"), and this one, of up to MAX_SPLIT ranges, is not yet timed. Off CUDA 1 (the interpreter's tests ask for a
+    split themselves)."""
     env = os.environ.get("DDTREE_GEMV_SPLIT", "")
     split = int(env) if env else 1
     if split <= 1 or device.type != "cuda" or programs >= _sms(device):
