@@ -99,10 +99,11 @@ def compile_resources(kernel, constexprs: dict, warps: int, stages: int | None, 
             "async_copies": len(re.findall("async_copy_global_to_local", compiled.asm["ttgir"]))}
 
 
-def cases(budget_arch: int = 90) -> list[dict]:
+def cases(budget_arch: int = 90, split: int = 1) -> list[dict]:
     """Every 27B shape the default configurations name: the GEMV per (N, K, prologue), the few-rows kernel per (N, K)
     at 16 rows rows-first and 17 in the swapped form, its stages cut as a launch on that architecture cuts them
-    (gemv_kernel.shared_budget: what a block may take less its spare)."""
+    (gemv_kernel.shared_budget: what a block may take less its spare); split: the few-rows kernel's reduction ranges
+    (its SPLIT, DDTREE_GEMV_SPLIT's form; 1 the default's)."""
     import triton
 
     from ddtree.models import gemv_kernel as g
@@ -135,7 +136,7 @@ def cases(budget_arch: int = 90) -> list[dict]:
                                 # the add: as before for the plain forms; with a norm, only the stream's writers add
                                 "ADD": not silu_up if not norm else norm == " norm out", "IEEE": False, "SWAP": swap,
                                 "GLU": silu_up, "NORM_OUT": norm == " norm out", "NORM_IN": norm == " norm in",
-                                "BLOCK_P": g.NORM_PARTS_BLOCK, "SPLIT": 1}})
+                                "BLOCK_P": g.NORM_PARTS_BLOCK, "SPLIT": split}})
     out += other_cases()
     return out
 
@@ -192,6 +193,8 @@ def main() -> None:
     parser.add_argument("--budget-of", type=int, choices=sorted(ARCHS),
                         help="cut the few-rows kernel's stages to this architecture's shared memory a block (default: "
                              "--arch's, as a launch there cuts them; 90 with --arch 120: Hopper's cuts on a Blackwell)")
+    parser.add_argument("--split", type=int, default=1,
+                        help="the few-rows kernel's reduction in this many ranges (DDTREE_GEMV_SPLIT's form; 1: none)")
     parser.add_argument("--name", default="")
     args = parser.parse_args()
     from tqdm import tqdm
@@ -204,7 +207,7 @@ def main() -> None:
     name = args.name or f"kernel_resources_sm{arch}"
     block_limit = ARCHS[arch]["sm_shared"] - SHARED_RESERVED
     forms, kernels = args.forms.split(","), args.kernels.split(",")
-    todo = [c for c in cases(budget_arch) if c["kernel"] in kernels]
+    todo = [c for c in cases(budget_arch, args.split) if c["kernel"] in kernels]
     results = []
     for case in tqdm(todo, desc=f"compiling for sm{arch}"):
         kernel = {"gemv": g._gemv_kernel, "tree chunk": t._chunk_kernel, "attention split": a._split_kernel}.get(
@@ -225,9 +228,10 @@ def main() -> None:
             entry["forms"][form] = found
         results.append(entry)
     a = ARCHS[arch]
+    split_note = f", its reduction split in {args.split} ranges" if args.split > 1 else ""
     too_big = sorted({f"{r['kernel']} {r['shape']}" for r in results for f in r["forms"].values() if not f.get("fits_a_block", True)})
     text = (f"Compiled offline for sm{arch} (Triton's compiler and ptxas -v, no GPU), the few-rows kernel's stages cut to "
-            f"sm{budget_arch}'s shared memory a block; an SM's programs: the fewest its shared memory "
+            f"sm{budget_arch}'s shared memory a block{split_note}; an SM's programs: the fewest its shared memory "
             f"({a['sm_shared'] // 1024} KB, {SHARED_RESERVED} bytes reserved a program), registers ({SM_REGISTERS}), "
             f"threads ({a['sm_threads']}) and its cap ({a['sm_programs']}) allow; 0 where a program takes more shared "
             f"memory than a block may ({block_limit // 1024} KB): it does not launch.\n\n"
