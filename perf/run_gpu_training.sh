@@ -17,6 +17,7 @@
 #   sweep   after eval, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
 #   tune    carry .deps/xa: `tune search` then `tune turns` on one warm machine: the few-rows kernel's configurations
 #           searched on this GPU, then whole 27B rounds with them beside the default (see the stage)
+#   split   carry .deps/xa: the few-rows kernel's split reduction's GPU tests, then whole 27B rounds with it in turns
 #   pack    HERE, after `make setup` and `make perf-tools`: make what those calls carry (below)
 # The GGUF is split so that each part plus the working tree (which holds the shipped drafter, ~42 MB) stays under
 # 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~19.7 MB each, xa with the wheels), one carried per call;
@@ -155,6 +156,18 @@ tune)
   *)
     echo "tune search | tune turns" >&2; exit 2 ;;
   esac
+  ;;
+split)
+  # carry .deps/xa: the few-rows kernel's split reduction (DDTREE_GEMV_SPLIT, off by default): its GPU tests, then
+  # whole 27B rounds in turns beside the default: static-split3 (every product of fewer column blocks than SMs in 3
+  # ranges), static-splitauto (as many as fill the programs the GPU holds at once) and static-again (an A/A control)
+  install_wheels
+  [ -n "${SKIP_TESTS:-}" ] || { timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_kernel.py -k split \
+    > "$OUT/gpu_tests_split.log" 2>&1 || true; tail -3 "$OUT/gpu_tests_split.log"; }
+  python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
+    --batches '' --rounds 12 --variants none --turns-only --round-turns 3 \
+    --round-variants static-split3,static-splitauto,static-again --variant-env static-split3:DDTREE_GEMV_SPLIT=3 \
+    --variant-env static-splitauto:DDTREE_GEMV_SPLIT=auto --out "$OUT" --name "${NAME:-gpu_ratios_split}" "$@"
   ;;
 *)
   echo "unknown stage $stage" >&2; exit 2 ;;

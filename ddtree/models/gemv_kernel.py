@@ -402,24 +402,36 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
     return block_k, stages
 
 
-def split_k(programs: int, k_blocks: int, device: torch.device) -> int:
-    """How many ranges the few-rows kernel splits a product's reduction into (_rows_kernel's SPLIT): DDTREE_GEMV_SPLIT
-    (default 1: none) for a weight of fewer column blocks (programs) than the device has SMs, at most MAX_SPLIT and
-    k_blocks. A 27B layer's 5120-wide products at 17 rows are 80 programs of 64 columns on the H100's 132 SMs: they
-    streamed at 2.4-2.6 TB/s where the wider ones reached 2.8-2.9 (perf/results/gemv_rows_tuned17.md). Off by default:
-    a split in two lost inside the engine on the H200 (15.35 against 15.20 ms of a budget-16 verify: README, "Session
-    25"), and this one, of up to MAX_SPLIT ranges, is not yet timed. Off CUDA 1 (the interpreter's tests ask for a
+def split_k(programs: int, k_blocks: int, device: torch.device, pipeline_bytes: int = 0) -> int:
+    """How many ranges the few-rows kernel splits a product's reduction into (_rows_kernel's SPLIT), by
+    DDTREE_GEMV_SPLIT (default 1: none): N splits a weight of fewer column blocks (programs) than the device has SMs
+    in N; `auto` in as many as the device holds at once, whole: its programs resident at once (SMs times the programs
+    an SM's shared memory holds, each taking pipeline_bytes plus 1 KB) over the weight's, when that is 2 or more. At
+    most MAX_SPLIT and k_blocks. A 27B layer's 5120-wide products at 17 rows are 80 programs of 64 columns on the
+    H100's 132 SMs: they streamed at 2.4-2.6 TB/s where the wider ones reached 2.8-2.9 (perf/results/
+    gemv_rows_tuned17.md); there `auto` makes 3 (96 KB programs, two an SM: 264 at once, 240 with the split). A split
+    that leaves some SMs two programs and the rest one gains little if an SM streams at its own limit: session 25's
+    split in two (160 programs) lost inside the engine on the H200 (15.35 against 15.20 ms of a budget-16 verify:
+    README, "Session 25"). Off by default: this one is not yet timed. Off CUDA 1 (the interpreter's tests ask for a
     split themselves)."""
     env = os.environ.get("DDTREE_GEMV_SPLIT", "")
-    split = int(env) if env else 1
-    if split <= 1 or device.type != "cuda" or programs >= _sms(device):
+    if env == "auto":
+        sms, sm_shared = _sm_resources(device) if device.type == "cuda" else (0, 0)
+        split = sms * max(1, sm_shared // (pipeline_bytes + 1024)) // programs
+    else:
+        split = int(env) if env else 1
+    if split <= 1 or device.type != "cuda" or programs >= _sm_resources(device)[0]:
         return 1
     return min(split, MAX_SPLIT, k_blocks)
 
 
 @functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_resources(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared memory an SM may give its programs) of a CUDA device (the latter its block opt-in plus the 1 KB
+    reserved a block where the properties lack it: 228 KB on Hopper, 100 KB on an RTX PRO 6000)."""
+    props = torch.cuda.get_device_properties(device)
+    optin = props.shared_memory_per_block_optin
+    return props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", optin + 1024)
 
 
 @functools.cache
@@ -493,7 +505,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
         programs = triton.cdiv(n, block_n // 2 if glu else block_n)
         k_blocks = triton.cdiv(k, block_k)
-        split = split_k(programs, k_blocks, x.device) if split is None else max(1, min(split, k_blocks))
+        if split is None:
+            split = split_k(programs, k_blocks, x.device, stages * (block_m + block_n) * block_k * x.element_size())
+        split = max(1, min(split, k_blocks))
         k_split = triton.cdiv(k_blocks, split) * block_k   # whole steps a range: no step crosses two
         split = triton.cdiv(k, k_split)
         ws, counts = out, out

@@ -356,10 +356,11 @@ def test_the_split_rows_kernel_computes_what_its_loop_computes(rows, swap):
 
 def test_split_k_splits_only_the_products_of_fewer_column_blocks_than_sms(monkeypatch):
     """DDTREE_GEMV_SPLIT: off by default and at 1; N ranges for a weight of fewer column blocks than the device's
-    SMs, at most its steps and MAX_SPLIT; none off CUDA (the interpreter's tests ask for their split)."""
+    SMs, at most its steps and MAX_SPLIT; `auto` as many as fill the programs the device holds at once (an H100: 132
+    SMs of 228 KB; an RTX PRO 6000: 188 of 100 KB); none off CUDA (the interpreter's tests ask for their split)."""
     module = gemv_module()
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(module, "_sms", lambda device: 132)
+    monkeypatch.setattr(module, "_sm_resources", lambda device: (132, 228 * 1024))
     monkeypatch.delenv("DDTREE_GEMV_SPLIT", raising=False)
     assert module.split_k(80, 48, cuda) == 1
     monkeypatch.setenv("DDTREE_GEMV_SPLIT", "1")
@@ -371,3 +372,11 @@ def test_split_k_splits_only_the_products_of_fewer_column_blocks_than_sms(monkey
     assert module.split_k(80, 48, torch.device("cpu")) == 1
     monkeypatch.setenv("DDTREE_GEMV_SPLIT", "99")
     assert module.split_k(80, 48, cuda) == module.MAX_SPLIT
+    monkeypatch.setenv("DDTREE_GEMV_SPLIT", "auto")
+    swapped = 4 * (32 + 64) * 128 * 2   # 17 rows, (64, 128, 4, 4): two an SM, 264 at once
+    assert module.split_k(80, 136, cuda, swapped) == 3   # 5120 x 17408: 240 programs
+    assert module.split_k(112, 40, cuda, 4 * (32 + 128) * 128 * 2) == 1   # 14336 x 5120, (128, 128): one an SM
+    assert module.split_k(258, 40, cuda, swapped) == 1
+    assert module.split_k(80, 48, torch.device("cpu"), swapped) == 1
+    monkeypatch.setattr(module, "_sm_resources", lambda device: (188, 100 * 1024))
+    assert module.split_k(80, 136, cuda, 3 * (32 + 64) * 128 * 2) == 2   # sm_120's 3 stages: one an SM, 188 at once
