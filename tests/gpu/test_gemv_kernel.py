@@ -190,17 +190,7 @@ def test_the_split_rows_kernel_replays_from_a_cuda_graph(rows, swap, split):
 def test_engine_with_split_products_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with the few-rows kernel's reductions split in 4
     (DDTREE_GEMV_SPLIT=4: every tiny product has fewer column blocks than the GPU has SMs) == unsplit."""
-    from ddtree.engine import Engine
-    from ddtree.sampling_params import SamplingParams
-    from tests.gpu.switches import tiny_config
+    from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
-    config = tiny_config(family, tiny_models, tmp_path)
-    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(19)).tolist()
-    cases = [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]
-    outputs = {}
-    for value in ("1", "4"):
-        monkeypatch.setenv("DDTREE_GEMV_SPLIT", value)
-        engine = Engine(config)
-        outputs[value] = [engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=40,
-                                                                     ignore_eos=True)).output_ids for mode, budget in cases]
-    assert outputs["4"] == outputs["1"]
+    assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_SPLIT", tiny_config(family, tiny_models, tmp_path),
+                                      [("dflash", 1), ("ddtree", 16), ("ddtree", 64)], seed=19, values=("1", "4"))
