@@ -324,7 +324,10 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         programs = tl.num_programs(0)
         tl.store(ws_ptr + (pid_k * programs + pid) * (BLOCK_M * BLOCK_N) + tile, acc)
-        # release: this partial is visible before the count; acquire: the last one sees every partial
+        # the scalar atomic is one thread's: the barrier puts every warp's stores of the partial before it (its
+        # release covers them only then; without it the float32 rows-first form compiled with none between them), and
+        # its acquire lets the last program's loads see every range's partial
+        tl.debug_barrier()
         if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1:
             acc = tl.load(ws_ptr + pid * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT):
@@ -413,13 +416,15 @@ def split_k(programs: int, k_blocks: int, device: torch.device, pipeline_bytes: 
     that leaves some SMs two programs and the rest one gains little if an SM streams at its own limit: session 25's
     split in two (160 programs) lost inside the engine on the H200 (15.35 against 15.20 ms of a budget-16 verify:
     README, "Session 25"). Off by default: this one is not yet timed. Off CUDA 1 (the interpreter's tests ask for a
-    split themselves)."""
+    split themselves). `auto` counts shared memory only (not registers), at the unpeeled pipeline."""
     env = os.environ.get("DDTREE_GEMV_SPLIT", "")
     if env == "auto":
         sms, sm_shared = _sm_resources(device) if device.type == "cuda" else (0, 0)
         split = sms * max(1, sm_shared // (pipeline_bytes + 1024)) // programs
+    elif env.isdigit() or not env:
+        split = int(env or 1)
     else:
-        split = int(env) if env else 1
+        raise ValueError(f"DDTREE_GEMV_SPLIT={env!r}: a number of ranges or auto")
     if split <= 1 or device.type != "cuda" or programs >= _sm_resources(device)[0]:
         return 1
     return min(split, MAX_SPLIT, k_blocks)
@@ -438,7 +443,9 @@ def _sm_resources(device: torch.device) -> tuple[int, int]:
 def _split_counts(device: torch.device) -> torch.Tensor:
     """The split launches' counts, one a column block, zero between launches (each launch's last programs set them
     back): one buffer a device, made on the first split launch, which runs eagerly (GraphPool runs each program's
-    body once before it captures it), never inside a capture, so no graph's pool holds it."""
+    body once before it captures it), never inside a capture, so no graph's pool holds it. One buffer a device: split
+    launches on two streams of one device at once (two engines on one GPU; the server runs one a GPU) would count
+    into the same column blocks and leave outputs unwritten."""
     assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "split counts made inside a capture"
     return torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
 

@@ -189,8 +189,15 @@ def test_the_split_rows_kernel_replays_from_a_cuda_graph(rows, swap, split):
 @pytest.mark.parametrize("family", ["qwen3", "hybrid"])
 def test_engine_with_split_products_decodes_what_it_decodes_without(family, tiny_models, monkeypatch, tmp_path):
     """Greedy tokens (fp32, static forwards with graphs) with the few-rows kernel's reductions split in 4
-    (DDTREE_GEMV_SPLIT=4: every tiny product has fewer column blocks than the GPU has SMs) == unsplit."""
+    (DDTREE_GEMV_SPLIT=4) == unsplit. The tiny products are one step of the default configurations (K 64 and 128):
+    both runs take steps of 32, and the split run must have split some launches."""
+    from ddtree.models import gemv_kernel
     from tests.gpu.switches import assert_switch_keeps_greedy_tokens, tiny_config
 
+    monkeypatch.setattr(gemv_kernel, "ROWS_DEFAULT", (32, 32, 4, 2))
+    monkeypatch.setattr(gemv_kernel, "SWAP_DEFAULT", (64, 32, 4, 2))
+    splits, split_k = [], gemv_kernel.split_k
+    monkeypatch.setattr(gemv_kernel, "split_k", lambda *args: splits.append(split_k(*args)) or splits[-1])
     assert_switch_keeps_greedy_tokens(monkeypatch, "DDTREE_GEMV_SPLIT", tiny_config(family, tiny_models, tmp_path),
                                       [("dflash", 1), ("ddtree", 16), ("ddtree", 64)], seed=19, values=("1", "4"))
+    assert max(splits) > 1, splits

@@ -4,6 +4,7 @@ kernels.gemv_max_rows() rows through them decode what they decode through F.line
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 
@@ -327,11 +328,13 @@ def test_the_peeled_rows_kernel_computes_what_its_loop_computes(rows, swap, k, c
 # partials in range order and takes the epilogue). Each range one step: the same sums in the same order as the single
 # loop's, so the outputs are exactly equal; fewer, longer ranges: the same products summed in another association.
 @pytest.mark.parametrize("rows, swap", [(2, False), (16, False), (17, True)])
-def test_the_split_rows_kernel_computes_what_its_loop_computes(rows, swap):
-    """Both forms, with the residual add, the GLU epilogue and a norm across two products (norm_out, then norm_in),
-    ranges of one step, of several, and as many as asked (more than the steps: one a step); the counts back at zero."""
+@pytest.mark.parametrize("peel", [False, True])
+def test_the_split_rows_kernel_computes_what_its_loop_computes(rows, swap, peel):
+    """Both forms, peeled or not (each range's first tile loaded before PDL's wait), with the residual add, the GLU
+    epilogue and a norm across two products (norm_out, then norm_in), ranges of one step, of several, and as many as
+    asked (more than the steps: one a step); the counts back at zero."""
     module = gemv_module()
-    linear_rows = module.linear_rows
+    linear_rows = functools.partial(module.linear_rows, _peel=peel)
     gen = torch.Generator().manual_seed(rows * 5 + swap)
     n, k, config = 37, 300, (16, 32, 4, 2)   # 10 steps of 32, the last partial; 3 column blocks, the last partial
     x, w, add = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(rows, n, generator=gen)
