@@ -523,7 +523,7 @@ def measure_rounds_in_turns(target: HybridTarget, drafter: DFlashDrafter, device
                          commit_parts_ms={k: statistics.median(e["commit_parts_ms"][k] for e in entries)
                                           for k in entries[0]["commit_parts_ms"]},
                          program_host_ms={k: statistics.median(e["program_host_ms"].get(k, 0.0) for e in entries)
-                                          for k in entries[0]["program_host_ms"]})
+                                          for k in sorted({k for e in entries for k in e["program_host_ms"]})})
             if form != first:
                 paired = [m / f["round_ms"] for m, f in zip(ms, runs[first][name])]
                 entry["over_first"] = {"form": first, "median": statistics.median(paired), "min": min(paired),

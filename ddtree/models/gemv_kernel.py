@@ -393,11 +393,16 @@ def budget_of(optin: int) -> int:
     return min(SHARED_BYTES, optin - SHARED_SPARE)
 
 
+def pipeline_bytes(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int) -> int:
+    """Shared memory a few-rows program's pipeline takes: stages tiles of its rows and of its weight's columns."""
+    return stages * (block_m + block_n) * block_k * itemsize
+
+
 def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int,
                budget: int = SHARED_BYTES) -> tuple[int, int]:
     """(BLOCK_K, stages) of a few-rows configuration cut until its pipelined tiles fit budget bytes (shared_budget):
     fewer stages first (down to 2), then shorter steps."""
-    while stages * (block_m + block_n) * block_k * itemsize > budget and (stages > 2 or block_k > 32):
+    while pipeline_bytes(block_m, block_n, block_k, stages, itemsize) > budget and (stages > 2 or block_k > 32):
         if stages > 2:
             stages -= 1
         else:
@@ -405,11 +410,11 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
     return block_k, stages
 
 
-def split_k(programs: int, k_blocks: int, device: torch.device, pipeline_bytes: int = 0) -> int:
+def split_k(programs: int, k_blocks: int, device: torch.device, program_bytes: int = 0) -> int:
     """How many ranges the few-rows kernel splits a product's reduction into (_rows_kernel's SPLIT), by
     DDTREE_GEMV_SPLIT (default 1: none): N splits a weight of fewer column blocks (programs) than the device has SMs
     in N; `auto` in as many as the device holds at once, whole: its programs resident at once (SMs times the programs
-    an SM's shared memory holds, each taking pipeline_bytes plus 1 KB) over the weight's, when that is 2 or more. At
+    an SM's shared memory holds, each taking program_bytes plus 1 KB) over the weight's, when that is 2 or more. At
     most MAX_SPLIT and k_blocks. A 27B layer's 5120-wide products at 17 rows are 80 programs of 64 columns on the
     H100's 132 SMs: they streamed at 2.4-2.6 TB/s where the wider ones reached 2.8-2.9 (perf/results/
     gemv_rows_tuned17.md); there `auto` makes 3 (96 KB programs, two an SM: 264 at once, 240 with the split). A split
@@ -418,16 +423,15 @@ def split_k(programs: int, k_blocks: int, device: torch.device, pipeline_bytes: 
     README, "Session 25"). Off by default: this one is not yet timed. Off CUDA 1 (the interpreter's tests ask for a
     split themselves). `auto` counts shared memory only (not registers), at the unpeeled pipeline."""
     env = os.environ.get("DDTREE_GEMV_SPLIT", "")
-    if env == "auto":
-        sms, sm_shared = _sm_resources(device) if device.type == "cuda" else (0, 0)
-        split = sms * max(1, sm_shared // (pipeline_bytes + 1024)) // programs
-    elif env.isdigit() or not env:
-        split = int(env or 1)
-    else:
+    if env not in ("", "auto") and not env.isdigit():
         raise ValueError(f"DDTREE_GEMV_SPLIT={env!r}: a number of ranges or auto")
-    if split <= 1 or device.type != "cuda" or programs >= _sm_resources(device)[0]:
+    if not env or device.type != "cuda":
         return 1
-    return min(split, MAX_SPLIT, k_blocks)
+    sms, sm_shared = _sm_resources(device)
+    if programs >= sms:
+        return 1
+    split = sms * max(1, sm_shared // (program_bytes + 1024)) // programs if env == "auto" else int(env)
+    return max(1, min(split, MAX_SPLIT, k_blocks))
 
 
 @functools.cache
@@ -513,7 +517,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
         programs = triton.cdiv(n, block_n // 2 if glu else block_n)
         k_blocks = triton.cdiv(k, block_k)
         if split is None:
-            split = split_k(programs, k_blocks, x.device, stages * (block_m + block_n) * block_k * x.element_size())
+            split = split_k(programs, k_blocks, x.device,
+                            pipeline_bytes(block_m, block_n, block_k, stages, x.element_size()))
         split = max(1, min(split, k_blocks))
         k_split = triton.cdiv(k_blocks, split) * block_k   # whole steps a range: no step crosses two
         split = triton.cdiv(k, k_split)
