@@ -117,6 +117,12 @@ def main() -> None:
                              "longer windows, less spread between runs")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="one unmeasured perf_analyzer run before each measured one (steady state, not start-up)")
+    parser.add_argument("--warmup-seconds", type=float, default=30.0,
+                        help="with --warmup: unmeasured passes over the methods at each concurrency until this long has "
+                             "passed (at least one pass). Through Triton on the H100 (aec030e) the time a stream spent "
+                             "outside the engine between its requests fell from 11-25 ms to 6-7 over the first ~20 s of "
+                             "measured runs after one pass (concurrency_h100_turns8_c16_aec030e.md): start-up, not the "
+                             "method")
     parser.add_argument("--gpus", default="", help="one engine replica per listed GPU, e.g. 0,1 (KIND_GPU instances)")
     parser.add_argument("--merge", default="",
                         help="an earlier result (.json) of the same methods and settings whose other concurrencies join "
@@ -149,10 +155,17 @@ def main() -> None:
             print(f"{time.strftime('%H:%M:%S')} server ready", flush=True)
             for level in levels:
                 count = max(args.requests_per_stream * level, 4)
-                if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size
-                    for method in methods:
-                        run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count, level,
-                                          model_of(method))
+                if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size,
+                    # and the serving path's own start-up (--warmup-seconds)
+                    start, passes = time.monotonic(), 0
+                    while passes == 0 or time.monotonic() - start < args.warmup_seconds:
+                        for method in methods:
+                            run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count,
+                                              level, model_of(method))
+                        passes += 1
+                    print(f"{time.strftime('%H:%M:%S')} c={level}: {passes} warm-up passes in "
+                          f"{time.monotonic() - start:.0f} s", flush=True)
+                    result.setdefault("warmup_passes", {})[str(level)] = passes
                 for repeat in range(args.repeats):
                     for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
                         entry = measure(server, workdir, prompts, method, args, count, level)
@@ -393,6 +406,9 @@ def write(result: dict, levels: list[int], args) -> None:
         merged = result["merged"]
         rows = [f"c={', '.join(map(str, merged['levels']))} from an earlier run (commit `{merged['header'].get('commit')}`, "
                 f"{merged['header'].get('date')}: `{merged['header'].get('command')}`); the others from this one.", ""] + rows
+    if result.get("warmup_passes"):
+        rows = [f"Unmeasured warm-up before each point (--warmup-seconds {args.warmup_seconds:g}): passes over the "
+                "methods " + ", ".join(f"{n} at c={c}" for c, n in result["warmup_passes"].items()), ""] + rows
     for name, by_level in result["methods"].items():
         rows.append(f"| {name} tok/s | " + " | ".join(f"{by_level[str(c)]['tokens_per_s']:.1f}" for c in levels) + " |")
         rows.append(f"| {name} TTFT p50 ms | " + " | ".join(f"{by_level[str(c)]['ttft_ms_p50']:.0f}" for c in levels) + " |")

@@ -97,14 +97,11 @@ def prologue_inputs(kind: str | None, rows: int, n: int, k: int, group: int, add
 
 
 def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows: int, repeats: int,
-                 forms: tuple[str, ...] = ("rows",), swap_grid: list[tuple[int, int, int, int]] | None = None,
-                 splits: tuple[int, ...] = ()) -> dict:
+                 forms: tuple[str, ...] = ("rows",), swap_grid: list[tuple[int, int, int, int]] | None = None) -> dict:
     """Per (weight shape, prologue): cuBLASLt's time, and ours plain and with the prologue (and the residual add
     where the engine adds it) at their best configurations (up to 16 of the shape's weights in one graph); forms
     (more than one row): "rows" the few-rows kernel's rows-first form (variants plain, prologue), "swap" its swapped
-    one (swap, swap_prologue); swap_grid: the swapped form's configurations to search (default SWAP_GRID); splits
-    (more than one row): the plain and swapped variants also at their best configuration with the reduction split
-    in each of these many ranges (linear_rows' split: DDTREE_GEMV_SPLIT's form), their ms by split in split_ms."""
+    one (swap, swap_prologue); swap_grid: the swapped form's configurations to search (default SWAP_GRID)."""
     from ddtree.models.gemv_kernel import fit_shared, linear_rows, rows_block, shared_budget
 
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -139,9 +136,6 @@ def best_configs(weights: list[tuple[torch.Tensor, str | None, int, bool]], rows
             ranked = sorted(([list(c), t] for c, t in times.items()), key=lambda ct: ct[1])
             entry[variant] = {"config": list(best), "ms": times[best], "tb_per_s": gbytes / times[best],
                               "top": ranked[:ROWS_TOP]}
-            if rows > 1 and variant == first and splits:
-                entry[variant]["split_ms"] = {split: graph_ms(lambda: [linear_rows(x, w, best, split=split, **kw)
-                                                                       for w in ws], repeats) for split in splits}
         entry["cublaslt_tb_per_s"] = gbytes / entry["cublaslt_ms"]
         chosen[(n, k, kind, group, add)] = entry
         print(f"{rows} rows {n}x{k} {kind}: cublaslt {entry['cublaslt_ms']:.3f} ms, "
@@ -209,19 +203,6 @@ def table(result: dict) -> str:
                      for v in ("plain", "prologue", "swap", "swap_prologue")]
             lines.append(f"| {rows} | {key.rsplit(' ', 1)[0]} | {key.rsplit(' ', 1)[1]} | {s['weights']} | "
                          f"{s['cublaslt_ms']:.3f} ({s['cublaslt_tb_per_s']:.2f}) | " + " | ".join(cells) + " |")
-    splits = [(rows, key, v, s[v]) for rows, shapes in result["shapes"].items() for key, s in shapes.items()
-              for v in ("plain", "swap") if "split_ms" in s.get(v, {})]
-    if splits:
-        counts = list(splits[0][3]["split_ms"])
-        lines += ["", "The reduction split (--splits; linear_rows' split, DDTREE_GEMV_SPLIT's form) at each shape's best "
-                  "configuration, ms (TB/s); 1: unsplit, as above\n",
-                  "| rows | N x K | form | config | 1 | " + " | ".join(str(c) for c in counts) + " |",
-                  "|---|---|---|---|---|" + "---|" * len(counts)]
-        for rows, key, v, e in splits:
-            gb = e["ms"] * e["tb_per_s"]
-            lines.append(f"| {rows} | {key.rsplit(' ', 1)[0]} | {'swapped' if v == 'swap' else 'rows first'} | "
-                         f"{tuple(e['config'])} | {e['ms']:.3f} ({e['tb_per_s']:.2f}) | "
-                         + " | ".join(f"{e['split_ms'][c]:.3f} ({gb / e['split_ms'][c]:.2f})" for c in counts) + " |")
     return "\n".join(lines)
 
 
@@ -234,9 +215,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--swap-grid", default="", metavar="BN,../BK,../WARPS,../STAGES,..",
                         help="the swapped form's search, one list per field (default SWAP_GRID's; a narrower one compiles "
                              "fewer kernels: e.g. 64,128/64,128/4,8/3,4)")
-    parser.add_argument("--splits", default="", metavar="N,..",
-                        help="more than one row: also each shape's best configuration with its reduction split in N "
-                             "ranges (e.g. 2,3,4)")
     parser.add_argument("--out", default=str(ROOT / "perf/results"))
     parser.add_argument("--name", default="gemv")
     args = parser.parse_args(argv)
@@ -256,8 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"read {result['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
     result["swap_grid"] = swap_grid or SWAP_GRID
     for rows in (int(r) for r in args.rows.split(",")):
-        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")), swap_grid,
-                              tuple(int(v) for v in args.splits.split(",") if v))
+        chosen = best_configs(weights, rows, args.repeats, tuple(args.forms.split(",")), swap_grid)
         result["shapes"][rows] = {f"{n}x{k} {kind}{'+add' if add else ''}": v for (n, k, kind, _, add), v in chosen.items()}
         result["steps"][rows] = whole_step(weights, rows, chosen, args.repeats)
         print(f"rows {rows}: {result['steps'][rows]}", flush=True)

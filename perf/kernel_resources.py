@@ -41,8 +41,7 @@ ARCHS = {90: {"sm_shared": 228 * 1024, "sm_threads": 2048, "sm_programs": 32, "p
 SHARED_RESERVED = 1024    # ... less this much the system keeps per program
 SM_REGISTERS = 65536      # both architectures'
 FORMS = {"loop": (False, False), "peel": (True, True), "wait": (False, True)}   # name: (PEEL, PDL)
-# multiples of 16 here (K_SPLIT: whole steps a range)
-INTS_ALIGNED = ("K_SPLIT", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")
+INTS_ALIGNED = ("N", "K", "stride_xm", "stride_wn", "stride_om", "stride_am", "stride_addm", "stride_hm")   # multiples of 16 here
 
 
 def programs_per_sm(shared: int, registers: int, warps: int, arch: int = 90) -> dict[str, int]:
@@ -78,8 +77,8 @@ def compile_resources(kernel, constexprs: dict, warps: int, stages: int | None, 
 
     names = [p.name for p in kernel.params if not p.is_constexpr]
     if pointers is None:
-        signature = {n: "*fp32" if n in ("p_ptr", "s_ptr", "ws_ptr") else "*i32" if n == "count_ptr"
-                     else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in names}
+        signature = {n: "*fp32" if n in ("p_ptr", "s_ptr") else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps"
+                     else "i32" for n in names}
     else:
         signature = {n: pointers.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*") or n in INTS_ALIGNED}
@@ -99,11 +98,10 @@ def compile_resources(kernel, constexprs: dict, warps: int, stages: int | None, 
             "async_copies": len(re.findall("async_copy_global_to_local", compiled.asm["ttgir"]))}
 
 
-def cases(budget_arch: int = 90, split: int = 1) -> list[dict]:
+def cases(budget_arch: int = 90) -> list[dict]:
     """Every 27B shape the default configurations name: the GEMV per (N, K, prologue), the few-rows kernel per (N, K)
     at 16 rows rows-first and 17 in the swapped form, its stages cut as a launch on that architecture cuts them
-    (gemv_kernel.shared_budget: what a block may take less its spare); split: the few-rows kernel's reduction ranges
-    (its SPLIT, DDTREE_GEMV_SPLIT's form; 1 the default's)."""
+    (gemv_kernel.shared_budget: what a block may take less its spare)."""
     import triton
 
     from ddtree.models import gemv_kernel as g
@@ -136,7 +134,7 @@ def cases(budget_arch: int = 90, split: int = 1) -> list[dict]:
                                 # the add: as before for the plain forms; with a norm, only the stream's writers add
                                 "ADD": not silu_up if not norm else norm == " norm out", "IEEE": False, "SWAP": swap,
                                 "GLU": silu_up, "NORM_OUT": norm == " norm out", "NORM_IN": norm == " norm in",
-                                "BLOCK_P": g.NORM_PARTS_BLOCK, "SPLIT": split}})
+                                "BLOCK_P": g.NORM_PARTS_BLOCK}})
     out += other_cases()
     return out
 
@@ -193,8 +191,6 @@ def main() -> None:
     parser.add_argument("--budget-of", type=int, choices=sorted(ARCHS),
                         help="cut the few-rows kernel's stages to this architecture's shared memory a block (default: "
                              "--arch's, as a launch there cuts them; 90 with --arch 120: Hopper's cuts on a Blackwell)")
-    parser.add_argument("--split", type=int, default=1,
-                        help="the few-rows kernel's reduction in this many ranges (DDTREE_GEMV_SPLIT's form; 1: none)")
     parser.add_argument("--name", default="")
     args = parser.parse_args()
     from tqdm import tqdm
@@ -207,7 +203,7 @@ def main() -> None:
     name = args.name or f"kernel_resources_sm{arch}"
     block_limit = ARCHS[arch]["sm_shared"] - SHARED_RESERVED
     forms, kernels = args.forms.split(","), args.kernels.split(",")
-    todo = [c for c in cases(budget_arch, args.split) if c["kernel"] in kernels]
+    todo = [c for c in cases(budget_arch) if c["kernel"] in kernels]
     results = []
     for case in tqdm(todo, desc=f"compiling for sm{arch}"):
         kernel = {"gemv": g._gemv_kernel, "tree chunk": t._chunk_kernel, "attention split": a._split_kernel}.get(
@@ -228,10 +224,9 @@ def main() -> None:
             entry["forms"][form] = found
         results.append(entry)
     a = ARCHS[arch]
-    split_note = f", its reduction split in {args.split} ranges" if args.split > 1 else ""
     too_big = sorted({f"{r['kernel']} {r['shape']}" for r in results for f in r["forms"].values() if not f.get("fits_a_block", True)})
     text = (f"Compiled offline for sm{arch} (Triton's compiler and ptxas -v, no GPU), the few-rows kernel's stages cut to "
-            f"sm{budget_arch}'s shared memory a block{split_note}; an SM's programs: the fewest its shared memory "
+            f"sm{budget_arch}'s shared memory a block; an SM's programs: the fewest its shared memory "
             f"({a['sm_shared'] // 1024} KB, {SHARED_RESERVED} bytes reserved a program), registers ({SM_REGISTERS}), "
             f"threads ({a['sm_threads']}) and its cap ({a['sm_programs']}) allow; 0 where a program takes more shared "
             f"memory than a block may ({block_limit // 1024} KB): it does not launch.\n\n"

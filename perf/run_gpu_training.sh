@@ -17,7 +17,6 @@
 #   sweep   after eval, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
 #   tune    carry .deps/xa: `tune search` then `tune turns` on one warm machine: the few-rows kernel's configurations
 #           searched on this GPU, then whole 27B rounds with them beside the default (see the stage)
-#   split   carry .deps/xa: `split tests`, `split bench`, `split turns`: the few-rows kernel's split reduction (below)
 #   pack    HERE, after `make setup` and `make perf-tools`: make what those calls carry (below)
 # The GGUF is split so that each part plus the working tree (which holds the shipped drafter, ~42 MB) stays under
 # 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~19.7 MB each, xa with the wheels), one carried per call;
@@ -155,34 +154,6 @@ tune)
       --name "gpu_ratios_$name" "$@" ;;
   *)
     echo "tune search | tune turns" >&2; exit 2 ;;
-  esac
-  ;;
-split)
-  # carry .deps/xa: the few-rows kernel's split reduction (DDTREE_GEMV_SPLIT, off by default), in three calls of one
-  # warm machine (each fits the 10 minutes): `split tests` (its GPU tests), `split bench` (perf/gemv_bench.py at 17
-  # rows, the swapped form, each 27B shape at its best of a narrow grid holding the defaults, then split in 2, 3 and 4),
-  # `split turns` (whole 27B rounds in turns beside the default: static-splitauto, each product of fewer column blocks
-  # than SMs in as many ranges as fill the programs the GPU holds at once, and static-again, an A/A control; add
-  # forms with --round-variants, e.g. static-split3, defined here). Extra arguments go to the script of the call.
-  install_wheels
-  case "${1:-}" in
-  tests)
-    shift
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_kernel.py -k split "$@" \
-      > "$OUT/gpu_tests_split.log" 2>&1 || true   # judged from the log
-    tail -3 "$OUT/gpu_tests_split.log" ;;
-  bench)
-    shift
-    python3 perf/gemv_bench.py --rows 17 --forms swap --swap-grid 64,128/64,128/4/3,4 --splits 2,3,4 --repeats 10 \
-      --out "$OUT" --name "${NAME:-gemv_rows_split17}" "$@" ;;
-  turns)
-    shift
-    python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes qwen36-27b --budgets 16,64 \
-      --batches '' --rounds 12 --variants none --turns-only --round-turns 3 \
-      --round-variants static-splitauto,static-again --variant-env static-split3:DDTREE_GEMV_SPLIT=3 \
-      --variant-env static-splitauto:DDTREE_GEMV_SPLIT=auto --out "$OUT" --name "${NAME:-gpu_ratios_split}" "$@" ;;
-  *)
-    echo "split tests | split bench | split turns" >&2; exit 2 ;;
   esac
   ;;
 *)

@@ -70,8 +70,6 @@ SHARED_SPARE = 4 * 1024     # kept free of the pipeline below a device's own lim
 MAX_ROWS = 128   # the most rows linear_rows takes (one program holds them all: rows_block)
 NORM_ELEMENTS = 8192   # the norms' first pass loads up to this many elements of x at once (a 27B row: one load)
 NORM_PARTS_BLOCK = 64   # partial sums of squares a step of _rows_kernel's NORM_IN loop reads (per row)
-MAX_SPLIT = 8   # split_k's most ranges of a reduction
-SPLIT_COUNTS = 4096   # column blocks a split launch may have (the counts' buffer, _split_counts)
 PROLOGUES = {None: 0, "norm": 1, "norm_plain": 2, "silu_mul": 3, "sigmoid_gate": 4, "gated_norm": 5}
 
 
@@ -224,11 +222,64 @@ def _rows_step(acc, w_first, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_
 
 
 @triton.jit
-def _rows_epilogue(acc, pid, out_ptr, M, N, stride_om, add_ptr, stride_addm, y_ptr, scale, parts_out_ptr, inv_rms,
-                   offs_m, m_ok, offs_n, n_ok, dtype, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD: tl.constexpr, GLU: tl.constexpr,
-                   NORM_OUT: tl.constexpr, NORM_IN: tl.constexpr):
-    """_rows_kernel's output from a program's whole sum acc [BLOCK_M, BLOCK_N]: the norm's 1 / rms (NORM_IN), the GLU,
-    the residual add, the store, and NORM_OUT's y and squares."""
+def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
+                 y_ptr, p_ptr, parts_out_ptr, parts_in_ptr, P, eps,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
+                 IEEE: tl.constexpr, SWAP: tl.constexpr, GLU: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr,
+                 NORM_OUT: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
+    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
+    product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
+    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. GLU: w
+    is a gated MLP's gate and up side by side ([2N, K]) and out [M, N] = silu(x @ gate.T) * (x @ up.T), rounded as
+    fused.silu_mul rounds: each program's tile holds BLOCK_N // 2 columns of each, interleaved (linear_rows' glu).
+    PEEL, PDL: as _gemv_kernel's. NORM_OUT (a product whose output is the residual stream h that a zero-centered
+    RMSNorm reads next): also y = h * p (p [N] float32, the norm's scale) rounded, and each row's sum of h^2 over
+    this program's columns into parts_out [programs, M] float32 (norm_parts). NORM_IN (a product over such a y,
+    x = y): each row's product times 1 / rms(h), h's squares summed from parts_in ([P, M]) in a fixed order, before
+    the epilogue (the norm applied after the product instead of on its input: norm_parts)."""
+    pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if GLU:   # the tile's column c is gate row j or up row N + j, j = pid * BLOCK_N // 2 + c // 2, by c's parity
+        c = tl.arange(0, BLOCK_N)
+        n_ok = pid * (BLOCK_N // 2) + c // 2 < N
+        offs_n = (c % 2) * N + pid * (BLOCK_N // 2) + c // 2
+    else:
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PEEL:   # the weight's first tile before the wait (PDL)
+        w_first = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, offs_k, K)
+    if NORM_OUT:   # the next norm's scale (a weight: before the wait too) for the epilogue
+        scale = tl.load(p_ptr + offs_n, mask=n_ok, other=0.0)
+    wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
+    if NORM_IN:   # 1 / rms(h) of each row from the product before's partial sums of squares, in program order: read
+        # before the loop, so that their latency hides under the weight's first tiles rather than lengthen the tail
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        offs_p = tl.arange(0, BLOCK_P)
+        for p0 in range(0, P, BLOCK_P):
+            part = tl.load(parts_in_ptr + (p0 + offs_p)[:, None] * M + offs_m[None, :],
+                           mask=((p0 + offs_p) < P)[:, None] & m_ok[None, :], other=0.0)
+            squares += tl.sum(part, 0)
+        inv_rms = 1.0 / tl.sqrt(squares / K + eps)
+    if PEEL:   # the first tile's step out of the loop
+        acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                         IEEE, SWAP, True)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, K, stride_xm, stride_wn,
+                             IEEE, SWAP, False)
+    if SWAP:
+        acc = tl.trans(acc)
     if NORM_IN:
         acc = acc * inv_rms[:, None]
     if GLU:   # gate and up each rounded as the product's output, silu rounded, the product rounded (fused.silu_mul)
@@ -245,99 +296,6 @@ def _rows_epilogue(acc, pid, out_ptr, M, N, stride_om, add_ptr, stride_addm, y_p
         h = acc.to(dtype).to(tl.float32)
         tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], (h * scale[None, :]).to(dtype), mask=out_ok)
         tl.store(parts_out_ptr + pid * M + offs_m, tl.sum(tl.where(out_ok, h * h, 0.0), 1), mask=m_ok)
-
-
-@triton.jit
-def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, add_ptr, stride_addm,
-                 y_ptr, p_ptr, parts_out_ptr, parts_in_ptr, P, eps, ws_ptr, count_ptr, K_SPLIT,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ADD: tl.constexpr,
-                 IEEE: tl.constexpr, SWAP: tl.constexpr, GLU: tl.constexpr, PEEL: tl.constexpr, PDL: tl.constexpr,
-                 NORM_OUT: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K].T for a few rows (M <= BLOCK_M): each program streams its BLOCK_N columns of the
-    weight once for all the rows, multiplying on the tensor cores (float32: IEEE products, no TF32). SWAP: the
-    product taken as (w @ x.T).T, the weight's columns the tile's long side and the rows its short one (as cuBLAS
-    tiles skinny products: 384x24 for 17 rows), instead of the rows as the tile's first dimension. GLU: w
-    is a gated MLP's gate and up side by side ([2N, K]) and out [M, N] = silu(x @ gate.T) * (x @ up.T), rounded as
-    fused.silu_mul rounds: each program's tile holds BLOCK_N // 2 columns of each, interleaved (linear_rows' glu).
-    PEEL, PDL: as _gemv_kernel's. NORM_OUT (a product whose output is the residual stream h that a zero-centered
-    RMSNorm reads next): also y = h * p (p [N] float32, the norm's scale) rounded, and each row's sum of h^2 over
-    this program's columns into parts_out [programs, M] float32 (norm_parts). NORM_IN (a product over such a y,
-    x = y): each row's product times 1 / rms(h), h's squares summed from parts_in ([P, M]) in a fixed order, before
-    the epilogue (the norm applied after the product instead of on its input: norm_parts).
-    SPLIT > 1 (split_k: a weight of fewer column blocks than the device has SMs): the grid's second dimension splits
-    the reduction into SPLIT ranges of K_SPLIT columns (a multiple of BLOCK_K); each program writes its float32 partial
-    sum to ws [SPLIT, programs, BLOCK_M, BLOCK_N] and counts itself in count [programs] (acquire-release); the last of
-    a column block's programs to count adds the SPLIT partials in split order (the same sum whichever program comes
-    last), takes the epilogue and sets its count back to 0 for the next launch."""
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    dtype = out_ptr.dtype.element_ty
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    if GLU:   # the tile's column c is gate row j or up row N + j, j = pid * BLOCK_N // 2 + c // 2, by c's parity
-        c = tl.arange(0, BLOCK_N)
-        n_ok = pid * (BLOCK_N // 2) + c // 2 < N
-        offs_n = (c % 2) * N + pid * (BLOCK_N // 2) + c // 2
-    else:
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    k_len = K
-    if SPLIT > 1:   # this program's range of the reduction: the operands from its start (a loop from 0 is pipelined)
-        k_lo = pid_k * K_SPLIT
-        x_ptr += k_lo
-        w_ptr += k_lo
-        k_len = tl.minimum(K - k_lo, K_SPLIT)
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PEEL:   # the weight's first tile before the wait (PDL)
-        w_first = _weight_tile(w_ptr, offs_n, n_ok, stride_wn, offs_k, k_len)
-    scale = 0.0
-    if NORM_OUT:   # the next norm's scale (a weight: before the wait too) for the epilogue
-        scale = tl.load(p_ptr + offs_n, mask=n_ok, other=0.0)
-    wait_for_previous_grid(PDL)   # after the early tile where PEEL, else before any load
-    inv_rms = 0.0
-    if NORM_IN:   # 1 / rms(h) of each row from the product before's partial sums of squares, in program order: read
-        # before the loop, so that their latency hides under the weight's first tiles rather than lengthen the tail
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        offs_p = tl.arange(0, BLOCK_P)
-        for p0 in range(0, P, BLOCK_P):
-            part = tl.load(parts_in_ptr + (p0 + offs_p)[:, None] * M + offs_m[None, :],
-                           mask=((p0 + offs_p) < P)[:, None] & m_ok[None, :], other=0.0)
-            squares += tl.sum(part, 0)
-        inv_rms = 1.0 / tl.sqrt(squares / K + eps)
-    if PEEL:   # the first tile's step out of the loop
-        acc = _rows_step(acc, w_first, 0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, k_len, stride_xm, stride_wn,
-                         IEEE, SWAP, True)
-        for k0 in range(BLOCK_K, k_len, BLOCK_K):
-            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, k_len, stride_xm,
-                             stride_wn, IEEE, SWAP, False)
-    else:
-        for k0 in range(0, k_len, BLOCK_K):
-            acc = _rows_step(acc, acc, k0, x_ptr, w_ptr, offs_m, m_ok, offs_n, n_ok, offs_k, k_len, stride_xm,
-                             stride_wn, IEEE, SWAP, False)
-    if SWAP:
-        acc = tl.trans(acc)
-    if SPLIT > 1:
-        tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        programs = tl.num_programs(0)
-        tl.store(ws_ptr + (pid_k * programs + pid) * (BLOCK_M * BLOCK_N) + tile, acc)
-        # the scalar atomic is one thread's: the barrier puts every warp's stores of the partial before it (its
-        # release covers them only then; without it the float32 rows-first form compiled with none between them), and
-        # its acquire lets the last program's loads see every range's partial
-        tl.debug_barrier()
-        if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1:
-            acc = tl.load(ws_ptr + pid * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                acc += tl.load(ws_ptr + (s * programs + pid) * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            tl.store(count_ptr + pid, 0)
-            _rows_epilogue(acc, pid, out_ptr, M, N, stride_om, add_ptr, stride_addm, y_ptr, scale, parts_out_ptr,
-                           inv_rms, offs_m, m_ok, offs_n, n_ok, dtype, BLOCK_M, BLOCK_N, ADD, GLU, NORM_OUT, NORM_IN)
-    else:
-        _rows_epilogue(acc, pid, out_ptr, M, N, stride_om, add_ptr, stride_addm, y_ptr, scale, parts_out_ptr, inv_rms,
-                       offs_m, m_ok, offs_n, n_ok, dtype, BLOCK_M, BLOCK_N, ADD, GLU, NORM_OUT, NORM_IN)
 
 
 @functools.cache
@@ -410,50 +368,6 @@ def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: 
     return block_k, stages
 
 
-def split_k(programs: int, k_blocks: int, device: torch.device, program_bytes: int = 0) -> int:
-    """How many ranges the few-rows kernel splits a product's reduction into (_rows_kernel's SPLIT), by
-    DDTREE_GEMV_SPLIT (default 1: none): N splits a weight of fewer column blocks (programs) than the device has SMs
-    in N; `auto` in as many as the device holds at once, whole: its programs resident at once (SMs times the programs
-    an SM's shared memory holds, each taking program_bytes plus 1 KB) over the weight's, when that is 2 or more. At
-    most MAX_SPLIT and k_blocks. A 27B layer's 5120-wide products at 17 rows are 80 programs of 64 columns on the
-    H100's 132 SMs: they streamed at 2.4-2.6 TB/s where the wider ones reached 2.8-2.9 (perf/results/
-    gemv_rows_tuned17.md); there `auto` makes 3 (96 KB programs, two an SM: 264 at once, 240 with the split). A split
-    that leaves some SMs two programs and the rest one gains little if an SM streams at its own limit: session 25's
-    split in two (160 programs) lost inside the engine on the H200 (15.35 against 15.20 ms of a budget-16 verify:
-    README, "Session 25"). Off by default: this one is not yet timed. Off CUDA 1 (the interpreter's tests ask for a
-    split themselves). `auto` counts shared memory only (not registers), at the unpeeled pipeline."""
-    env = os.environ.get("DDTREE_GEMV_SPLIT", "")
-    if env not in ("", "auto") and not env.isdigit():
-        raise ValueError(f"DDTREE_GEMV_SPLIT={env!r}: a number of ranges or auto")
-    if not env or device.type != "cuda":
-        return 1
-    sms, sm_shared = _sm_resources(device)
-    if programs >= sms:
-        return 1
-    split = sms * max(1, sm_shared // (program_bytes + 1024)) // programs if env == "auto" else int(env)
-    return max(1, min(split, MAX_SPLIT, k_blocks))
-
-
-@functools.cache
-def _sm_resources(device: torch.device) -> tuple[int, int]:
-    """(SMs, shared memory an SM may give its programs) of a CUDA device (the latter its block opt-in plus the 1 KB
-    reserved a block where the properties lack it: 228 KB on Hopper, 100 KB on an RTX PRO 6000)."""
-    props = torch.cuda.get_device_properties(device)
-    optin = props.shared_memory_per_block_optin
-    return props.multi_processor_count, getattr(props, "shared_memory_per_multiprocessor", optin + 1024)
-
-
-@functools.cache
-def _split_counts(device: torch.device) -> torch.Tensor:
-    """The split launches' counts, one a column block, zero between launches (each launch's last programs set them
-    back): one buffer a device, made on the first split launch, which runs eagerly (GraphPool runs each program's
-    body once before it captures it), never inside a capture, so no graph's pool holds it. One buffer a device: split
-    launches on two streams of one device at once (two engines on one GPU; the server runs one a GPU) would count
-    into the same column blocks and leave outputs unwritten."""
-    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "split counts made inside a capture"
-    return torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
-
-
 def rows_config(n: int, k: int, block_m: int, swap: bool, itemsize: int,
                 config: tuple[int, int, int, int] | None = None, budget: int = SHARED_BYTES) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of the few-rows kernel's programs of block_m rows over an [n, k] weight: the
@@ -481,7 +395,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                 prologue: str | None = None, a: torch.Tensor | None = None, p: torch.Tensor | None = None,
                 eps: float = 0.0, group: int = 1, add: torch.Tensor | None = None, swap: bool | None = None,
                 glu: bool = False, norm_out: torch.Tensor | None = None, norm_in: torch.Tensor | None = None,
-                split: int | None = None, _peel: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                _peel: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[add +] prologue(x, a, p) [M, K] @ weight[N, K].T -> [M, N] in x's dtype (module docstring): one row through
     the GEMV, with its prologue; a few (M <= MAX_ROWS) through the few-rows kernel, without one (a prologue's chain
     computed per program for 16 rows made the step's products 2.6x slower on the H200: perf/results/gemv_rows_h200.md);
@@ -494,8 +408,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
     peel_first()). norm_out, norm_in (more than one row; kernels.norm_parts): a zero-centered RMSNorm between two
     products taken in their epilogues. norm_out (the norm's float32 scale [N]): this product's output is the
     residual stream h the norm reads; returns (out, y = h * scale rounded, parts: each program's sums of h^2 per row).
-    norm_in (those parts): x is such a y, and each row's product is divided by rms(h) (eps the norm's). split (more
-    than one row): the reduction split into that many ranges (at most its BLOCK_K steps; None: split_k's)."""
+    norm_in (those parts): x is such a y, and each row's product is divided by rms(h) (eps the norm's)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (x.shape, x.stride())
@@ -515,29 +428,17 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, i
                                                       shared_budget(x.device))
         peel = (use_pdl and peel_first(swap)) if _peel is None else _peel
         programs = triton.cdiv(n, block_n // 2 if glu else block_n)
-        k_blocks = triton.cdiv(k, block_k)
-        if split is None:
-            split = split_k(programs, k_blocks, x.device,
-                            pipeline_bytes(block_m, block_n, block_k, stages, x.element_size()))
-        split = max(1, min(split, k_blocks))
-        k_split = triton.cdiv(k_blocks, split) * block_k   # whole steps a range: no step crosses two
-        split = triton.cdiv(k, k_split)
-        ws, counts = out, out
-        if split > 1:
-            assert programs <= SPLIT_COUNTS, (programs, SPLIT_COUNTS)
-            ws = torch.empty(split, programs, block_m, block_n, device=x.device, dtype=torch.float32)
-            counts = _split_counts(x.device)
         y, parts = out, out
         if norm_out is not None:
             y = torch.empty_like(out)
             parts = torch.empty(programs, m, device=x.device, dtype=torch.float32)
-        _rows_kernel[(programs, split)](
+        _rows_kernel[(programs,)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), x if add is None else add,
             0 if add is None else add.stride(0), y, out if norm_out is None else norm_out, parts,
-            out if norm_in is None else norm_in, 0 if norm_in is None else norm_in.shape[0], eps, ws, counts, k_split,
+            out if norm_in is None else norm_in, 0 if norm_in is None else norm_in.shape[0], eps,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ADD=add is not None, IEEE=weight.dtype == torch.float32,
             SWAP=swap, GLU=glu, PEEL=peel, PDL=use_pdl, NORM_OUT=norm_out is not None, NORM_IN=norm_in is not None,
-            BLOCK_P=NORM_PARTS_BLOCK, SPLIT=split, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
+            BLOCK_P=NORM_PARTS_BLOCK, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
         return out if norm_out is None else (out, y, parts)
     mode = PROLOGUES[prologue]
     peel = (use_pdl and peel_first()) if _peel is None else _peel

@@ -20,19 +20,19 @@ def tiny_config(family: str, tiny_models, tmp_path):
 
 
 def assert_switch_keeps_greedy_tokens(monkeypatch, variable: str | tuple[str, ...], config, cases: list[tuple[str, int]],
-                                      seed: int, values: tuple[str, str] = ("0", "1")) -> None:
-    """Greedy tokens of each (mode, budget) with environment `variable` = values[0] (off) == with it = values[1]
-    (fresh engines, so each captures its own graphs under its setting); a tuple: those variables switched together."""
+                                      seed: int) -> None:
+    """Greedy tokens of each (mode, budget) with environment `variable` = 0 == with it = 1 (fresh engines, so each
+    captures its own graphs under its setting); a tuple: those variables switched together."""
     from ddtree.engine import Engine
     from ddtree.sampling_params import SamplingParams
 
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
     outputs = {}
-    for value in values:
+    for value in ("0", "1"):
         for name in (variable,) if isinstance(variable, str) else variable:
             monkeypatch.setenv(name, value)
         engine = Engine(config)
         outputs[value] = [engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=40,
                                                                      ignore_eos=True)).output_ids for mode, budget in cases]
-    for (mode, budget), off, on in zip(cases, outputs[values[0]], outputs[values[1]]):
-        assert on == off, f"{variable}={values[1]} changed {mode}-{budget}"
+    for (mode, budget), off, on in zip(cases, outputs["0"], outputs["1"]):
+        assert on == off, f"{variable}=1 changed {mode}-{budget}"

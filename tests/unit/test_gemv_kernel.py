@@ -4,7 +4,6 @@ kernels.gemv_max_rows() rows through them decode what they decode through F.line
 
 from __future__ import annotations
 
-import functools
 import importlib
 import random
 
@@ -322,64 +321,3 @@ def test_the_peeled_rows_kernel_computes_what_its_loop_computes(rows, swap, k, c
         peeled = linear_rows(x, w, config, swap=swap, add=residual, _peel=True)
         assert torch.equal(peeled, loop), residual is None
         torch.testing.assert_close(loop, F.linear(x, w) + (0 if residual is None else residual), rtol=1e-5, atol=1e-4)
-
-
-# The few-rows kernel's reduction split into ranges (split: the last program of a column block to finish adds the
-# partials in range order and takes the epilogue). Each range one step: the same sums in the same order as the single
-# loop's, so the outputs are exactly equal; fewer, longer ranges: the same products summed in another association.
-@pytest.mark.parametrize("rows, swap", [(2, False), (16, False), (17, True)])
-@pytest.mark.parametrize("peel", [False, True])
-def test_the_split_rows_kernel_computes_what_its_loop_computes(rows, swap, peel):
-    """Both forms, peeled or not (each range's first tile loaded before PDL's wait), with the residual add, the GLU
-    epilogue and a norm across two products (norm_out, then norm_in), ranges of one step, of several, and as many as
-    asked (more than the steps: one a step); the counts back at zero."""
-    module = gemv_module()
-    linear_rows = functools.partial(module.linear_rows, _peel=peel)
-    gen = torch.Generator().manual_seed(rows * 5 + swap)
-    n, k, config = 37, 300, (16, 32, 4, 2)   # 10 steps of 32, the last partial; 3 column blocks, the last partial
-    x, w, add = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(rows, n, generator=gen)
-    w2, scale = torch.randn(24, n, generator=gen) / n**0.5, 1.0 + 0.1 * torch.randn(n, generator=gen)
-    loop = linear_rows(x, w, config, swap=swap, add=add, split=1)
-    assert torch.equal(linear_rows(x, w, config, swap=swap, add=add, split=10), loop)
-    assert torch.equal(linear_rows(x, w, config, swap=swap, add=add, split=64), loop)
-    for split in (2, 3, 4):
-        torch.testing.assert_close(linear_rows(x, w, config, swap=swap, add=add, split=split), loop, rtol=1e-5, atol=1e-5)
-        glu = linear_rows(x, torch.cat([w[:18], w[18:36]]), config, swap=swap, glu=True, split=split)
-        torch.testing.assert_close(glu, linear_rows(x, torch.cat([w[:18], w[18:36]]), config, swap=swap, glu=True),
-                                   rtol=1e-5, atol=1e-5)
-        h, y, parts = linear_rows(x, w, config, swap=swap, add=add, norm_out=scale, split=split)
-        h1, y1, parts1 = linear_rows(x, w, config, swap=swap, add=add, norm_out=scale)
-        for got, want in ((h, h1), (y, y1), (parts, parts1)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(linear_rows(y, w2, (8, 32, 4, 2), swap=swap, norm_in=parts, eps=1e-6, split=split),
-                                   linear_rows(y, w2, (8, 32, 4, 2), swap=swap, norm_in=parts, eps=1e-6),
-                                   rtol=1e-5, atol=1e-5)
-    assert not module._split_counts(torch.device("cpu")).any()
-
-
-def test_split_k_splits_only_the_products_of_fewer_column_blocks_than_sms(monkeypatch):
-    """DDTREE_GEMV_SPLIT: off by default and at 1; N ranges for a weight of fewer column blocks than the device's
-    SMs, at most its steps and MAX_SPLIT; `auto` as many as fill the programs the device holds at once (an H100: 132
-    SMs of 228 KB; an RTX PRO 6000: 188 of 100 KB); none off CUDA (the interpreter's tests ask for their split)."""
-    module = gemv_module()
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(module, "_sm_resources", lambda device: (132, 228 * 1024))
-    monkeypatch.delenv("DDTREE_GEMV_SPLIT", raising=False)
-    assert module.split_k(80, 48, cuda) == 1
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT", "1")
-    assert module.split_k(80, 48, cuda) == 1
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT", "3")
-    assert module.split_k(80, 48, cuda) == 3
-    assert module.split_k(132, 48, cuda) == 1
-    assert module.split_k(80, 2, cuda) == 2
-    assert module.split_k(80, 48, torch.device("cpu")) == 1
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT", "99")
-    assert module.split_k(80, 48, cuda) == module.MAX_SPLIT
-    monkeypatch.setenv("DDTREE_GEMV_SPLIT", "auto")
-    swapped = 4 * (32 + 64) * 128 * 2   # 17 rows, (64, 128, 4, 4): two an SM, 264 at once
-    assert module.split_k(80, 136, cuda, swapped) == 3   # 5120 x 17408: 240 programs
-    assert module.split_k(112, 40, cuda, 4 * (32 + 128) * 128 * 2) == 1   # 14336 x 5120, (128, 128): one an SM
-    assert module.split_k(258, 40, cuda, swapped) == 1
-    assert module.split_k(80, 48, torch.device("cpu"), swapped) == 1
-    monkeypatch.setattr(module, "_sm_resources", lambda device: (188, 100 * 1024))
-    assert module.split_k(80, 136, cuda, 3 * (32 + 64) * 128 * 2) == 2   # sm_120's 3 stages: one an SM, 188 at once
