@@ -359,10 +359,15 @@ IDLE_SHARE = 0.9   # a run whose engine held fewer of the streams on average had
 def idle_runs(methods: dict[str, dict[str, dict]], levels: list[int]) -> list[str]:
     """The runs whose engine held under IDLE_SHARE of the streams on average (the engine's mean batch): streams that
     waited outside it, for their responses or before their next request reached it (on the H200 a 2 ms outbox wait
-    per call made such runs, at half the throughput: README, "The gate's wait counted from queueing")."""
+    per call made such runs, at half the throughput: README, "The gate's wait counted from queueing"), with the
+    Python steps' queue / compute ms an execution (through Triton on the H100 at aec030e the postprocessing step, one
+    instance taking every streamed response, queued 27 ms an execution in such a run, against 0.3 in the others, while
+    every step's compute was 30-50% slower: concurrency_h100_turns8_c16_aec030e.md)."""
     return [f"{name} c={c} run {i + 1}: {run['tokens_per_s']:.0f} tok/s, mean batch {run['stages']['mean_batch']:.1f}, "
             f"time to first token p50 {run['ttft_ms_p50']:.0f} ms (the engine's mean "
             + (f"{run['engine_ttft_ms']:.1f})" if run.get("engine_ttft_ms") is not None else "-)")
+            + "".join(f", {step} {run[step]['queue_ms']:.2f} / {run[step]['compute_ms']:.2f} ms"
+                      for step in ("preprocessing", "generation", "postprocessing") if step in run)
             for name, by_level in methods.items() for c in levels
             for i, run in enumerate(by_level.get(str(c), {}).get("runs", []))
             if run.get("stages", {}).get("mean_batch", c) < IDLE_SHARE * c]
@@ -548,7 +553,7 @@ def write(result: dict, levels: list[int], args) -> None:
         idle = idle_runs(result["methods"], levels)
         if idle:
             rows += ["", f"Runs whose engine held under {IDLE_SHARE:.0%} of the streams on average (the others waited "
-                     "outside it):", ""] + [f"- {n}" for n in idle]
+                     "outside it; the Python steps' queue / compute ms an execution):", ""] + [f"- {n}" for n in idle]
     write_results(Path(args.out), args.name, result, "\n".join(rows) + f"\n\n![tokens/s against concurrency]({args.name}.png)")
     plot(result, Path(args.out) / f"{args.name}.png")
 

@@ -84,6 +84,11 @@ def test_runs_whose_engine_held_few_of_the_streams_are_listed():
     assert idle_runs(methods, [16, 32]) == [
         "auto c=32 run 2: 6978 tok/s, mean batch 14.0, time to first token p50 183 ms (the engine's mean 13.1)"]
     assert idle_runs({"ar": {"8": median_run([run(100, 8.0)])}}, [8, 16]) == []
+    steps = {"postprocessing": {"queue_ms": 26.73, "compute_ms": 0.64, "executions": 21504},
+             "preprocessing": {"queue_ms": 0.41, "compute_ms": 0.75, "executions": 336}}
+    assert idle_runs({"auto": {"16": median_run([{**run(6814, 11.7, 6.1), **steps}])}}, [16]) == [
+        "auto c=16 run 1: 6814 tok/s, mean batch 11.7, time to first token p50 183 ms (the engine's mean 6.1), "
+        "preprocessing 0.41 / 0.75 ms, postprocessing 26.73 / 0.64 ms"]
 
 
 def test_wall_ms_per_round_is_the_runs_time_over_its_rounds():
