@@ -82,6 +82,9 @@ def merge_earlier(result: dict, earlier: dict, levels: list[int]) -> list[int]:
     for name, by_level in earlier["methods"].items():
         result["methods"][name].update({str(c): by_level[str(c)] for c in taken if str(c) in by_level})
     result["merged"] = {"levels": taken, "header": earlier["header"]}
+    for c in taken:   # their warm-up, where the earlier run recorded it
+        if str(c) in earlier.get("warmup_passes", {}):
+            result.setdefault("warmup_passes", {})[str(c)] = earlier["warmup_passes"][str(c)]
     return [c for c in taken if all(str(c) in by_level for by_level in result["methods"].values())]
 
 
@@ -116,13 +119,14 @@ def main() -> None:
                         help="perf_analyzer's requests per measurement window = this x concurrency (at least 4): more, "
                              "longer windows, less spread between runs")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                        help="one unmeasured perf_analyzer run before each measured one (steady state, not start-up)")
+                        help="unmeasured perf_analyzer runs of every method before each point's measured ones (steady "
+                             "state, not start-up; the first point's for --warmup-seconds)")
     parser.add_argument("--warmup-seconds", type=float, default=30.0,
-                        help="with --warmup: unmeasured passes over the methods at each concurrency until this long has "
-                             "passed (at least one pass). Through Triton on the H100 (aec030e) the time a stream spent "
-                             "outside the engine between its requests fell from 11-25 ms to 6-7 over the first ~20 s of "
-                             "measured runs after one pass (concurrency_h100_turns8_c16_aec030e.md): start-up, not the "
-                             "method")
+                        help="with --warmup: at the first concurrency (the server's start), unmeasured passes over the "
+                             "methods until this long has passed; one pass at each later one. Through Triton on the H100 "
+                             "(aec030e) the time a stream spent outside the engine between its requests fell from 11-25 "
+                             "ms to 6-8 over the first ~20 s of measured runs after one pass "
+                             "(concurrency_h100_turns8_c16_aec030e.md): start-up, not the method")
     parser.add_argument("--gpus", default="", help="one engine replica per listed GPU, e.g. 0,1 (KIND_GPU instances)")
     parser.add_argument("--merge", default="",
                         help="an earlier result (.json) of the same methods and settings whose other concurrencies join "
@@ -158,7 +162,8 @@ def main() -> None:
                 if args.warmup:   # unmeasured: captures of new batch shapes, auto's exploration at a new batch size,
                     # and the serving path's own start-up (--warmup-seconds)
                     start, passes = time.monotonic(), 0
-                    while passes == 0 or time.monotonic() - start < args.warmup_seconds:
+                    seconds = args.warmup_seconds if level == levels[0] else 0.0   # the server's start-up: once
+                    while passes == 0 or time.monotonic() - start < seconds:
                         for method in methods:
                             run_perf_analyzer(server, input_data(prompts, sampling_of(method, args)), workdir, count,
                                               level, model_of(method))
@@ -361,8 +366,8 @@ def idle_runs(methods: dict[str, dict[str, dict]], levels: list[int]) -> list[st
     waited outside it, for their responses or before their next request reached it (on the H200 a 2 ms outbox wait
     per call made such runs, at half the throughput: README, "The gate's wait counted from queueing"), with the
     Python steps' queue / compute ms an execution (through Triton on the H100 at aec030e the postprocessing step, one
-    instance taking every streamed response, queued 27 ms an execution in such a run, against 0.3 in the others, while
-    every step's compute was 30-50% slower: concurrency_h100_turns8_c16_aec030e.md)."""
+    instance taking every streamed response, queued 27 ms an execution in such a run, against 0.2-0.3 in most others,
+    while its compute took 2.1x as long and the other steps' up to 1.6x: concurrency_h100_turns8_c16_aec030e.md)."""
     return [f"{name} c={c} run {i + 1}: {run['tokens_per_s']:.0f} tok/s, mean batch {run['stages']['mean_batch']:.1f}, "
             f"time to first token p50 {run['ttft_ms_p50']:.0f} ms (the engine's mean "
             + (f"{run['engine_ttft_ms']:.1f})" if run.get("engine_ttft_ms") is not None else "-)")
@@ -412,8 +417,9 @@ def write(result: dict, levels: list[int], args) -> None:
         rows = [f"c={', '.join(map(str, merged['levels']))} from an earlier run (commit `{merged['header'].get('commit')}`, "
                 f"{merged['header'].get('date')}: `{merged['header'].get('command')}`); the others from this one.", ""] + rows
     if result.get("warmup_passes"):
-        rows = [f"Unmeasured warm-up before each point (--warmup-seconds {args.warmup_seconds:g}): passes over the "
-                "methods " + ", ".join(f"{n} at c={c}" for c, n in result["warmup_passes"].items()), ""] + rows
+        rows = [f"Unmeasured warm-up before each point's runs (--warmup-seconds {args.warmup_seconds:g} at the first): "
+                "passes over the methods " + ", ".join(f"{n} at c={c}" for c, n in result["warmup_passes"].items()),
+                ""] + rows
     for name, by_level in result["methods"].items():
         rows.append(f"| {name} tok/s | " + " | ".join(f"{by_level[str(c)]['tokens_per_s']:.1f}" for c in levels) + " |")
         rows.append(f"| {name} TTFT p50 ms | " + " | ".join(f"{by_level[str(c)]['ttft_ms_p50']:.0f}" for c in levels) + " |")

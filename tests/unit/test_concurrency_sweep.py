@@ -59,7 +59,7 @@ def test_a_sweep_split_over_commands_merges_the_earlier_points():
     from perf.concurrency_sweep import merge_earlier
 
     settings = {"device": "cuda", "dtype": "bfloat16", "max_tokens": 64, "repeats": 3}
-    earlier = {**settings, "header": {"commit": "abc1234", "date": "d", "command": "c"},
+    earlier = {**settings, "header": {"commit": "abc1234", "date": "d", "command": "c"}, "warmup_passes": {"1": 3, "16": 1},
                "methods": {"ar": {"1": runs(10.0), "2": runs(20.0), "16": runs(99.0)},
                            "auto": {"1": runs(11.0), "2": runs(19.0), "16": runs(98.0)}}}
     result = {**settings, "methods": {"ar": {"16": runs(160.0)}, "auto": {"16": runs(170.0)}}}
@@ -68,6 +68,7 @@ def test_a_sweep_split_over_commands_merges_the_earlier_points():
     assert result["methods"]["auto"]["16"]["tokens_per_s"] == 170.0     # this run's point, not the earlier one's
     assert paired_ratios(result["methods"])["2"]["over_ar"] == pytest.approx([19 / 20])
     assert result["merged"] == {"levels": [1, 2], "header": earlier["header"]}
+    assert result["warmup_passes"] == {"1": 3}   # the earlier run's warm-up of the points taken, not of 16
     with pytest.raises(SystemExit, match="max_tokens"):
         merge_earlier({**result, "max_tokens": 32}, earlier, [16])
     with pytest.raises(SystemExit, match="measured"):
