@@ -171,6 +171,7 @@ def main() -> None:
                     print(f"{time.strftime('%H:%M:%S')} c={level}: {passes} warm-up passes in "
                           f"{time.monotonic() - start:.0f} s", flush=True)
                     result.setdefault("warmup_passes", {})[str(level)] = passes
+                    result["warmup_seconds"] = args.warmup_seconds
                 for repeat in range(args.repeats):
                     for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
                         entry = measure(server, workdir, prompts, method, args, count, level)

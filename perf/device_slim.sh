@@ -19,16 +19,22 @@ MARK="# device_slim"
 case "${1:-}" in
 on)
   paths=(perf/results)
-  if [ "${2:-}" = --drafters ]; then paths+=(drafters); fi
+  case "${2:-}" in
+  "") ;;
+  --drafters) paths+=(drafters) ;;
+  *) echo "usage: $0 on [--drafters] | off" >&2; exit 2 ;;
+  esac
   mkdir -p "$(dirname "$exclude")" "$(dirname "$hook")"
   for path in "${paths[@]}"; do
-    git rm -r -q --cached "$path"
+    git rm -r -q --cached --ignore-unmatch "$path"   # (already out: a second `on`)
     grep -qx "/$path/" "$exclude" 2>/dev/null || echo "/$path/" >> "$exclude"
   done
   if [ ! -e "$hook" ]; then
     printf '#!/bin/sh\n%s: made by perf/device_slim.sh on, removed by off\necho "perf/device_slim.sh is on (the index lacks perf/results): run \\"bash perf/device_slim.sh off\\" before committing" >&2\nexit 1\n' \
       "$MARK" > "$hook"
     chmod +x "$hook"
+  elif ! grep -q "^$MARK" "$hook"; then
+    echo "WARNING: $hook exists (not ours) and stays: commits are NOT refused while device_slim is on" >&2
   fi
   git ls-files -z | xargs -0 du -cb | tail -1 | awk '{printf "tracked files now travel as %.1f MB\n", $1 / 1e6}'
   ;;

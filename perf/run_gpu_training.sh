@@ -14,7 +14,7 @@
 #           perf/batched_repeat.py (batched requests against the target's own tokens over many seeds)
 #   eval    carry .deps/ba then .deps/bb (tritonserver in two parts; eval and sweep put them together) and .deps/tc
 #           (tritonclient wheels): HumanEval acceptance and speed, in process and Triton
-#   sweep   after eval, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
+#   sweep   after target, carry .deps/gpu (perf_analyzer): concurrency 1..32 through Triton (--gpus 0,1: two replicas)
 #   tune    carry .deps/xa: `tune search` then `tune turns` on one warm machine: the few-rows kernel's configurations
 #           searched on this GPU, then whole 27B rounds with them beside the default (see the stage)
 #   pack    HERE, after `make setup` and `make perf-tools`: make what those calls carry (below)
@@ -52,7 +52,8 @@ unpack_server() {   # the tritonserver bundle: cat from its two carried halves w
     if [ ! -f .deps/bundle/tritonserver-py312.tar.xz ] && [ -f .deps/ba/part ] && [ -f .deps/bb/part ]; then
       mkdir -p .deps/bundle && cat .deps/ba/part .deps/bb/part > .deps/bundle/tritonserver-py312.tar.xz
     fi
-    if [ -f .deps/bundle/tritonserver-py312.tar.xz ]; then tar -C .deps -xJf .deps/bundle/tritonserver-py312.tar.xz; fi
+    if [ -f .deps/bundle/tritonserver-py312.tar.xz ]; then tar -C .deps -xJf .deps/bundle/tritonserver-py312.tar.xz
+    else echo "no tritonserver: carry .deps/ba and .deps/bb (its two halves)" >&2; fi
   fi
 }
 
@@ -92,9 +93,13 @@ target|train)
   cat .deps/x?/gguf.part > .deps/smollm2.gguf
   echo "$(cat .deps/x?/gguf.sha256)  .deps/smollm2.gguf" | sha256sum -c -
   drafter=()   # the shipped drafter from .deps/dr where the tree came without drafters/ (device_slim.sh --drafters)
-  if [ ! -d drafters/smollm2-135m-instruct-dflash ]; then drafter=(--drafter-from .deps/dr/smollm2-135m-instruct-dflash); fi
+  if [ ! -d drafters/smollm2-135m-instruct-dflash ]; then
+    # without it make_default_model would make a random drafter, and every speed after it would be that drafter's
+    [ -d .deps/dr/smollm2-135m-instruct-dflash ] || { echo "no drafters/ in the tree: carry .deps/dr" >&2; exit 2; }
+    drafter=(--drafter-from .deps/dr/smollm2-135m-instruct-dflash)
+  fi
   [ -f models/smollm2-135m-instruct/model.safetensors ] || \
-    python3 scripts/make_default_model.py --out models --gguf .deps/smollm2.gguf --force "${drafter[@]}"
+    python3 scripts/make_default_model.py --out models --gguf .deps/smollm2.gguf --force ${drafter[@]+"${drafter[@]}"}
   digest=$(python3 scripts/tensor_digest.py models/smollm2-135m-instruct)
   if [ "$digest" = "$(cat .deps/x?/target.digest)" ]; then echo "target weights identical to the local conversion";
   else echo "WARNING: target digest $digest differs from the local conversion"; fi
@@ -138,7 +143,7 @@ eval)
   python3 perf/humaneval.py --device cuda --dtype bfloat16 --out "$OUT" "$@"
   ;;
 sweep)
-  # after `target` and `eval` on the same warm machine (the embedded default, tritonserver, tritonclient in place),
+  # after `target` on the same warm machine (the embedded default in place; the server's halves and tritonclient carried),
   # carry .deps/gpu (perf_analyzer): issue 4's concurrency sweep, 1..32 streams; `sweep --gpus 0,1` on two GPUs
   # (issue 7: one engine replica per GPU). A sweep longer than one command's 10 minutes goes in parts: `--concurrency
   # 1,2,4,8 --name X_low`, then `--concurrency 16,32 --merge <X_low.json carried back> --name X` (one table)
