@@ -351,16 +351,11 @@ def budget_of(optin: int) -> int:
     return min(SHARED_BYTES, optin - SHARED_SPARE)
 
 
-def pipeline_bytes(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int) -> int:
-    """Shared memory a few-rows program's pipeline takes: stages tiles of its rows and of its weight's columns."""
-    return stages * (block_m + block_n) * block_k * itemsize
-
-
 def fit_shared(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int,
                budget: int = SHARED_BYTES) -> tuple[int, int]:
     """(BLOCK_K, stages) of a few-rows configuration cut until its pipelined tiles fit budget bytes (shared_budget):
     fewer stages first (down to 2), then shorter steps."""
-    while pipeline_bytes(block_m, block_n, block_k, stages, itemsize) > budget and (stages > 2 or block_k > 32):
+    while stages * (block_m + block_n) * block_k * itemsize > budget and (stages > 2 or block_k > 32):
         if stages > 2:
             stages -= 1
         else:
