@@ -147,6 +147,7 @@ def main() -> None:
     prompts = json.loads((ROOT / "perf/prompts.json").read_text())
     result = {"header": header(), "device": args.device, "dtype": args.dtype, "max_tokens": args.max_tokens,
               "target": config.target_path, "gpus": gpus, "repeats": args.repeats, "engine": engine,
+              "warmup_seconds": args.warmup_seconds if args.warmup else 0.0,
               "methods": {name: {} for _, _, name in methods}}
     runs: dict[str, dict[str, list[dict]]] = {name: {} for _, _, name in methods}
     earlier = merge_earlier(result, json.loads(Path(args.merge).read_text()), levels) if args.merge else []
@@ -171,7 +172,6 @@ def main() -> None:
                     print(f"{time.strftime('%H:%M:%S')} c={level}: {passes} warm-up passes in "
                           f"{time.monotonic() - start:.0f} s", flush=True)
                     result.setdefault("warmup_passes", {})[str(level)] = passes
-                    result["warmup_seconds"] = args.warmup_seconds
                 for repeat in range(args.repeats):
                     for method in methods[repeat % len(methods):] + methods[: repeat % len(methods)]:
                         entry = measure(server, workdir, prompts, method, args, count, level)
