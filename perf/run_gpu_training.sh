@@ -93,7 +93,8 @@ target|train)
   cat .deps/x?/gguf.part > .deps/smollm2.gguf
   echo "$(cat .deps/x?/gguf.sha256)  .deps/smollm2.gguf" | sha256sum -c -
   drafter=()   # the shipped drafter from .deps/dr where the tree came without drafters/ (device_slim.sh --drafters)
-  if [ ! -d drafters/smollm2-135m-instruct-dflash ]; then
+  # (the device's copy of a tree without drafters/ can hold its directory empty: judged by its config.json)
+  if [ ! -f drafters/smollm2-135m-instruct-dflash/config.json ]; then
     # without it make_default_model would make a random drafter, and every speed after it would be that drafter's
     [ -d .deps/dr/smollm2-135m-instruct-dflash ] || { echo "no drafters/ in the tree: carry .deps/dr" >&2; exit 2; }
     drafter=(--drafter-from .deps/dr/smollm2-135m-instruct-dflash)
@@ -153,6 +154,8 @@ sweep)
   mkdir -p .deps/bin
   printf '#!/bin/sh\nexec "%s" "$@"\n' "$PWD/.deps/perf_analyzer/perf_analyzer/bin/perf_analyzer" > .deps/bin/perf_analyzer
   chmod +x .deps/bin/perf_analyzer
+  # the server captures its programs up to the highest concurrency before it is ready: ~100 s at 32 on the H100
+  export TRITON_READY_TIMEOUT_S="${TRITON_READY_TIMEOUT_S:-400}"
   python3 perf/concurrency_sweep.py --device cuda --dtype bfloat16 --max-tokens 64 \
     --methods ar,dflash,ddtree-4,ddtree-16,ddtree-64,auto --out "$OUT" --name "${NAME:-concurrency_h200}" "$@"
   ;;
