@@ -181,6 +181,7 @@ def main() -> None:
                 for _, _, name in methods:
                     result["methods"][name][str(level)] = median_run(runs[name][str(level)])
                 result["paired"] = paired_ratios(result["methods"])
+                result["steady"] = steady_ratios(result["methods"])
                 for key, name in (("control", CONTROL), ("alone", ALONE)):
                     if name in result["methods"] and "ar" in result["methods"]:
                         result[key] = control_ratios(result["methods"], name)
@@ -351,12 +352,58 @@ def paired_ratios(methods: dict[str, dict[str, dict]], candidate: str = "auto") 
     return out
 
 
+def steady_ratios(methods: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Per point where turns met a host episode (episode_turns): those turns (from 1), and auto's intervals against
+    `ar` and both `ar` runs, and the A/A control's, over the other turns."""
+    steady, dropped = steady_turns(methods)
+    paired, control = paired_ratios(steady), control_ratios(steady)
+    return {level: {"episodes": turns, "turns": len(methods["ar"][level]["runs_tokens_per_s"]) - len(turns),
+                    "auto_over_ar": paired.get(level, {}).get("over_ar_interval"),
+                    "auto_over_both_ar": paired.get(level, {}).get("over_both_ar_interval"),
+                    "control_over_ar": control.get(level, {}).get("over_ar_interval")}
+            for level, turns in dropped.items() if "ar" in methods and level in methods["ar"]}
+
+
 def control_ratios(methods: dict[str, dict[str, dict]], name: str = CONTROL) -> dict[str, dict]:
     """`name`'s paired_ratios against `ar` (empty unless both were measured): for the A/A control, what a ratio
     between two identical methods looks like at each point; for ALONE, what the ensemble's steps cost `ar`."""
     if name not in methods or "ar" not in methods:
         return {}
     return paired_ratios({key: methods[key] for key in ("ar", name)}, name)
+
+
+# A turn with a host episode: one of its runs had the postprocessing step queue over EPISODE_FACTOR x the point's
+# median run's queue and over EPISODE_FLOOR_MS an execution (the one instance that takes every streamed response)
+EPISODE_FACTOR, EPISODE_FLOOR_MS = 3.0, 2.0
+
+
+def episode_turns(methods: dict[str, dict[str, dict]], level: str) -> list[int]:
+    """The turns (from 0) at this point in which any method's run met a host episode. Through Triton on the H100
+    (28d0584) such runs came in the middle of sweeps, on every method: the postprocessing step queued 20-39 ms an
+    execution against 0.3-1.5 in the rest, every Python step's compute took up to twice as long, and the run made
+    60-75% of the others' tokens/s (concurrency_h100_turns10_c{16,32}_28d0584.md). The test reads only the serving
+    path, and drops the whole turn, every method's run of it: which method an episode falls on is chance, and one
+    ar run hit by it moves a turn's ratio by up to 1.5x (the A/A control at c=32, 1.059 [0.937, 1.197]). Runs
+    without the postprocessing statistics (older sweeps) have none."""
+    queues = {name: [run.get("postprocessing", {}).get("queue_ms") for run in entries[level].get("runs", [])]
+              for name, entries in methods.items() if level in entries}
+    known = [q for qs in queues.values() for q in qs if q is not None]
+    if not known:
+        return []
+    limit = max(EPISODE_FACTOR * statistics.median(known), EPISODE_FLOOR_MS)
+    turns = max(len(qs) for qs in queues.values())
+    return [i for i in range(turns) if any(i < len(qs) and qs[i] is not None and qs[i] > limit for qs in queues.values())]
+
+
+def steady_turns(methods: dict[str, dict[str, dict]]) -> tuple[dict[str, dict[str, dict]], dict[str, list[int]]]:
+    """The methods with each point's turns that met a host episode left out (every method's run of such a turn; the
+    runs' tokens/s that paired_ratios reads), and those turns per point (from 1)."""
+    levels = {level for entries in methods.values() for level in entries}
+    dropped = {level: episode_turns(methods, level) for level in levels}
+    steady = {name: {level: {**entry, "runs_tokens_per_s": [v for i, v in enumerate(entry["runs_tokens_per_s"])
+                                                            if i not in dropped[level]]}
+                     for level, entry in entries.items()} for name, entries in methods.items()}
+    return steady, {level: [i + 1 for i in turns] for level, turns in dropped.items() if turns}
 
 
 IDLE_SHARE = 0.9   # a run whose engine held fewer of the streams on average had streams idle outside the engine
@@ -534,6 +581,18 @@ def write(result: dict, levels: list[int], args) -> None:
             if any(control.values()):
                 rows.append(f"| {CONTROL} / ar | " + " | ".join(interval_cell(r.get("over_ar_interval") if r else None)
                                                               for r in control.values()) + " |")
+            steady = {c: result.get("steady", {}).get(str(c)) for c in levels}
+            if any(steady.values()):
+                rows += ["", "The same over the turns without a host episode (a turn left out, every method's run of it, "
+                         f"where one of its runs had the postprocessing step queue over {EPISODE_FACTOR:g}x the point's "
+                         f"median run's and over {EPISODE_FLOOR_MS:g} ms an execution: episode_turns):", "",
+                         "| ratio | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels),
+                         "| turns left out | " + " | ".join(", ".join(map(str, r["episodes"])) if r else "none"
+                                                         for r in steady.values()) + " |"]
+                for key, label in (("auto_over_ar", "auto / ar"), ("auto_over_both_ar", "auto / both `ar` runs"),
+                                   ("control_over_ar", f"{CONTROL} / ar")):
+                    rows.append(f"| {label} | " + " | ".join(interval_cell(r.get(key)) if r else "as above"
+                                                             for r in steady.values()) + " |")
     alone = {c: result.get("alone", {}).get(str(c)) for c in levels}
     if any(alone.values()):
         rows += ["", f"`{ALONE}` (`ar` through the generation model alone: the prompt sent as text, no pre- or "

@@ -13,13 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import ROOT, header, write_results  # noqa: E402
-from perf.concurrency_sweep import control_ratios, interval_cell, paired_ratios  # noqa: E402
+from perf.concurrency_sweep import (  # noqa: E402
+    CONTROL,
+    EPISODE_FACTOR,
+    EPISODE_FLOOR_MS,
+    control_ratios,
+    interval_cell,
+    paired_ratios,
+    steady_ratios,
+    steady_turns,
+    turn_interval,
+)
 
 
 def intervals(sweep: dict) -> dict[str, dict]:
@@ -28,6 +39,7 @@ def intervals(sweep: dict) -> dict[str, dict]:
     methods = sweep["methods"]
     paired = paired_ratios(methods)
     control = control_ratios(methods)
+    steady = steady_ratios(methods)
     out = {}
     for level in sorted(set(paired) | set(control), key=int):
         row, ctl = paired.get(level, {}), control.get(level, {})
@@ -35,7 +47,8 @@ def intervals(sweep: dict) -> dict[str, dict]:
                       "auto_over_best": row.get("over_best_interval"), "best": sorted(set(row.get("best_per_run", []))),
                       "auto_over_ar": row.get("over_ar_interval"),
                       "auto_over_both_ar": row.get("over_both_ar_interval"),
-                      "control_over_ar": ctl.get("over_ar_interval")}
+                      "control_over_ar": ctl.get("over_ar_interval"),
+                      "steady": steady.get(level)}   # without the turns that met a host episode, where any did
     return out
 
 
@@ -63,7 +76,46 @@ def main() -> None:
                         f"{interval_cell(row['auto_over_best'])} ({', '.join(row['best']) or '-'}) | "
                         f"{interval_cell(row['auto_over_ar'])} | {interval_cell(row['auto_over_both_ar'])} | "
                         f"{interval_cell(row['control_over_ar'])} |")
+    steady = [(name, level, row["steady"]) for name, sweep in result["sweeps"].items()
+              for level, row in sweep["levels"].items() if row["steady"]]
+    if steady:
+        rows += ["", "The same without the turns that met a host episode (concurrency_sweep.episode_turns: a run whose "
+                 f"postprocessing step queued over {EPISODE_FACTOR:g}x the point's median run's and over {EPISODE_FLOOR_MS:g} ms "
+                 "an execution; the whole turn left out), where any did:", "",
+                 "| sweep | c | turns left out | turns | auto / ar | auto / both ar runs | ar-again / ar |",
+                 "|---|---|---|---|---|---|---|"]
+        rows += [f"| {name} | {level} | {', '.join(map(str, row['episodes']))} | {row['turns']} | "
+                 f"{interval_cell(row['auto_over_ar'])} | {interval_cell(row['auto_over_both_ar'])} | "
+                 f"{interval_cell(row['control_over_ar'])} |" for name, level, row in steady]
+    pooled = pooled_turns([json.loads(Path(path).read_text())["methods"] for path in args.sweeps])
+    result["pooled"] = pooled
+    if pooled["all"]["auto_over_both_ar"]:
+        rows += ["", "Every point's turns pooled (one sample a turn, whatever its concurrency: a deficit common to the "
+                 "points that each point's turns are too few to show):", "",
+                 "| turns | n | auto / both ar runs | ar-again / ar |", "|---|---|---|---|"]
+        rows += [f"| {label} | {pooled[key]['n']} | {interval_cell(pooled[key]['auto_over_both_ar'])} | "
+                 f"{interval_cell(pooled[key]['control_over_ar'])} |"
+                 for key, label in (("all", "all"), ("steady", "without host episodes"))]
     write_results(Path(args.out), args.name, result, "\n".join(rows))
+
+
+def pooled_turns(sweeps: list[dict[str, dict[str, dict]]]) -> dict[str, dict]:
+    """auto / both ar runs of its turn and the A/A control / ar over every turn of every point of these sweeps'
+    methods (those that measured the control), and over those without a host episode (steady_turns)."""
+    out = {}
+    for key in ("all", "steady"):
+        both, control = [], []
+        for methods in sweeps:
+            if key == "steady":
+                methods = steady_turns(methods)[0]
+            if not all(name in methods for name in ("ar", CONTROL, "auto")):
+                continue
+            for level, entry in methods["auto"].items():
+                ar, again = methods["ar"][level]["runs_tokens_per_s"], methods[CONTROL][level]["runs_tokens_per_s"]
+                both += [a / math.sqrt(r * g) for a, r, g in zip(entry["runs_tokens_per_s"], ar, again)]
+                control += [g / r for r, g in zip(ar, again)]
+        out[key] = {"n": len(both), "auto_over_both_ar": turn_interval(both), "control_over_ar": turn_interval(control)}
+    return out
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """perf/concurrency_sweep.py's bookkeeping: a point is its median run; `auto` is compared turn by turn."""
 
+import math
+
 import pytest
 
 from perf.concurrency_sweep import (
@@ -185,3 +187,56 @@ def test_ar_through_the_generation_model_alone_is_compared_with_ar_not_with_auto
     methods = {"ar": {"4": runs(100.0, 200.0)}, ALONE: {"4": runs(130.0, 210.0)}, "auto": {"4": runs(110.0, 190.0)}}
     assert paired_ratios(methods)["4"]["best_per_run"] == ["ar", "ar"]   # another route, not another method
     assert control_ratios(methods, ALONE)["4"]["over_ar"] == pytest.approx([1.3, 1.05])
+
+
+def runs_queued(tokens_per_s, queues):
+    """A point's runs with the postprocessing step's queue ms an execution of each (what episode_turns reads)."""
+    return median_run([{"tokens_per_s": v, "postprocessing": {"queue_ms": q}} for v, q in zip(tokens_per_s, queues)])
+
+
+def test_a_turn_whose_postprocessing_queued_far_over_the_points_median_is_a_host_episode_left_out_whole():
+    from perf.concurrency_sweep import CONTROL, episode_turns, steady_ratios, steady_turns
+
+    methods = {"ar": {"16": runs_queued([100.0, 60.0, 100.0, 102.0], [0.3, 20.0, 0.4, 0.3])},
+               CONTROL: {"16": runs_queued([101.0, 99.0, 98.0, 100.0], [0.3, 0.5, 0.3, 0.3])},
+               "auto": {"16": runs_queued([99.0, 98.0, 97.0, 100.0], [0.4, 0.3, 1.5, 0.3])}}
+    # 20 ms is over 3x the median run's 0.3 ms and over 2 ms: turn 2 is left out; 1.5 ms is under the 2 ms floor
+    assert episode_turns(methods, "16") == [1]
+    steady, dropped = steady_turns(methods)
+    assert dropped == {"16": [2]}
+    assert all(steady[name]["16"]["runs_tokens_per_s"] == [v for i, v in enumerate(methods[name]["16"]["runs_tokens_per_s"])
+                                                            if i != 1] for name in methods)   # every method's run of it
+    row = steady_ratios(methods)["16"]
+    assert row["episodes"] == [2] and row["turns"] == 3
+    assert row["auto_over_ar"]["mean"] == pytest.approx((0.99 * 0.97 * 100 / 102) ** (1 / 3))
+    assert row["control_over_ar"]["mean"] == pytest.approx((1.01 * 0.98 * 100 / 102) ** (1 / 3))
+    # with the episode, auto / ar reads 98 / 60 in turn 2: the A/A control's interval widens by as much
+    assert paired_ratios(methods)["16"]["over_ar"][1] == pytest.approx(98 / 60)
+
+
+def test_a_point_without_episodes_or_without_the_queue_statistics_keeps_every_turn():
+    from perf.concurrency_sweep import episode_turns, steady_ratios
+
+    calm = {"ar": {"4": runs_queued([100.0, 101.0], [0.3, 1.9])}, "auto": {"4": runs_queued([99.0, 100.0], [0.3, 0.3])}}
+    assert episode_turns(calm, "4") == [] and steady_ratios(calm) == {}
+    older = {"ar": {"4": runs(100.0, 101.0)}, "auto": {"4": runs(99.0, 100.0)}}   # no postprocessing statistics
+    assert episode_turns(older, "4") == [] and steady_ratios(older) == {}
+
+
+def test_turn_intervals_pools_every_points_turns_with_and_without_episodes():
+    from perf.concurrency_sweep import CONTROL
+    from perf.turn_intervals import intervals, pooled_turns
+
+    first = {"ar": {"1": runs_queued([100.0, 100.0], [0.3, 0.3])}, CONTROL: {"1": runs_queued([100.0, 100.0], [0.3, 0.3])},
+             "auto": {"1": runs_queued([98.0, 99.0], [0.3, 0.3])}}
+    second = {"ar": {"32": runs_queued([100.0, 50.0, 100.0], [0.4, 39.0, 0.4])},
+              CONTROL: {"32": runs_queued([100.0, 100.0, 100.0], [0.4, 0.4, 0.4])},
+              "auto": {"32": runs_queued([97.0, 96.0, 98.0], [0.4, 0.4, 0.4])}}
+    pooled = pooled_turns([first, second])
+    assert pooled["all"]["n"] == 5 and pooled["steady"]["n"] == 4
+    expected = [0.98, 0.99, 0.97, 0.98]   # against ar and ar-again both 100
+    assert pooled["steady"]["auto_over_both_ar"]["mean"] == pytest.approx(math.prod(expected) ** (1 / 4))
+    assert pooled["steady"]["control_over_ar"]["mean"] == pytest.approx(1.0)
+    assert pooled["all"]["control_over_ar"]["mean"] > 1.1   # the episode's turn: ar-again / ar = 2
+    assert intervals({"methods": second})["32"]["steady"]["episodes"] == [2]
+    assert intervals({"methods": first})["1"]["steady"] is None
