@@ -357,7 +357,7 @@ def steady_ratios(methods: dict[str, dict[str, dict]]) -> dict[str, dict]:
     `ar` and both `ar` runs, and the A/A control's, over the other turns."""
     steady, dropped = steady_turns(methods)
     paired, control = paired_ratios(steady), control_ratios(steady)
-    return {level: {"episodes": turns, "turns": len(methods["ar"][level]["runs_tokens_per_s"]) - len(turns),
+    return {level: {"episodes": turns, "turns": len(steady["ar"][level]["runs_tokens_per_s"]),
                     "auto_over_ar": paired.get(level, {}).get("over_ar_interval"),
                     "auto_over_both_ar": paired.get(level, {}).get("over_both_ar_interval"),
                     "control_over_ar": control.get(level, {}).get("over_ar_interval")}
@@ -379,13 +379,14 @@ EPISODE_FACTOR, EPISODE_FLOOR_MS = 3.0, 2.0
 
 def episode_turns(methods: dict[str, dict[str, dict]], level: str) -> list[int]:
     """The turns (from 0) at this point in which any method's run met a host episode. Through Triton on the H100
-    (28d0584) such runs came in the middle of sweeps, on every method: the postprocessing step queued 20-39 ms an
-    execution against 0.3-1.5 in the rest, every Python step's compute took up to twice as long, and the run made
-    60-75% of the others' tokens/s (concurrency_h100_turns10_c{16,32}_28d0584.md). The test reads only the serving
+    (28d0584) such runs came in the middle of sweeps, on every method: the postprocessing step queued 5-39 ms an
+    execution against 0.03-1.8 in the other runs, its compute took up to twice as long, and at c=32 the runs made
+    61-72% of the others' tokens/s (concurrency_h100_turns10_c{16,32}_28d0584.md). The test reads only the serving
     path, and drops the whole turn, every method's run of it: which method an episode falls on is chance, and one
     ar run hit by it moves a turn's ratio by up to 1.5x (the A/A control at c=32, 1.059 [0.937, 1.197]). Runs
-    without the postprocessing statistics (older sweeps) have none."""
-    queues = {name: [run.get("postprocessing", {}).get("queue_ms") for run in entries[level].get("runs", [])]
+    without the postprocessing statistics (older sweeps), or without postprocessing executions (ALONE's), count
+    for nothing."""
+    queues = {name: [queue_ms(run) for run in entries[level].get("runs", [])]
               for name, entries in methods.items() if level in entries}
     known = [q for qs in queues.values() for q in qs if q is not None]
     if not known:
@@ -393,6 +394,16 @@ def episode_turns(methods: dict[str, dict[str, dict]], level: str) -> list[int]:
     limit = max(EPISODE_FACTOR * statistics.median(known), EPISODE_FLOOR_MS)
     turns = max(len(qs) for qs in queues.values())
     return [i for i in range(turns) if any(i < len(qs) and qs[i] is not None and qs[i] > limit for qs in queues.values())]
+
+
+def queue_ms(run: dict) -> float | None:
+    """The postprocessing step's queue ms an execution in this run, where it ran that step."""
+    post = run.get("postprocessing") or {}
+    return post.get("queue_ms") if post.get("executions", 1) else None
+
+
+def has_queue_stats(methods: dict[str, dict[str, dict]], level: str) -> bool:
+    return any(queue_ms(run) is not None for entries in methods.values() for run in entries.get(level, {}).get("runs", []))
 
 
 def steady_turns(methods: dict[str, dict[str, dict]]) -> tuple[dict[str, dict[str, dict]], dict[str, list[int]]]:
@@ -587,8 +598,10 @@ def write(result: dict, levels: list[int], args) -> None:
                          f"where one of its runs had the postprocessing step queue over {EPISODE_FACTOR:g}x the point's "
                          f"median run's and over {EPISODE_FLOOR_MS:g} ms an execution: episode_turns):", "",
                          "| ratio | " + " | ".join(f"c={c}" for c in levels) + " |", "|---|" + "---|" * len(levels),
-                         "| turns left out | " + " | ".join(", ".join(map(str, r["episodes"])) if r else "none"
-                                                         for r in steady.values()) + " |"]
+                         "| turns left out | " + " | ".join(
+                             ", ".join(map(str, r["episodes"])) if r else
+                             "none" if has_queue_stats(result["methods"], str(c)) else "- (no queue statistics)"
+                             for c, r in steady.items()) + " |"]
                 for key, label in (("auto_over_ar", "auto / ar"), ("auto_over_both_ar", "auto / both `ar` runs"),
                                    ("control_over_ar", f"{CONTROL} / ar")):
                     rows.append(f"| {label} | " + " | ".join(interval_cell(r.get(key)) if r else "as above"

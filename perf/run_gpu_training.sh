@@ -96,10 +96,11 @@ target|train)
   # (the device's copy of a tree without drafters/ can hold its directory empty: judged by its config.json)
   if [ ! -f drafters/smollm2-135m-instruct-dflash/config.json ]; then
     # without it make_default_model would make a random drafter, and every speed after it would be that drafter's
-    [ -d .deps/dr/smollm2-135m-instruct-dflash ] || { echo "no drafters/ in the tree: carry .deps/dr" >&2; exit 2; }
+    [ -f .deps/dr/smollm2-135m-instruct-dflash/config.json ] || { echo "no drafters/ in the tree: carry .deps/dr" >&2; exit 2; }
     drafter=(--drafter-from .deps/dr/smollm2-135m-instruct-dflash)
   fi
-  [ -f models/smollm2-135m-instruct/model.safetensors ] || \
+  # again where an earlier call left the drafter out (its config.json missing): both made again (--force)
+  [ -f models/smollm2-135m-instruct/model.safetensors ] && [ -f models/smollm2-135m-instruct-dflash/config.json ] || \
     python3 scripts/make_default_model.py --out models --gguf .deps/smollm2.gguf --force ${drafter[@]+"${drafter[@]}"}
   digest=$(python3 scripts/tensor_digest.py models/smollm2-135m-instruct)
   if [ "$digest" = "$(cat .deps/x?/target.digest)" ]; then echo "target weights identical to the local conversion";
@@ -154,7 +155,8 @@ sweep)
   mkdir -p .deps/bin
   printf '#!/bin/sh\nexec "%s" "$@"\n' "$PWD/.deps/perf_analyzer/perf_analyzer/bin/perf_analyzer" > .deps/bin/perf_analyzer
   chmod +x .deps/bin/perf_analyzer
-  # the server captures its programs up to the highest concurrency before it is ready: ~100 s at 32 on the H100
+  # the server captures its programs up to the highest concurrency before it is ready: on an H100 (28d0584) 101 s for
+  # c=16's 337 on the fresh machine, and c=32's first server had 414 of 426 when the 120 s default ran out
   export TRITON_READY_TIMEOUT_S="${TRITON_READY_TIMEOUT_S:-400}"
   python3 perf/concurrency_sweep.py --device cuda --dtype bfloat16 --max-tokens 64 \
     --methods ar,dflash,ddtree-4,ddtree-16,ddtree-64,auto --out "$OUT" --name "${NAME:-concurrency_h200}" "$@"

@@ -101,22 +101,27 @@ def main() -> None:
 
 def pooled_turns(sweeps: list[dict[str, dict[str, dict]]]) -> dict[str, dict]:
     """auto / both ar runs of its turn and the A/A control / ar over every turn of every point of these sweeps'
-    methods (those that measured the control), and over those without a host episode (steady_turns)."""
+    methods, and over those without a host episode (steady_turns). Points without the three methods, or whose run
+    lists differ in length, are left out; a point met twice (a sweep split with --merge, given with its earlier
+    part) counts once."""
     out = {}
     for key in ("all", "steady"):
-        both, control = [], []
+        both, control, seen = [], [], set()
         for methods in sweeps:
             if key == "steady":
                 methods = steady_turns(methods)[0]
             if not all(name in methods for name in ("ar", CONTROL, "auto")):
                 continue
             for level, entry in methods["auto"].items():
+                if level not in methods["ar"] or level not in methods[CONTROL]:
+                    continue
+                mine = entry["runs_tokens_per_s"]
                 ar, again = methods["ar"][level]["runs_tokens_per_s"], methods[CONTROL][level]["runs_tokens_per_s"]
-                both += [a / math.sqrt(r * g) for a, r, g in zip(entry["runs_tokens_per_s"], ar, again)]
+                point = (level, tuple(mine), tuple(ar), tuple(again))
+                if len(ar) != len(mine) or len(again) != len(mine) or point in seen:
+                    continue
+                seen.add(point)
+                both += [a / math.sqrt(r * g) for a, r, g in zip(mine, ar, again)]
                 control += [g / r for r, g in zip(ar, again)]
         out[key] = {"n": len(both), "auto_over_both_ar": turn_interval(both), "control_over_ar": turn_interval(control)}
     return out
-
-
-if __name__ == "__main__":
-    main()

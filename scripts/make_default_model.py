@@ -99,8 +99,10 @@ def main() -> None:
     out = Path(args.out)
     target, drafter = out / TARGET_DIR, out / DRAFTER_DIR
     shipped = Path(args.drafter_from) if args.drafter_from else SHIPPED_DRAFTER
+    # a checkpoint, not a directory alone (a copy of the tree without drafters/ can hold the directory empty)
+    has_shipped = (shipped / "config.json").is_file()
     if (target / "config.json").exists() and not args.force:
-        if shipped.is_dir() and not same_files(shipped, drafter):
+        if has_shipped and not same_files(shipped, drafter):
             install_drafter(shipped, drafter)
         print(f"{target} and {drafter} exist; nothing to do (--force to remake)")
         return
@@ -110,7 +112,7 @@ def main() -> None:
             shutil.copy(gguf, Path(tmp) / GGUF_NAME)
             gguf = Path(tmp) / GGUF_NAME
         config = convert_target(gguf, target)
-    if shipped.is_dir():
+    if has_shipped:
         install_drafter(shipped, drafter)
     else:
         hf = dflash_hf_config(config, num_layers=DRAFT_LAYERS, block_size=BLOCK_SIZE,

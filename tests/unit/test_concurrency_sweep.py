@@ -210,8 +210,25 @@ def test_a_turn_whose_postprocessing_queued_far_over_the_points_median_is_a_host
     assert row["episodes"] == [2] and row["turns"] == 3
     assert row["auto_over_ar"]["mean"] == pytest.approx((0.99 * 0.97 * 100 / 102) ** (1 / 3))
     assert row["control_over_ar"]["mean"] == pytest.approx((1.01 * 0.98 * 100 / 102) ** (1 / 3))
-    # with the episode, auto / ar reads 98 / 60 in turn 2: the A/A control's interval widens by as much
-    assert paired_ratios(methods)["16"]["over_ar"][1] == pytest.approx(98 / 60)
+    # with the episode's turn the control's interval is far wider than without it
+    wide = paired_ratios({n: methods[n] for n in ("ar", CONTROL)}, CONTROL)["16"]["over_ar_interval"]
+    assert wide["high"] - wide["low"] > 5 * (row["control_over_ar"]["high"] - row["control_over_ar"]["low"])
+
+
+def test_an_episode_is_over_the_factor_times_the_points_median_not_only_over_the_floor():
+    from perf.concurrency_sweep import CONTROL, episode_turns, steady_ratios
+
+    # a point whose runs queue ~1 ms: 2.5 ms is over the 2 ms floor but under 3x the median; 3.5 and 4 ms are over both
+    methods = {"ar": {"8": runs_queued([100.0, 100.0, 100.0, 100.0, 100.0], [1.0, 2.5, 1.1, 3.5, 0.9])},
+               CONTROL: {"8": runs_queued([100.0, 100.0, 100.0, 100.0, 100.0], [1.0, 1.0, 1.2, 1.0, 4.0])},
+               "auto": {"8": runs_queued([99.0, 99.0, 99.0, 99.0, 99.0], [1.0, 1.1, 0.9, 1.0, 1.0])}}
+    assert episode_turns(methods, "8") == [3, 4]
+    row = steady_ratios(methods)["8"]
+    assert row["episodes"] == [4, 5] and row["turns"] == 3   # two turns left out of five
+    # a run without postprocessing executions (the generation model alone) counts for nothing, whatever it reads
+    alone = {**methods, "ar-alone": {"8": median_run([{"tokens_per_s": 120.0, "postprocessing": {"executions": 0,
+                                                                                              "queue_ms": 50.0}}] * 5)}}
+    assert episode_turns(alone, "8") == [3, 4]
 
 
 def test_a_point_without_episodes_or_without_the_queue_statistics_keeps_every_turn():
@@ -240,3 +257,7 @@ def test_turn_intervals_pools_every_points_turns_with_and_without_episodes():
     assert pooled["all"]["control_over_ar"]["mean"] > 1.1   # the episode's turn: ar-again / ar = 2
     assert intervals({"methods": second})["32"]["steady"]["episodes"] == [2]
     assert intervals({"methods": first})["1"]["steady"] is None
+    # a split sweep's earlier part given beside the merged file: its points count once
+    merged = {name: {**first[name], **second[name]} for name in first}
+    assert pooled_turns([first, merged])["all"]["n"] == 5 and pooled_turns([first, merged])["steady"]["n"] == 4
+    assert pooled_turns([{"ar": first["ar"], "auto": first["auto"]}])["all"]["n"] == 0   # no control measured
