@@ -125,3 +125,7 @@ def pooled_turns(sweeps: list[dict[str, dict[str, dict]]]) -> dict[str, dict]:
                 control += [g / r for r, g in zip(ar, again)]
         out[key] = {"n": len(both), "auto_over_both_ar": turn_interval(both), "control_over_ar": turn_interval(control)}
     return out
+
+
+if __name__ == "__main__":
+    main()

@@ -261,3 +261,22 @@ def test_turn_intervals_pools_every_points_turns_with_and_without_episodes():
     merged = {name: {**first[name], **second[name]} for name in first}
     assert pooled_turns([first, merged])["all"]["n"] == 5 and pooled_turns([first, merged])["steady"]["n"] == 4
     assert pooled_turns([{"ar": first["ar"], "auto": first["auto"]}])["all"]["n"] == 0   # no control measured
+
+
+def test_turn_intervals_runs_as_a_script_and_writes_its_tables(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from perf.concurrency_sweep import CONTROL
+
+    sweep = {"methods": {"ar": {"32": runs_queued([100.0, 50.0, 100.0], [0.4, 39.0, 0.4])},
+                         CONTROL: {"32": runs_queued([100.0, 100.0, 101.0], [0.4, 0.4, 0.4])},
+                         "auto": {"32": runs_queued([97.0, 96.0, 98.0], [0.4, 0.4, 0.4])}}}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(root / "perf/turn_intervals.py"), str(tmp_path / "sweep.json"), "--out",
+                    str(tmp_path), "--name", "ti"], check=True, capture_output=True, cwd=root)
+    text = (tmp_path / "ti.md").read_text()
+    assert "| sweep | 32 | 2 | 2 |" in text and "| without host episodes | 2 |" in text
