@@ -380,8 +380,8 @@ EPISODE_FACTOR, EPISODE_FLOOR_MS = 3.0, 2.0
 def episode_turns(methods: dict[str, dict[str, dict]], level: str) -> list[int]:
     """The turns (from 0) at this point in which any method's run met a host episode. Through Triton on the H100
     (28d0584) such runs came in the middle of sweeps, on every method: the postprocessing step queued 5-39 ms an
-    execution against 0.03-1.8 in the other runs, its compute took up to twice as long, and at c=32 the runs made
-    61-72% of the others' tokens/s (concurrency_h100_turns10_c{16,32}_28d0584.md). The test reads only the serving
+    execution against 0.29-1.8 in the other runs, its compute took up to twice as long, and at c=32 the runs made
+    60-73% of the others' tokens/s (concurrency_h100_turns10_c{16,32}_28d0584.md). The test reads only the serving
     path, and drops the whole turn, every method's run of it: which method an episode falls on is chance, and one
     ar run hit by it moves a turn's ratio by up to 1.5x (the A/A control at c=32, 1.059 [0.937, 1.197]). Runs
     without the postprocessing statistics (older sweeps), or without postprocessing executions (ALONE's), count

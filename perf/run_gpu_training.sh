@@ -155,8 +155,8 @@ sweep)
   mkdir -p .deps/bin
   printf '#!/bin/sh\nexec "%s" "$@"\n' "$PWD/.deps/perf_analyzer/perf_analyzer/bin/perf_analyzer" > .deps/bin/perf_analyzer
   chmod +x .deps/bin/perf_analyzer
-  # the server captures its programs up to the highest concurrency before it is ready: on an H100 (28d0584) 101 s for
-  # c=16's 337 on the fresh machine, and c=32's first server had 414 of 426 when the 120 s default ran out
+  # the server captures its programs up to the highest concurrency before it is ready: on an H100 (28d0584) ~114 s for
+  # c=16's 337 on the fresh machine, and c=32's first server had captured 414 when the 120 s default ran out
   export TRITON_READY_TIMEOUT_S="${TRITON_READY_TIMEOUT_S:-400}"
   python3 perf/concurrency_sweep.py --device cuda --dtype bfloat16 --max-tokens 64 \
     --methods ar,dflash,ddtree-4,ddtree-16,ddtree-64,auto --out "$OUT" --name "${NAME:-concurrency_h200}" "$@"

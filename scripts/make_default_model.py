@@ -101,10 +101,16 @@ def main() -> None:
     shipped = Path(args.drafter_from) if args.drafter_from else SHIPPED_DRAFTER
     # a checkpoint, not a directory alone (a copy of the tree without drafters/ can hold the directory empty)
     has_shipped = (shipped / "config.json").is_file()
+    if args.drafter_from and not has_shipped:
+        raise SystemExit(f"--drafter-from {shipped}: no config.json there (not a DFlash checkpoint directory)")
     if (target / "config.json").exists() and not args.force:
         if has_shipped and not same_files(shipped, drafter):
             install_drafter(shipped, drafter)
-        print(f"{target} and {drafter} exist; nothing to do (--force to remake)")
+        if (drafter / "config.json").is_file():
+            print(f"{target} and {drafter} exist; nothing to do (--force to remake)")
+        else:
+            print(f"WARNING: {target} exists but {drafter} holds no drafter and {shipped} no checkpoint; "
+                  "--force makes a random one", file=sys.stderr)
         return
     with tempfile.TemporaryDirectory() as tmp:
         gguf = Path(args.gguf) if args.gguf else fetch_gguf(Path(tmp))

@@ -261,6 +261,10 @@ def test_turn_intervals_pools_every_points_turns_with_and_without_episodes():
     merged = {name: {**first[name], **second[name]} for name in first}
     assert pooled_turns([first, merged])["all"]["n"] == 5 and pooled_turns([first, merged])["steady"]["n"] == 4
     assert pooled_turns([{"ar": first["ar"], "auto": first["auto"]}])["all"]["n"] == 0   # no control measured
+    # a point the control lacks, or whose runs differ in number (a run cut off), is left out, not cut to fit
+    lacking = {**first, "auto": {**first["auto"], "8": runs_queued([99.0], [0.3])}}
+    uneven = {**first, CONTROL: {"1": runs_queued([100.0], [0.3])}}
+    assert pooled_turns([lacking])["all"]["n"] == 2 and pooled_turns([uneven])["all"]["n"] == 0
 
 
 def test_turn_intervals_runs_as_a_script_and_writes_its_tables(tmp_path):
