@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -21,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import ROOT, header, write_results  # noqa: E402
 from perf.concurrency_sweep import (  # noqa: E402
-    CONTROL,
     EPISODE_FACTOR,
     EPISODE_FLOOR_MS,
     control_ratios,
@@ -64,8 +62,8 @@ def main() -> None:
             "methods).", "",
             "| sweep (commit, GPU) | c | turns | auto / best other (which) | auto / ar | auto / both ar runs | ar-again / ar |",
             "|---|---|---|---|---|---|---|"]
-    for path in args.sweeps:
-        sweep = json.loads(Path(path).read_text())
+    sweeps = [json.loads(Path(path).read_text()) for path in args.sweeps]
+    for path, sweep in zip(args.sweeps, sweeps):
         meta = sweep.get("header", {})
         name = Path(path).stem
         gpu = meta.get("machine", {}).get("gpu", "CPU")
@@ -87,7 +85,7 @@ def main() -> None:
         rows += [f"| {name} | {level} | {', '.join(map(str, row['episodes']))} | {row['turns']} | "
                  f"{interval_cell(row['auto_over_ar'])} | {interval_cell(row['auto_over_both_ar'])} | "
                  f"{interval_cell(row['control_over_ar'])} |" for name, level, row in steady]
-    pooled = pooled_turns([json.loads(Path(path).read_text())["methods"] for path in args.sweeps])
+    pooled = pooled_turns([sweep["methods"] for sweep in sweeps])
     result["pooled"] = pooled
     if pooled["all"]["auto_over_both_ar"]:
         rows += ["", "Every point's turns pooled (one sample a turn, whatever its concurrency: a deficit common to the "
@@ -100,32 +98,30 @@ def main() -> None:
 
 
 def pooled_turns(sweeps: list[dict[str, dict[str, dict]]]) -> dict[str, dict]:
-    """auto / both ar runs of its turn and the A/A control / ar over every turn of every point of these sweeps'
-    methods, and over those without a host episode (steady_turns). Points without the three methods, or whose run
-    lists differ in length, are left out; a point met twice (a sweep split with --merge, given with its earlier
-    part) counts once."""
+    """auto / both ar runs of its turn and the A/A control / ar (paired_ratios' and control_ratios' per-turn ratios)
+    over every turn of every point of these sweeps' methods, and over those without a host episode (steady_turns).
+    Points without the three methods, or whose run lists differ in length, are left out; a point met twice (a sweep
+    split with --merge, given with its earlier part) counts once."""
     out = {}
     for key in ("all", "steady"):
         both, control, seen = [], [], set()
         for methods in sweeps:
             if key == "steady":
                 methods = steady_turns(methods)[0]
-            if not all(name in methods for name in ("ar", CONTROL, "auto")):
-                continue
-            for level, entry in methods["auto"].items():
-                if level not in methods["ar"] or level not in methods[CONTROL]:
+            paired, controls = paired_ratios(methods), control_ratios(methods)
+            for level, row in paired.items():
+                ratios, again = row.get("over_both_ar"), controls.get(level, {}).get("over_ar")
+                # over_both_ar is there only with the control's runs as many as auto's; ar's are checked here
+                runs = len(methods["auto"][level]["runs_tokens_per_s"])
+                if ratios is None or len(methods["ar"][level]["runs_tokens_per_s"]) != runs:
                     continue
-                mine = entry["runs_tokens_per_s"]
-                ar, again = methods["ar"][level]["runs_tokens_per_s"], methods[CONTROL][level]["runs_tokens_per_s"]
-                point = (level, tuple(mine), tuple(ar), tuple(again))
-                if len(ar) != len(mine) or len(again) != len(mine) or point in seen:
-                    continue
-                seen.add(point)
-                both += [a / math.sqrt(r * g) for a, r, g in zip(mine, ar, again)]
-                control += [g / r for r, g in zip(ar, again)]
+                point = (level, tuple(ratios), tuple(again))
+                if point not in seen:
+                    seen.add(point)
+                    both += ratios
+                    control += again
         out[key] = {"n": len(both), "auto_over_both_ar": turn_interval(both), "control_over_ar": turn_interval(control)}
     return out
-
 
 if __name__ == "__main__":
     main()
