@@ -54,12 +54,19 @@ DENSE_SHAPES = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128),
     "tiny-dense": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # the embedded default's shapes (SmolLM2-135M-Instruct, 30 layers; its shipped drafter: 5 layers, block 16, taps
+    # [1, 8, 14, 20, 27]): rounds paced by kernel latency, not bytes (0.27 GB of weights)
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5,
+                         eos_token_id=2),
 }
 DENSE_DRAFTERS = {
     "qwen3-8b": dict(num_layers=5, block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
                      layer_types=None, sliding_window=None, heads=(32, 8, 128)),
     "tiny-dense": dict(num_layers=2, block_size=8, mask_token_id=1023, target_layer_ids=[0, 2], layer_types=None,
                        sliding_window=None, heads=(4, 2, 32)),
+    "smollm2-135m": dict(num_layers=5, block_size=16, mask_token_id=16, target_layer_ids=[1, 8, 14, 20, 27],
+                         layer_types=None, sliding_window=None, heads=(9, 3, 64)),
 }
 HYBRID_ALIASES = {"qwen36-27b": "qwen36-27b", "tiny-hybrid": "tiny"}
 VARIANTS = ("static-masked", "static-flapaths", "static-uncompiled", "static-sdpa", "static-sdpatrees", "static-treeattn",
