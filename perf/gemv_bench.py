@@ -208,7 +208,8 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen36-27b")
+    parser.add_argument("--shape", default="qwen36-27b",
+                        help="a hybrid shape (perf/hybrid_verify.SHAPES) or a dense one (perf/gpu_ratios.DENSE_SHAPES)")
     parser.add_argument("--rows", default="1", help="input rows, comma-separated (one: the GEMV; more: the few-rows kernel)")
     parser.add_argument("--forms", default="rows", help="the few-rows kernel's forms to measure: rows, swap or both")
     parser.add_argument("--repeats", type=int, default=20)
@@ -225,7 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.set_grad_enabled(False)
-    model = random_target(args.shape, torch.bfloat16, "cuda")
+    from perf.gpu_ratios import DENSE_SHAPES, dense_target  # dense shapes too (smollm2-135m: the embedded default's)
+
+    model = (dense_target(args.shape, torch.bfloat16, "cuda") if args.shape in DENSE_SHAPES
+             else random_target(args.shape, torch.bfloat16, "cuda"))
     weights = linears(model)
     result = {"header": header(), "shape": args.shape, "repeats": args.repeats,
               "weight_bytes": sum(w.numel() * w.element_size() for w, *_ in weights),

@@ -513,6 +513,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--acceptance-batch", type=int, default=32, help="max_num_seqs of the acceptance phase")
     parser.add_argument("--seed", type=int, default=0, help="request i is seeded seed + i (same for every method)")
     parser.add_argument("--speed-budgets", default=None, help="ddtree budgets of the speed phases (default: --budgets)")
+    parser.add_argument("--speed-auto", action="store_true",
+                        help="the speed phases measure `auto` too (the budget policy, its cap the largest speed budget): "
+                             "issue 4's rule, at least as fast as the best fixed method, at batch 1 on HumanEval")
     parser.add_argument("--speed-temperatures", default=None, help="temperatures of the speed phases (default: all)")
     parser.add_argument("--skip-acceptance", action="store_true")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -648,7 +651,7 @@ def main(argv: list[str] | None = None) -> dict:
     write_results(out_dir, args.name, result, table(result))   # kept if a later phase fails
 
     speed_ids, speed_prompts = prompt_ids[: result["speed_prompts"]], prompts[: result["speed_prompts"]]
-    speed_methods = methods_for(args.speed_budgets)
+    speed_methods = methods_for(args.speed_budgets) + ([Method("auto", max(args.speed_budgets))] if args.speed_auto else [])
     in_process_ids = {}
     if not args.skip_in_process_speed:
         with phase(result, "in_process_speed"), frozen_heap(args.freeze_heap):

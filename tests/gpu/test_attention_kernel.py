@@ -1,6 +1,7 @@
 """Our split-KV masked attention (ddtree.models.attention_kernel) compiled on the GPU at Qwen3.6-27B's attention dims
-(24 query heads, 4 K/V heads of 256, bf16) against PyTorch's scaled_dot_product_attention in float32: an `ar` step's
-one row, trees of 17 and 65 rows, batches of requests at scattered pool slots, short and long caches."""
+(24 query heads, 4 K/V heads of 256, bf16) and SmolLM2-135M's (9 of 64, 3) against PyTorch's
+scaled_dot_product_attention in float32: an `ar` step's one row, trees of 17 and 65 rows, a 128-row prefill's mask,
+batches of requests at scattered pool slots, short and long caches."""
 
 from __future__ import annotations
 
@@ -14,11 +15,18 @@ from tests.triton_interpreter import attention_kernel_module
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("requests, rows, keys", [(1, 1, 1024), (1, 17, 1024), (1, 65, 520), (4, 17, 2048), (8, 5, 300)])
-def test_compiled_masked_attention_equals_sdpa(requests, rows, keys):
+# Qwen3.6-27B's attention dims, and SmolLM2-135M's (the embedded default: 9 heads of 64, 3 K/V heads), whose trees
+# attend through the kernel by default too (kernels.attention_kernel_rows)
+DIMS = {"27b": (24, 4, 256), "smollm2": (9, 3, 64)}
+
+
+@pytest.mark.parametrize("dims", list(DIMS))
+@pytest.mark.parametrize("requests, rows, keys", [(1, 1, 1024), (1, 17, 1024), (1, 65, 520), (4, 17, 2048), (8, 5, 300),
+                                                  (1, 128, 160)])
+def test_compiled_masked_attention_equals_sdpa(requests, rows, keys, dims):
     kernel = attention_kernel_module().masked_attention
     gen = torch.Generator().manual_seed(requests * 1000 + rows)
-    heads, kv_heads, d = 24, 4, 256
+    heads, kv_heads, d = DIMS[dims]
     slots = torch.randperm(requests + 3, generator=gen)[:requests]
     pool_k, pool_v = (torch.randn(requests + 3, keys + 40, kv_heads, d, generator=gen) for _ in range(2))
     q = torch.randn(requests, rows, heads, d, generator=gen)
@@ -71,3 +79,31 @@ def test_compiled_drafter_blocks_with_their_switches_equal_without(tmp_path, mon
             monkeypatch.setenv(key, env.get(key, ""))
         outputs[name] = run(32)
     torch.testing.assert_close(outputs["switches"], outputs["chains"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode, budget", [("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
+def test_trees_through_the_kernel_by_default_decode_the_targets_greedy_tokens(mode, budget, tiny_models, monkeypatch):
+    """Lossless on the GPU with the default routing: the tiny dense pair's heads are 32 wide, so its trees' and
+    blocks' attention goes through our kernel (kernels.attention_kernel_rows); each drafting mode's greedy tokens
+    (float32, graphs on) equal the target's own, `ar`'s, and some call of the kernel took more than one row."""
+    from ddtree.config import EngineConfig
+    from ddtree.engine import Engine
+    from ddtree.models import dense
+    from ddtree.sampling_params import SamplingParams
+
+    monkeypatch.delenv("DDTREE_ATTENTION_KERNEL", raising=False)
+    rows, kernel = [], dense.attention_kernel
+
+    def counting(device):
+        inner = kernel(device)
+        return None if inner is None else (lambda *a, **k: rows.append(a[0].shape[1]) or inner(*a, **k))
+
+    monkeypatch.setattr(dense, "attention_kernel", counting)
+    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
+                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=300, max_tree_budget=64,
+                                 device="cuda", dtype="float32"))
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    expected = engine.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=48, ignore_eos=True)).output_ids
+    got = engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=48, ignore_eos=True))
+    assert got.output_ids == expected
+    assert max(rows) > 1, "the trees' attention went through our kernel"

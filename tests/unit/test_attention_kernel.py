@@ -64,7 +64,7 @@ def test_engines_attending_through_the_kernel_decode_what_they_decode_without(ki
     assert run_together(Engine(config), jobs, arrive_every=1) == expected
     assert calls and {rows for _, rows in calls} == {1}, "with 1, only `ar` steps (one row each) take our kernel"
     calls.clear()
-    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "128")   # trees too (the default only for 256-wide heads)
+    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "128")   # trees too (the default for 256-wide and <= 64-wide heads)
     assert run_together(Engine(config), jobs, arrive_every=1) == expected
     assert max(r for r, _ in calls) >= 2 and max(rows for _, rows in calls) > 1, calls
 
@@ -142,7 +142,8 @@ def test_attention_kernel_rows_reads_its_setting(monkeypatch):
     from ddtree.models.kernels import attention_kernel_rows
 
     monkeypatch.delenv("DDTREE_ATTENTION_KERNEL", raising=False)
-    assert [attention_kernel_rows(d) for d in (64, 128, 256)] == [1, 1, 128]   # trees too for 256-wide heads only
+    # trees too for 256-wide heads and for 64-wide and narrower ones; `ar` steps only at 128
+    assert [attention_kernel_rows(d) for d in (32, 64, 128, 256)] == [128, 128, 1, 128]
     for value, rows in (("0", 0), ("", 0), ("1", 1), ("17", 17), ("4096", 128)):
         monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", value)
         assert attention_kernel_rows(128) == attention_kernel_rows(256) == rows

@@ -103,6 +103,17 @@ def test_report(paths, tmp_path):
     assert all((tmp_path / p).stat().st_size > 1000 for p in ("he_tau.png", "he_speedup.png"))
 
 
+def test_speed_auto_measures_the_policy_beside_the_fixed_methods(paths, tmp_path):
+    """--speed-auto: `auto` (capped at the largest speed budget) in the speed phase, greedy text equal to `ar`'s."""
+    humaneval.main(["--target", paths[0], "--drafter", paths[1], "--num-prompts", "2", "--speed-prompts", "2",
+                    "--budgets", "4,16", "--temperatures", "0", "--max-new-tokens", "6", "--skip-triton", "--skip-acceptance",
+                    "--speed-auto", "--out", str(tmp_path), "--name", "he"])
+    saved = json.loads((tmp_path / "he.json").read_text())
+    assert list(saved["in_process"]["0"]) == ["ar", "dflash", "ddtree-4", "ddtree-16", "auto"]
+    assert saved["in_process"]["0"]["auto"]["num_tokens"] == saved["in_process"]["0"]["ar"]["num_tokens"] > 0
+    assert "| auto | 0 |" in (tmp_path / "he.md").read_text()
+
+
 def test_acceptance_and_speed_in_separate_runs_merge(paths, tmp_path):
     """A speed-only run (fewer budgets, one temperature) and an acceptance-only run combine into one table."""
     common = ["--target", paths[0], "--drafter", paths[1], "--num-prompts", "2", "--budgets", "4,16",
