@@ -19,11 +19,14 @@ from tests.unit.test_batching import run_together
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason="needs triton (its interpreter runs our kernel on the CPU)")
 
 
-@pytest.mark.parametrize("rows, keys, programs", [(1, 40, 8), (5, 70, 8), (17, 100, 64), (5, 70, 1)])
-def test_masked_attention_equals_sdpa(rows, keys, programs):
+@pytest.mark.parametrize("rows, keys, programs, dims", [(1, 40, 8, (6, 2, 32)), (5, 70, 8, (6, 2, 32)),
+                                                        (17, 100, 64, (6, 2, 32)), (5, 70, 1, (6, 2, 32)),
+                                                        (17, 90, 16, (9, 3, 64)), (65, 80, 8, (9, 3, 64))])
+def test_masked_attention_equals_sdpa(rows, keys, programs, dims):
+    """(9, 3, 64): SmolLM2-135M's heads (the embedded default), whose trees take the kernel by default on CUDA."""
     kernel = attention_kernel_module().masked_attention
     gen = torch.Generator().manual_seed(rows * 100 + keys)
-    heads, kv_heads, d, slots = 6, 2, 32, torch.tensor([3, 0, 4])
+    (heads, kv_heads, d), slots = dims, torch.tensor([3, 0, 4])
     r = slots.shape[0]
     pool_k, pool_v = (torch.randn(5, keys + 9, kv_heads, d, generator=gen) for _ in range(2))
     q = torch.randn(r, heads, rows, d, generator=gen).transpose(1, 2)     # [R, Q, heads, d], a strided view

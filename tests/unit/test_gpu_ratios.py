@@ -8,6 +8,7 @@ import math
 import pytest
 
 from perf import gpu_ratios
+from perf.common import ROOT
 
 
 def test_ratio_table_on_tiny_shapes(tmp_path):
@@ -258,3 +259,16 @@ def test_the_rounds_engines_key_buckets_are_not_clipped(prompt_len, rounds):
     assert fits(engine_max_len(prompt_len, rounds) + 64 + 1)        # the engine's cache: max_model_len + budget + 1
     if prompt_len == 512 and rounds == 12:
         assert not fits(prompt_len + rounds + 4 + 64 + 1)            # the old limit: the test can fail
+
+
+def test_the_smollm2_shape_is_the_shipped_pairs():
+    """gpu_ratios' smollm2-135m shape (random weights) has the embedded default's dimensions: its target's as the
+    shipped drafter records them, and that drafter's layers, block, mask id, taps and heads."""
+    config = json.loads((ROOT / "drafters/smollm2-135m-instruct-dflash/config.json").read_text())
+    target, drafter = gpu_ratios.DENSE_SHAPES["smollm2-135m"], gpu_ratios.DENSE_DRAFTERS["smollm2-135m"]
+    assert (target["hidden_size"], target["intermediate_size"], target["vocab_size"], target["num_hidden_layers"]) == (
+        config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["num_target_layers"])
+    assert (drafter["num_layers"], drafter["block_size"], drafter["mask_token_id"], drafter["target_layer_ids"],
+            drafter["heads"]) == (config["num_hidden_layers"], config["block_size"], config["dflash_config"]["mask_token_id"],
+                                  config["dflash_config"]["target_layer_ids"],
+                                  (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]))
