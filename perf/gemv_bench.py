@@ -58,7 +58,8 @@ def read_bandwidth(gib: float = 4.0) -> float:
 def linears(model: torch.nn.Module) -> list[tuple[torch.Tensor, str | None, int, bool]]:
     """Every Linear's weight in forward order with what the engine's one-row forward gives it: the prologue (the
     chain before it: ddtree.models.layers.Prologue), its group width, and whether its epilogue adds the residual
-    stream (a layer's output projections and down projection)."""
+    stream (a layer's output projections and down projection). A dense model's o_proj has no prologue (the sigmoid
+    gate is the hybrid's)."""
     c, out = model.config, []
     for name, m in model.named_modules():
         if not isinstance(m, torch.nn.Linear):
@@ -69,7 +70,7 @@ def linears(model: torch.nn.Module) -> list[tuple[torch.Tensor, str | None, int,
             kind, group = "silu_mul", 1
         elif name.endswith("out_proj"):
             kind, group = "gated_norm", c.linear_value_head_dim
-        elif name.endswith("o_proj"):
+        elif name.endswith("o_proj") and hasattr(c, "linear_value_head_dim"):   # a hybrid's gated attention output
             kind, group = "sigmoid_gate", c.head_dim
         else:
             kind, group = None, 1

@@ -54,11 +54,13 @@ DENSE_SHAPES = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128),
     "tiny-dense": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    # the embedded default's shapes (SmolLM2-135M-Instruct, 30 layers; its shipped drafter: 5 layers, block 16, taps
-    # [1, 8, 14, 20, 27]): rounds paced by kernel latency, not bytes (0.27 GB of weights)
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5,
-                         eos_token_id=2),
+    # the embedded default's (SmolLM2-135M-Instruct: Llama, no q/k norms, 30 layers; its shipped drafter: 5 layers,
+    # block 16, taps [1, 8, 14, 20, 27]): rounds paced by kernel latency, not bytes (0.27 GB of weights). Its lm_head is
+    # tied to the embeddings, a separate Linear here (the same product). The thirtieth session first built it as Qwen3 (q/k norms and
+    # their kernel): gpu_ratios_h100_smollm2{,_treeattn}.md
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=1e5,
+                         rms_norm_eps=1e-5, eos_token_id=2),
 }
 DENSE_DRAFTERS = {
     "qwen3-8b": dict(num_layers=5, block_size=16, mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33],
@@ -295,9 +297,10 @@ def table(result: dict) -> str:
              "static-flapaths: the paths form through fla's kernel per request instead of ours (DDTREE_TREE_KERNEL=0); "
              "static-uncompiled: the elementwise chains between matrix products not compiled (DDTREE_COMPILE=0); "
              "static-sdpa: every attention call through PyTorch's SDPA (DDTREE_ATTENTION_KERNEL=0; by default `ar` steps' "
-             "go through our split-KV kernel, and trees' too where heads are 256 wide); static-sdpatrees: only `ar` "
-             "steps' through our kernel (DDTREE_ATTENTION_KERNEL=1); static-treeattn: trees' through it too whatever "
-             "the head dim (DDTREE_ATTENTION_KERNEL=128); static-cublas: every Linear through cuBLAS, the chains before them "
+             "go through our split-KV kernel, and trees' too (up to 128 query rows a request, prefills too) where heads are 256 "
+             "wide or 16-64 wide); static-sdpatrees: only `ar` steps' through our kernel (DDTREE_ATTENTION_KERNEL=1); "
+             "static-treeattn: trees' through it too whatever the head dim (DDTREE_ATTENTION_KERNEL=128: the default "
+             "itself at 256- and 16-64-wide heads); static-cublas: every Linear through cuBLAS, the chains before them "
              "separate, instead of our GEMV (one row, the chains in its prologue) and few-rows kernel (up to 17 rows, "
              "the residual add in its epilogue) (DDTREE_GEMV_KERNEL=0); static-gemv1: only one-row Linears through ours "
              "(DDTREE_GEMV_ROWS=1); static-gemv128: up to 128 rows (DDTREE_GEMV_ROWS=128); static-swap32: up to 32 "

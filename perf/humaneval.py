@@ -652,6 +652,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     speed_ids, speed_prompts = prompt_ids[: result["speed_prompts"]], prompts[: result["speed_prompts"]]
     speed_methods = methods_for(args.speed_budgets) + ([Method("auto", max(args.speed_budgets))] if args.speed_auto else [])
+    result["speed_methods"] = [[m.mode, m.budget] for m in speed_methods]   # auto's cap with it
     in_process_ids = {}
     if not args.skip_in_process_speed:
         with phase(result, "in_process_speed"), frozen_heap(args.freeze_heap):

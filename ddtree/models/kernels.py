@@ -216,20 +216,23 @@ def attention_kernel(device: torch.device) -> Callable | None:
 
 def attention_kernel_rows(head_dim: int) -> int:
     """Query rows per request up to which a forward of this head dim attends through our kernel:
-    DDTREE_ATTENTION_KERNEL (0: never; 1: `ar` steps only; at most 128: trees up to budget 127 too). Unset: trees too
-    where heads are 256 wide (Qwen3.5/3.6) or 64 wide and narrower (SmolLM2, the embedded default), `ar` steps only
-    at 128. On the H200 the kernel made a 27B verify's attention 3.5x faster at 17 rows
+    DDTREE_ATTENTION_KERNEL (0: never; 1: `ar` steps only; at most 128: trees up to budget 127 too, and so every
+    forward of that many rows a request: batched verifies, prefills of up to 128 tokens). Unset: 128 where heads are
+    256 wide (Qwen3.5/3.6) or 16 to 64 wide (SmolLM2, the embedded default; tl.dot wants 16), `ar` steps only
+    otherwise. On the H200 the kernel made a 27B verify's attention 3.5x faster at 17 rows
     (perf/results/attention_h200_ours.md: PyTorch's cuDNN SDPA is slow at d=256), and timed in turns
     (perf/graph_turns.py, graph_turns_h200_qkv_treeattn.md) the captured 27B verify took 0.979x the time of the SDPA
     form at budget 16 and 0.986x at 64; at Qwen3-8B dims (d=128, where SDPA's flash kernel is quick) the verify
     replayed 6.35 / 7.38 ms with trees through ours against 5.76 / 6.08 through SDPA (gpu_ratios_h200_27b_8b.md,
-    measured one after the other). At SmolLM2-135M's (9 heads of 64, 3 K/V heads) cuDNN's SDPA took 17 us a layer
-    of a 17-row verify, 0.50 of its 1.6 ms on an H100, and whole rounds with trees through ours took 0.767x
-    (`ddtree-16`) / 0.810x (`ddtree-64`) / 0.758x (`dflash`) the time, `ar`'s 0.997x, in 3 turns beside an A/A
-    control at 0.998 / 0.990 (perf/results/gpu_ratios_h100_smollm2_treeattn.md)."""
+    measured one after the other). At SmolLM2-135M's dims (9 heads of 64, 3 K/V heads; measured in the Qwen3 form,
+    with q/k norms) cuDNN's SDPA took 0.50 ms of a `ddtree-16` round's kernels on an H100 (29 calls of 17 us), the
+    verify program replaying in 1.39 ms against the `ar` step's 0.64, and whole rounds with trees through ours took
+    0.767x (`ddtree-16`) / 0.810x (`ddtree-64`) / 0.758x (`dflash`) the time, `ar`'s 0.997x, in 3 turns beside an
+    A/A control at 0.998 / 1.007 / 0.990 / 1.000 (perf/results/gpu_ratios_h100_smollm2_treeattn.md). Prefills and
+    batched verifies at those dims take it too, not measured."""
     value = os.environ.get("DDTREE_ATTENTION_KERNEL")
     if value is None:
-        return ATTENTION_KERNEL_MAX_ROWS if head_dim >= 256 or head_dim <= 64 else 1
+        return ATTENTION_KERNEL_MAX_ROWS if head_dim >= 256 or 16 <= head_dim <= 64 else 1
     return min(int(value), ATTENTION_KERNEL_MAX_ROWS) if value.strip() else 0
 
 

@@ -1,7 +1,7 @@
 """Our split-KV masked attention (ddtree.models.attention_kernel) compiled on the GPU at Qwen3.6-27B's attention dims
 (24 query heads, 4 K/V heads of 256, bf16) and SmolLM2-135M's (9 of 64, 3) against PyTorch's
-scaled_dot_product_attention in float32: an `ar` step's one row, trees of 17 and 65 rows, a 128-row prefill's mask,
-batches of requests at scattered pool slots, short and long caches."""
+scaled_dot_product_attention in float32: an `ar` step's one row, trees of 17, 65 and 128 rows, a 128-token prefill's
+causal mask, batches of requests at scattered pool slots, short and long caches."""
 
 from __future__ import annotations
 
@@ -21,16 +21,19 @@ DIMS = {"27b": (24, 4, 256), "smollm2": (9, 3, 64)}
 
 
 @pytest.mark.parametrize("dims", list(DIMS))
-@pytest.mark.parametrize("requests, rows, keys", [(1, 1, 1024), (1, 17, 1024), (1, 65, 520), (4, 17, 2048), (8, 5, 300),
-                                                  (1, 128, 160)])
-def test_compiled_masked_attention_equals_sdpa(requests, rows, keys, dims):
+@pytest.mark.parametrize("requests, rows, keys, causal", [(1, 1, 1024, False), (1, 17, 1024, False), (1, 65, 520, False),
+                                                          (4, 17, 2048, False), (8, 5, 300, False), (1, 128, 160, False),
+                                                          (2, 128, 128, True)])
+def test_compiled_masked_attention_equals_sdpa(requests, rows, keys, causal, dims):
+    """causal: prefills of `rows` tokens (each sees itself and those before it), which take the kernel at up to 128."""
     kernel = attention_kernel_module().masked_attention
     gen = torch.Generator().manual_seed(requests * 1000 + rows)
     heads, kv_heads, d = DIMS[dims]
     slots = torch.randperm(requests + 3, generator=gen)[:requests]
     pool_k, pool_v = (torch.randn(requests + 3, keys + 40, kv_heads, d, generator=gen) for _ in range(2))
     q = torch.randn(requests, rows, heads, d, generator=gen)
-    mask = tree_masks(requests, rows, keys, gen)
+    mask = (torch.ones(rows, keys, dtype=torch.bool).tril().expand(requests, rows, keys).contiguous() if causal
+            else tree_masks(requests, rows, keys, gen))
     got = kernel(*(t.to("cuda", torch.bfloat16) for t in (q, pool_k, pool_v)), slots.cuda(), keys, mask.cuda(), d**-0.5)
     keys_, values = (pool[slots, :keys].transpose(1, 2) for pool in (pool_k, pool_v))
     want = F.scaled_dot_product_attention(q.transpose(1, 2), keys_, values, attn_mask=mask[:, None], scale=d**-0.5,
@@ -83,15 +86,23 @@ def test_compiled_drafter_blocks_with_their_switches_equal_without(tmp_path, mon
 
 @pytest.mark.parametrize("mode, budget", [("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
 def test_trees_through_the_kernel_by_default_decode_the_targets_greedy_tokens(mode, budget, tiny_models, monkeypatch):
-    """Lossless on the GPU with the default routing: the tiny dense pair's heads are 32 wide, so its trees' and
-    blocks' attention goes through our kernel (kernels.attention_kernel_rows); each drafting mode's greedy tokens
-    (float32, graphs on) equal the target's own, `ar`'s, and some call of the kernel took more than one row."""
+    """Lossless on the GPU with the default routing: the tiny dense pair's heads are 16 wide, so its trees' attention
+    goes through our kernel (kernels.attention_kernel_rows); each drafting mode's greedy tokens (float32, graphs on)
+    equal the target's own, `ar`'s from an engine whose every attention call goes through SDPA
+    (DDTREE_ATTENTION_KERNEL=0), and some call of the kernel made for the drafting run took more than one row (the
+    prompt's prefill program was made by the `ar` run before it, so those calls are the trees')."""
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.models import dense
     from ddtree.sampling_params import SamplingParams
 
-    monkeypatch.delenv("DDTREE_ATTENTION_KERNEL", raising=False)
+    base = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+                max_model_len=300, max_tree_budget=64, device="cuda", dtype="float32")
+    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "0")
+    expected = Engine(EngineConfig(**base)).generate_ids(
+        prompt, SamplingParams(mode="ar", max_tokens=48, ignore_eos=True)).output_ids
+    monkeypatch.delenv("DDTREE_ATTENTION_KERNEL")
     rows, kernel = [], dense.attention_kernel
 
     def counting(device):
@@ -99,11 +110,9 @@ def test_trees_through_the_kernel_by_default_decode_the_targets_greedy_tokens(mo
         return None if inner is None else (lambda *a, **k: rows.append(a[0].shape[1]) or inner(*a, **k))
 
     monkeypatch.setattr(dense, "attention_kernel", counting)
-    engine = Engine(EngineConfig(target_path=str(tiny_models / "qwen3-target"),
-                                 drafter_path=str(tiny_models / "qwen3-dflash"), max_model_len=300, max_tree_budget=64,
-                                 device="cuda", dtype="float32"))
-    prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    expected = engine.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=48, ignore_eos=True)).output_ids
+    engine = Engine(EngineConfig(**base))
+    assert engine.generate_ids(prompt, SamplingParams(mode="ar", max_tokens=48, ignore_eos=True)).output_ids == expected
+    rows.clear()
     got = engine.generate_ids(prompt, SamplingParams(mode=mode, tree_budget=budget, max_tokens=48, ignore_eos=True))
     assert got.output_ids == expected
-    assert max(rows) > 1, "the trees' attention went through our kernel"
+    assert rows and max(rows) > 1, f"the trees' attention did not go through our kernel: {rows}"

@@ -67,7 +67,11 @@ def test_engines_attending_through_the_kernel_decode_what_they_decode_without(ki
     assert run_together(Engine(config), jobs, arrive_every=1) == expected
     assert calls and {rows for _, rows in calls} == {1}, "with 1, only `ar` steps (one row each) take our kernel"
     calls.clear()
-    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "128")   # trees too (the default for 256-wide and <= 64-wide heads)
+    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "128")   # trees too
+    assert run_together(Engine(config), jobs, arrive_every=1) == expected
+    assert max(r for r, _ in calls) >= 2 and max(rows for _, rows in calls) > 1, calls
+    calls.clear()
+    monkeypatch.delenv("DDTREE_ATTENTION_KERNEL")   # the default: trees too, the tiny models' heads being 16 wide
     assert run_together(Engine(config), jobs, arrive_every=1) == expected
     assert max(r for r, _ in calls) >= 2 and max(rows for _, rows in calls) > 1, calls
 
@@ -145,11 +149,11 @@ def test_attention_kernel_rows_reads_its_setting(monkeypatch):
     from ddtree.models.kernels import attention_kernel_rows
 
     monkeypatch.delenv("DDTREE_ATTENTION_KERNEL", raising=False)
-    # trees too for 256-wide heads and for 64-wide and narrower ones; `ar` steps only at 128
-    assert [attention_kernel_rows(d) for d in (32, 64, 128, 256)] == [128, 128, 1, 128]
+    # trees too for 256-wide heads and for 16- to 64-wide ones; `ar` steps only at 128 (and at 8: tl.dot wants 16)
+    assert [attention_kernel_rows(d) for d in (8, 16, 32, 64, 128, 256)] == [1, 128, 128, 128, 1, 128]
     for value, rows in (("0", 0), ("", 0), ("1", 1), ("17", 17), ("4096", 128)):
         monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", value)
-        assert attention_kernel_rows(128) == attention_kernel_rows(256) == rows
+        assert [attention_kernel_rows(d) for d in (32, 64, 128, 256)] == [rows] * 4
 
 
 def test_drafter_blocks_attend_in_place_through_the_kernel(tmp_path, monkeypatch):

@@ -321,3 +321,14 @@ def test_the_peeled_rows_kernel_computes_what_its_loop_computes(rows, swap, k, c
         peeled = linear_rows(x, w, config, swap=swap, add=residual, _peel=True)
         assert torch.equal(peeled, loop), residual is None
         torch.testing.assert_close(loop, F.linear(x, w) + (0 if residual is None else residual), rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_bench_gives_a_dense_models_linears_their_own_prologues():
+    """perf/gemv_bench.linears on a dense shape: o_proj without the hybrid's sigmoid gate, the fused q/k/v and gate/up
+    after a norm, down_proj after silu * up, the residual added by o_proj and down_proj."""
+    from perf.gemv_bench import linears
+    from perf.gpu_ratios import dense_target
+
+    kinds = [(kind, group, add) for _, kind, group, add in linears(dense_target("tiny-dense", torch.float32, "cpu"))]
+    assert kinds[:4] == [(None, 1, True), ("norm", 1, False), ("silu_mul", 1, True), ("norm", 1, False)]
+    assert kinds[-1] == (None, 1, False)   # the lm_head

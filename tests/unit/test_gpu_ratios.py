@@ -268,7 +268,15 @@ def test_the_smollm2_shape_is_the_shipped_pairs():
     target, drafter = gpu_ratios.DENSE_SHAPES["smollm2-135m"], gpu_ratios.DENSE_DRAFTERS["smollm2-135m"]
     assert (target["hidden_size"], target["intermediate_size"], target["vocab_size"], target["num_hidden_layers"]) == (
         config["hidden_size"], config["intermediate_size"], config["vocab_size"], config["num_target_layers"])
+    heads = (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
     assert (drafter["num_layers"], drafter["block_size"], drafter["mask_token_id"], drafter["target_layer_ids"],
             drafter["heads"]) == (config["num_hidden_layers"], config["block_size"], config["dflash_config"]["mask_token_id"],
-                                  config["dflash_config"]["target_layer_ids"],
-                                  (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]))
+                                  config["dflash_config"]["target_layer_ids"], heads)
+    # the drafter's attention has the target's dims, rotary base and norm epsilon (what the kernels' choice rests on)
+    assert (target["num_attention_heads"], target["num_key_value_heads"], target["head_dim"]) == heads
+    assert target["rope_theta"] == config["rope_theta"] and target["rms_norm_eps"] == pytest.approx(config["rms_norm_eps"])
+    assert target["model_type"] == "llama"   # SmolLM2: no q/k norms
+    built = ROOT / "models/smollm2-135m-instruct/config.json"   # the embedded default, where `make setup` made it
+    if built.is_file():
+        hf = json.loads(built.read_text())
+        assert hf["model_type"] == "llama" and hf["num_hidden_layers"] == target["num_hidden_layers"]

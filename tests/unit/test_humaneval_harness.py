@@ -104,7 +104,7 @@ def test_report(paths, tmp_path):
 
 
 def test_speed_auto_measures_the_policy_beside_the_fixed_methods(paths, tmp_path):
-    """--speed-auto: `auto` (capped at the largest speed budget) in the speed phase, greedy text equal to `ar`'s."""
+    """--speed-auto: `auto` (capped at the largest speed budget) in the speed phase, as many tokens as `ar`'s."""
     humaneval.main(["--target", paths[0], "--drafter", paths[1], "--num-prompts", "2", "--speed-prompts", "2",
                     "--budgets", "4,16", "--temperatures", "0", "--max-new-tokens", "6", "--skip-triton", "--skip-acceptance",
                     "--speed-auto", "--out", str(tmp_path), "--name", "he"])
@@ -112,6 +112,7 @@ def test_speed_auto_measures_the_policy_beside_the_fixed_methods(paths, tmp_path
     assert list(saved["in_process"]["0"]) == ["ar", "dflash", "ddtree-4", "ddtree-16", "auto"]
     assert saved["in_process"]["0"]["auto"]["num_tokens"] == saved["in_process"]["0"]["ar"]["num_tokens"] > 0
     assert "| auto | 0 |" in (tmp_path / "he.md").read_text()
+    assert saved["speed_methods"][-1] == ["auto", 16]
 
 
 def test_acceptance_and_speed_in_separate_runs_merge(paths, tmp_path):
