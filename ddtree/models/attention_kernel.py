@@ -159,21 +159,26 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 
 
 @triton.jit
-def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """One head [D] normalized (rounded to dtype as the eager chain rounds) and rotated over its first R dims
-    (rotate-half, in float32: the compiled chain's one rounding at the end): float32 [D]."""
+def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                 NORM: tl.constexpr):
+    """One head [D] normalized (rounded to dtype as the eager chain rounds; NORM False: as loaded, no norm, a Llama's
+    heads) and rotated over its first R dims (rotate-half, in float32: the compiled chain's one rounding at the end):
+    float32 [D]."""
     d = tl.arange(0, D)
     partner = tl.where(d < R // 2, d + R // 2, d - R // 2)      # the rotate-half partner inside the first R dims
     x = tl.load(src + d).to(tl.float32)
     x_p = tl.load(src + partner).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x) / D + eps)
-    w_d, w_p = tl.load(w + d).to(tl.float32), tl.load(w + partner).to(tl.float32)
-    if ZERO_CENTERED:   # Qwen3.5: rmsnorm(x) * (1 + weight) in float32, rounded once
-        y = (x * rstd * w_d).to(dtype).to(tl.float32)
-        y_p = (x_p * rstd * w_p).to(dtype).to(tl.float32)
-    else:               # Qwen3: rmsnorm(x) rounded, times the weight, rounded
-        y = ((x * rstd).to(dtype).to(tl.float32) * w_d).to(dtype).to(tl.float32)
-        y_p = ((x_p * rstd).to(dtype).to(tl.float32) * w_p).to(dtype).to(tl.float32)
+    if not NORM:        # Llama (SmolLM2): rotary only
+        y, y_p = x, x_p
+    else:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x) / D + eps)
+        w_d, w_p = tl.load(w + d).to(tl.float32), tl.load(w + partner).to(tl.float32)
+        if ZERO_CENTERED:   # Qwen3.5: rmsnorm(x) * (1 + weight) in float32, rounded once
+            y = (x * rstd * w_d).to(dtype).to(tl.float32)
+            y_p = (x_p * rstd * w_p).to(dtype).to(tl.float32)
+        else:               # Qwen3: rmsnorm(x) rounded, times the weight, rounded
+            y = ((x * rstd).to(dtype).to(tl.float32) * w_d).to(dtype).to(tl.float32)
+            y_p = ((x_p * rstd).to(dtype).to(tl.float32) * w_p).to(dtype).to(tl.float32)
     rot = d < R
     c = tl.load(cos_row + d, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
@@ -184,18 +189,18 @@ def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.co
 def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_slot, write_pos,
                     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sc_n, sk_s, sk_p, sk_kh, sv_s, sv_p, sv_kh, eps, slots, positions,
                     s_slot, s_pos, HQ: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                    PDL: tl.constexpr):
+                    NORM: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_grid(PDL)   # before any load or store: the norms' weights are loaded beside the heads' (kernels.pdl)
     n, h = tl.program_id(0), tl.program_id(1)
     dtype = q_out.dtype.element_ty
     d = tl.arange(0, D)
     cos_row, sin_row = cos + n * sc_n, sin + n * sc_n
     if h < HQ:
-        out = _norm_rotary(q + n * sq_n + h * sq_h, q_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED)
+        out = _norm_rotary(q + n * sq_n + h * sq_h, q_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED, NORM)
         tl.store(q_out + (n * HQ + h) * D + d, out.to(dtype))
     else:
         kh = h - HQ
-        out = _norm_rotary(k + n * sk_n + kh * sk_h, k_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED)
+        out = _norm_rotary(k + n * sk_n + kh * sk_h, k_w, cos_row, sin_row, eps, dtype, D, R, ZERO_CENTERED, NORM)
         slot, pos = tl.load(write_slot + n * s_slot).to(tl.int64), tl.load(write_pos + n * s_pos).to(tl.int64)
         # checked only where Triton's debug mode is on (TRITON_DEBUG=1): a row written outside the pool
         tl.device_assert((slot >= 0) & (slot < slots) & (pos >= 0) & (pos < positions), "K/V write outside the pool")
@@ -204,15 +209,17 @@ def _prepare_kernel(q, k, v, q_out, q_w, k_w, cos, sin, pool_k, pool_v, write_sl
         tl.store(pool_v + slot * sv_s + pos * sv_p + kh * sv_kh + d, value.to(pool_v.dtype.element_ty))
 
 
-def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                eps: float, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                write_slot: torch.Tensor, write_pos: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, pool_k: torch.Tensor,
+                pool_v: torch.Tensor, write_slot: torch.Tensor, write_pos: torch.Tensor, zero_centered: bool) -> torch.Tensor:
     """An attention layer's per-head q and k norms, their rotary and the rows' K/V writes into the K/V pool, in one
-    kernel (the compiled chains are three kernels per tensor and the writes two index kernels): q [N, H, D] out.
+    kernel (the compiled chains are three kernels per tensor and the writes two index kernels; without norms, a
+    rotary chain per tensor and the two writes): q [N, H, D] out.
 
     q  # [N, H, D], k, v  # [N, KVH, D] (views: last dim contiguous, other strides free); q_weight, k_weight  # [D]
     (zero_centered: Qwen3.5's float32 scale 1 + weight, rmsnorm * scale rounded once; else Qwen3's weight, rmsnorm
-    rounded then times the weight); cos, sin  # [N, R]: rotary over each head's first R dims (R <= D, even);
+    rounded then times the weight), or both None: no norms, rotary only (Llama: SmolLM2, the embedded default);
+    cos, sin  # [N, R]: rotary over each head's first R dims (R <= D, even);
     pool_k, pool_v  # [S, E, KVH, D] (one layer of the pool); row n written at [write_slot[n], write_pos[n]] (any
     strides: a static forward's one request has its slot broadcast, stride 0)."""
     n, heads, d = q.shape
@@ -222,14 +229,17 @@ def prepare_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: tor
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and pool_k.stride(3) == pool_v.stride(3) == 1, "last dims"
     assert cos.shape == sin.shape == (n, r) and cos.stride() == sin.stride() and cos.stride(1) == 1, "cos, sin"
     assert d == triton.next_power_of_2(d) and r % 2 == 0 and r <= d, (d, r)
+    assert (q_weight is None) == (k_weight is None), "norms: both or none"
+    norm = q_weight is not None
     q_out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     use_pdl = pdl(q.device)
     _prepare_kernel[(n, heads + kvh)](
-        q, k, v, q_out, q_weight, k_weight, cos, sin, pool_k, pool_v, write_slot, write_pos,
+        # without norms the weights' pointers are cos's, never read
+        q, k, v, q_out, q_weight if norm else cos, k_weight if norm else cos, cos, sin, pool_k, pool_v, write_slot, write_pos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_v.stride(0), pool_v.stride(1), pool_v.stride(2), eps,
         pool_k.shape[0], pool_k.shape[1], write_slot.stride(0), write_pos.stride(0), HQ=heads, D=d, R=r,
-        ZERO_CENTERED=zero_centered, PDL=use_pdl, num_warps=2 if d <= 256 else 4, launch_pdl=use_pdl)
+        ZERO_CENTERED=zero_centered, NORM=norm, PDL=use_pdl, num_warps=2 if d <= 256 else 4, launch_pdl=use_pdl)
     return q_out
 
 

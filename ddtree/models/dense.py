@@ -238,17 +238,18 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: l
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def prepare_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: tuple, rope: tuple[torch.Tensor, torch.Tensor],
+def prepare_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: tuple | None, rope: tuple[torch.Tensor, torch.Tensor],
                        caches: list[KVCache], layer: int, scale: float, packed: PackedAttention | None
                        ) -> torch.Tensor | None:
     """A packed forward's per-head q/k norms, rotary and K/V writes in one kernel (kernels.qkv_kernel), then its
     attention: [N, heads, d]; None where that kernel does not run (not packed, not CUDA, switched off: the caller's
-    chains and attend_segments then). norms: (q_weight, k_weight, eps, zero_centered) as prepare_qkv takes them."""
+    chains and attend_segments then). norms: (q_weight, k_weight, eps, zero_centered) as prepare_qkv takes them, or
+    None: rotary and the K/V writes only (a Llama's heads: SmolLM2, the embedded default)."""
     kernel = qkv_kernel(q.device) if packed is not None else None
     if kernel is None or q.shape[-1] & (q.shape[-1] - 1):
         return None
     pool = caches[0].pool
-    q_weight, k_weight, eps, zero_centered = norms
+    q_weight, k_weight, eps, zero_centered = norms if norms is not None else (None, None, 0.0, False)
     q = kernel(q, k, v, q_weight, k_weight, eps, *rope, pool.k[layer], pool.v[layer], packed.write_slot,
                packed.write_pos, zero_centered=zero_centered)
     return packed.attend(pool.k[layer], pool.v[layer], q, None, None, scale)
@@ -283,13 +284,13 @@ class Attention(FusedProjections, nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        # [norms,] rotary and the K/V writes in one kernel where it runs; else a chain each (fused on CUDA) and two
+        # index writes. Without norms (Llama: SmolLM2, the embedded default) the kernel rotates and writes only.
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, False) if self.q_norm is not None else None
+        out = prepare_and_attend(q, k, v, norms, rope, [seg.cache for seg in segments], layer, self.head_dim**-0.5, packed)
+        if out is not None:
+            return linear(out.reshape(n, -1), self.o_proj, residual)
         if self.q_norm is not None:
-            # norms, rotary and the K/V writes in one kernel where it runs; else a chain each (fused on CUDA)
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, False)
-            out = prepare_and_attend(q, k, v, norms, rope, [seg.cache for seg in segments], layer, self.head_dim**-0.5,
-                                     packed)
-            if out is not None:
-                return linear(out.reshape(n, -1), self.o_proj, residual)
             q = fused.rms_norm_rotary(q, self.q_norm.weight, self.q_norm.eps, *rope)
             k = fused.rms_norm_rotary(k, self.k_norm.weight, self.k_norm.eps, *rope)
         else:

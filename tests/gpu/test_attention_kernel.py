@@ -41,15 +41,16 @@ def test_compiled_masked_attention_equals_sdpa(requests, rows, keys, causal, dim
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("zero_centered, rotary", [(True, 64), (False, 256)])
-def test_compiled_prepare_qkv_equals_the_compiled_chains(zero_centered, rotary):
+@pytest.mark.parametrize("zero_centered, rotary, norms", [(True, 64, True), (False, 256, True), (False, 64, False)])
+def test_compiled_prepare_qkv_equals_the_compiled_chains(zero_centered, rotary, norms):
     """prepare_qkv at Qwen3.6-27B's attention dims in bf16 against the engine's compiled norm + rotary chains and
-    index writes: q and the written K within a bf16 ulp or two, V copied exactly."""
+    index writes: q and the written K within a bf16 ulp or two, V copied exactly. Without norms: SmolLM2-135M's dims
+    (9 heads of 64, 3 K/V heads; a Llama, rotary only) against the compiled rotary chain."""
     from ddtree.models import fused
 
     kernel = attention_kernel_module().prepare_qkv
     gen = torch.Generator().manual_seed(rotary)
-    n, heads, kv_heads, d, eps = 17, 24, 4, 256, 1e-6
+    n, heads, kv_heads, d, eps = (17, 24, 4, 256, 1e-6) if norms else (17, 9, 3, 64, 1e-5)
     q = torch.randn(n, heads, 2 * d, generator=gen).to("cuda", torch.bfloat16)[..., :d]
     k, v = (torch.randn(n, kv_heads, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
     q_weight, k_weight = (1.0 + 0.2 * torch.randn(d, generator=gen)).cuda(), (1.0 + 0.2 * torch.randn(d, generator=gen)).cuda()
@@ -60,6 +61,11 @@ def test_compiled_prepare_qkv_equals_the_compiled_chains(zero_centered, rotary):
     pool_k, pool_v = (torch.zeros(3, 40, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slots, positions = torch.full((n,), 2, device="cuda"), torch.arange(5, 5 + n, device="cuda")
     chain = fused.zero_centered_norm_partial_rotary if zero_centered else fused.rms_norm_rotary
+    if not norms:
+        q_weight = k_weight = None
+
+        def chain(x, w, eps, cos, sin):
+            return fused.rotary(x, cos, sin)
     got = kernel(q, k, v, q_weight, k_weight, eps, cos, sin, pool_k, pool_v, slots, positions, zero_centered=zero_centered)
     torch.testing.assert_close(got.float(), chain(q, q_weight, eps, cos, sin).float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(pool_k[2, 5 : 5 + n].float(), chain(k, k_weight, eps, cos, sin).float(), rtol=2e-2, atol=2e-2)
@@ -84,25 +90,30 @@ def test_compiled_drafter_blocks_with_their_switches_equal_without(tmp_path, mon
     torch.testing.assert_close(outputs["switches"], outputs["chains"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])   # llama: no q/k norms (SmolLM2), its rotary in prepare_qkv
 @pytest.mark.parametrize("mode, budget", [("dflash", 1), ("ddtree", 16), ("ddtree", 64)])
-def test_trees_through_the_kernel_by_default_decode_the_targets_greedy_tokens(mode, budget, tiny_models, monkeypatch):
+def test_trees_through_the_kernel_by_default_decode_the_targets_greedy_tokens(mode, budget, family, tiny_models,
+                                                                            monkeypatch):
     """Lossless on the GPU with the default routing: the tiny dense pair's heads are 16 wide, so its trees' attention
     goes through our kernel (kernels.attention_kernel_rows); each drafting mode's greedy tokens (float32, graphs on)
     equal the target's own, `ar`'s from an engine whose every attention call goes through SDPA
     (DDTREE_ATTENTION_KERNEL=0), and some call of the kernel in the drafting run took more than one row and not as
-    many as the prompt's prefill (a tree's: `dflash`'s chain is one)."""
+    many as the prompt's prefill (a tree's: `dflash`'s chain is one). The reference engine runs without
+    prepare_qkv too (DDTREE_QKV_KERNEL=0: the compiled chains and index writes)."""
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.models import dense
     from ddtree.sampling_params import SamplingParams
 
-    base = dict(target_path=str(tiny_models / "qwen3-target"), drafter_path=str(tiny_models / "qwen3-dflash"),
+    base = dict(target_path=str(tiny_models / f"{family}-target"), drafter_path=str(tiny_models / f"{family}-dflash"),
                 max_model_len=300, max_tree_budget=64, device="cuda", dtype="float32")
     prompt = torch.randint(0, 90, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "0")
+    monkeypatch.setenv("DDTREE_QKV_KERNEL", "0")
     expected = Engine(EngineConfig(**base)).generate_ids(
         prompt, SamplingParams(mode="ar", max_tokens=48, ignore_eos=True)).output_ids
     monkeypatch.delenv("DDTREE_ATTENTION_KERNEL")
+    monkeypatch.delenv("DDTREE_QKV_KERNEL")
     rows, kernel = [], dense.attention_kernel
 
     def counting(device):

@@ -76,10 +76,11 @@ def test_engines_attending_through_the_kernel_decode_what_they_decode_without(ki
     assert max(r for r, _ in calls) >= 2 and max(rows for _, rows in calls) > 1, calls
 
 
-@pytest.mark.parametrize("zero_centered, rotary", [(True, 8), (False, 32)])   # Qwen3.5's partial rotary, Qwen3's
-def test_prepare_qkv_equals_the_chains_and_the_pool_writes(zero_centered, rotary):
+@pytest.mark.parametrize("zero_centered, rotary, norms", [(True, 8, True), (False, 32, True), (False, 32, False)])
+def test_prepare_qkv_equals_the_chains_and_the_pool_writes(zero_centered, rotary, norms):
     """prepare_qkv: q as the eager norm + rotary chain gives it (q a strided view, as the gated attention's q beside
-    its gate), each row's k (the same chain) and v written into the pool at its slot and position, nothing else."""
+    its gate), each row's k (the same chain) and v written into the pool at its slot and position, nothing else.
+    Qwen3.5's partial rotary, Qwen3's, and a Llama's rotary without norms (SmolLM2, the embedded default)."""
     from ddtree.models import fused
 
     kernel = attention_kernel_module().prepare_qkv
@@ -92,7 +93,10 @@ def test_prepare_qkv_equals_the_chains_and_the_pool_writes(zero_centered, rotary
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     pool_k, pool_v = torch.randn(4, 12, kv_heads, d, generator=gen), torch.randn(4, 12, kv_heads, d, generator=gen)
     slots, positions = torch.tensor([3, 3, 0, 2, 0]), torch.tensor([7, 8, 1, 11, 2])
-    if zero_centered:
+    if not norms:
+        def chain(x, w):
+            return fused.rotary.eager(x, cos, sin)
+    elif zero_centered:
         def chain(x, w):
             return fused.zero_centered_norm_partial_rotary.eager(x, w, eps, cos, sin)
     else:
@@ -100,6 +104,8 @@ def test_prepare_qkv_equals_the_chains_and_the_pool_writes(zero_centered, rotary
             return fused.rms_norm_rotary.eager(x, w, eps, cos, sin)
     want_k, want_v = pool_k.clone(), pool_v.clone()
     want_k[slots, positions], want_v[slots, positions] = chain(k, k_weight), v
+    if not norms:
+        q_weight = k_weight = None
     got = kernel(q, k, v, q_weight, k_weight, eps, cos, sin, pool_k, pool_v, slots, positions, zero_centered=zero_centered)
     torch.testing.assert_close(got, chain(q, q_weight), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool_k, want_k, rtol=1e-5, atol=1e-5)
@@ -126,10 +132,11 @@ def test_prepare_qkv_reads_a_broadcast_slot():
     assert not pool_v[3].any() and not pool_k[3].any(), "nothing written in slot 3"
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+@pytest.mark.parametrize("kind", ["dense", "llama", "hybrid"])
 def test_engines_preparing_qkv_in_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
     """Greedy `ar` and `ddtree` requests, four at once, with every packed forward's q/k norms, rotary and K/V writes
-    through prepare_qkv decode what the engine decodes with the chains (no chain left in those forwards)."""
+    through prepare_qkv decode what the engine decodes with the chains (no chain left in those forwards); a Llama's
+    (no q/k norms: SmolLM2, the embedded default) rotary and K/V writes too."""
     from ddtree.engine import Engine
     from ddtree.models import dense
 

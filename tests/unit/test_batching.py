@@ -56,10 +56,11 @@ def engines(request, tiny_models, tmp_path_factory):
 
 
 def static_cpu_config(kind: str, tiny_models, tmp_path, max_num_seqs: int) -> EngineConfig:
-    """A float32 engine config with static forwards (run eagerly on the CPU) of the tiny dense qwen3 target or a
-    tiny hybrid one (made under tmp_path), with its drafter."""
-    if kind == "dense":
-        target, drafter = tiny_models / "qwen3-target", tiny_models / "qwen3-dflash"
+    """A float32 engine config with static forwards (run eagerly on the CPU) of the tiny dense qwen3 target ("dense"),
+    the tiny llama one ("llama": no q/k norms, as SmolLM2) or a tiny hybrid one (made under tmp_path), with its drafter."""
+    if kind in ("dense", "llama"):
+        family = "qwen3" if kind == "dense" else "llama"
+        target, drafter = tiny_models / f"{family}-target", tiny_models / f"{family}-dflash"
     else:
         target, drafter = make_hybrid(tmp_path)
     return EngineConfig(target_path=str(target), drafter_path=str(drafter), dtype="float32", max_model_len=128,

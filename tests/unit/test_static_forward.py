@@ -112,10 +112,11 @@ def test_static_hybrid_equals_dynamic(hybrid, qkv_kernel, monkeypatch):
     assert calls is None or max(calls, default=0) > 1, calls   # every static forward of several rows went through it
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])   # llama: no q/k norms (SmolLM2), rotary only in the kernel
 @pytest.mark.parametrize("qkv_kernel", QKV_KERNEL)
-def test_static_dense_equals_dynamic(tiny_models, qkv_kernel, monkeypatch):
+def test_static_dense_equals_dynamic(tiny_models, qkv_kernel, family, monkeypatch):
     calls = through_the_qkv_kernel(monkeypatch) if qkv_kernel else None
-    model = DenseTarget.from_pretrained(tiny_models / "qwen3-target")
+    model = DenseTarget.from_pretrained(tiny_models / f"{family}-target")
     a, b = model.new_caches(2, 400)      # two slots of one pool: the static forward writes only its own
     check_static_equals_dynamic(model, a, b, model.config.vocab_size, [0, 1])
     assert calls is None or max(calls, default=0) > 1, calls
