@@ -96,7 +96,7 @@ VARIANT_ENV = {   # the static forward's variants that differ from it by environ
     "static-attn132": {"DDTREE_ATTENTION_TREE_PROGRAMS": "132"},
     "static-noattnrows": {"DDTREE_ATTENTION_TREE_PROGRAMS": "0"},
     "static-draftqkv": {"DDTREE_DRAFT_QKV_KERNEL": "1"}, "static-nonormparts": {"DDTREE_NORM_PARTS": "0"},
-    "static-drafttop": {"DDTREE_DRAFT_TOP_KERNEL": "1"}}
+    "static-drafttop": {"DDTREE_DRAFT_TOP_KERNEL": "1"}, "static-llamaqkv": {"DDTREE_QKV_KERNEL": "all"}}
 # whole-round forms (--round-variants with --round-turns) that differ from the static forward by an engine setting
 ROUND_SETTINGS = {"static-hosttree": {"device_tree": False}, "static-vocab32k": {"draft_vocab": 32768},
                   "static-arahead": {"ar_lookahead": True}, "static-noahead": {"ar_lookahead": False},
@@ -339,6 +339,8 @@ def table(result: dict) -> str:
              "results: the switch turned on) instead of taken in the epilogues of the products around them (all but "
              "the first and the final one); static-drafttop (whole rounds): the draft's log-probabilities' top k in the tree "
              "program in two launches of ours (DDTREE_DRAFT_TOP_KERNEL=1) instead of log_softmax then torch.topk; "
+             "static-llamaqkv: heads without q/k norms (a Llama's: smollm2-135m) rotated and their K/V written in our "
+             "one kernel too (DDTREE_QKV_KERNEL=all) instead of a compiled rotary chain per tensor and two index writes; "
              "static-treepaths: the trees' GDN through our kernel's root-to-leaf path walks instead of the chunk form "
              "(DDTREE_TREE_CHUNKS=0); "
              "static-normfirst: the GEMV's norm prologues with the row's statistic in a pass before the product "

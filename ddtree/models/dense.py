@@ -16,7 +16,7 @@ from torch import nn
 
 from ddtree.models import fused
 from ddtree.models.base import TargetModel, to_device
-from ddtree.models.kernels import attention_kernel, attention_kernel_rows, qkv_kernel
+from ddtree.models.kernels import attention_kernel, attention_kernel_rows, qkv_kernel, qkv_kernel_without_norms
 from ddtree.models.layers import (
     FusedProjections,
     GatedMLP,
@@ -244,8 +244,9 @@ def prepare_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms:
     """A packed forward's per-head q/k norms, rotary and K/V writes in one kernel (kernels.qkv_kernel), then its
     attention: [N, heads, d]; None where that kernel does not run (not packed, not CUDA, switched off: the caller's
     chains and attend_segments then). norms: (q_weight, k_weight, eps, zero_centered) as prepare_qkv takes them, or
-    None: rotary and the K/V writes only (a Llama's heads: SmolLM2, the embedded default)."""
-    kernel = qkv_kernel(q.device) if packed is not None else None
+    None: rotary and the K/V writes only (a Llama's heads: SmolLM2, the embedded default), where
+    kernels.qkv_kernel_without_norms (DDTREE_QKV_KERNEL=all; off by default, not yet measured)."""
+    kernel = qkv_kernel(q.device) if packed is not None and (norms is not None or qkv_kernel_without_norms()) else None
     if kernel is None or q.shape[-1] & (q.shape[-1] - 1):
         return None
     pool = caches[0].pool
@@ -285,7 +286,8 @@ class Attention(FusedProjections, nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         # [norms,] rotary and the K/V writes in one kernel where it runs; else a chain each (fused on CUDA) and two
-        # index writes. Without norms (Llama: SmolLM2, the embedded default) the kernel rotates and writes only.
+        # index writes. Without norms (Llama: SmolLM2, the embedded default) the kernel rotates and writes only, where
+        # DDTREE_QKV_KERNEL=all (kernels.qkv_kernel_without_norms: off by default, its speed not yet measured).
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, False) if self.q_norm is not None else None
         out = prepare_and_attend(q, k, v, norms, rope, [seg.cache for seg in segments], layer, self.head_dim**-0.5, packed)
         if out is not None:

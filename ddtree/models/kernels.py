@@ -243,10 +243,19 @@ def qkv_kernel(device: torch.device) -> Callable | None:
     the chains (graph_turns_h200_qkv_treeattn.md), the captured 27B `ar` step took 0.982x their time and the verify
     0.991x / 0.983x at budgets 16 / 64. It reads each row's slot and position by their strides: a static forward's
     lone request has its slot broadcast over its rows (a stride-0 view), which, read as contiguous, once wrote K/V at
-    stray slots and faulted (perf/results/qkv_fault_h200.log)."""
+    stray slots and faulted (perf/results/qkv_fault_h200.log). Heads without q/k norms (a Llama's: SmolLM2, the
+    embedded default) take it only where qkv_kernel_without_norms says so."""
     if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1") in ("", "0"):
         return None
     return _qkv_kernel()
+
+
+def qkv_kernel_without_norms() -> bool:
+    """Whether heads without q/k norms (Llama: SmolLM2, the embedded default) take qkv_kernel too, their rotary and
+    K/V writes in one launch instead of a compiled rotary chain per tensor and two index writes a layer:
+    DDTREE_QKV_KERNEL=all. Off by default: GPU-tested (357d96c: the compiled kernel against the compiled rotary chain
+    at SmolLM2's dims, tests/gpu/test_attention_kernel.py), its speed not yet measured (gpu_ratios' static-llamaqkv)."""
+    return os.environ.get("DDTREE_QKV_KERNEL", "1").strip() == "all"
 
 
 @functools.cache
@@ -412,6 +421,6 @@ def gdn_sequences_fla(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: tor
 __all__ = [
     "attention_kernel", "attention_kernel_rows", "chain_gdn_kernel", "conv_steps_kernel", "conv_windows_kernel",
     "draft_attention_kernel", "draft_qkv_kernel", "draft_top_kernel", "gdn_chain_fla", "gdn_sequences_fla", "gemv_kernel", "gemv_max_rows",
-    "norm_parts", "pdl", "qkv_kernel", "replay_kernel", "step_gdn_kernel",
+    "norm_parts", "pdl", "qkv_kernel", "qkv_kernel_without_norms", "replay_kernel", "step_gdn_kernel",
     "steps_gdn_kernel", "tree_chunk_kernel", "tree_gdn_kernel",
 ]

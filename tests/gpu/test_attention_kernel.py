@@ -99,7 +99,8 @@ def test_trees_through_the_kernel_by_default_decode_the_targets_greedy_tokens(mo
     equal the target's own, `ar`'s from an engine whose every attention call goes through SDPA
     (DDTREE_ATTENTION_KERNEL=0), and some call of the kernel in the drafting run took more than one row and not as
     many as the prompt's prefill (a tree's: `dflash`'s chain is one). The reference engine runs without
-    prepare_qkv too (DDTREE_QKV_KERNEL=0: the compiled chains and index writes)."""
+    prepare_qkv too (DDTREE_QKV_KERNEL=0: the compiled chains and index writes); the drafting run's with it, a Llama's
+    heads included (DDTREE_QKV_KERNEL=all)."""
     from ddtree.config import EngineConfig
     from ddtree.engine import Engine
     from ddtree.models import dense
@@ -113,7 +114,7 @@ def test_trees_through_the_kernel_by_default_decode_the_targets_greedy_tokens(mo
     expected = Engine(EngineConfig(**base)).generate_ids(
         prompt, SamplingParams(mode="ar", max_tokens=48, ignore_eos=True)).output_ids
     monkeypatch.delenv("DDTREE_ATTENTION_KERNEL")
-    monkeypatch.delenv("DDTREE_QKV_KERNEL")
+    monkeypatch.setenv("DDTREE_QKV_KERNEL", "all")   # a Llama's rotary and K/V writes through prepare_qkv too
     rows, kernel = [], dense.attention_kernel
 
     def counting(device):

@@ -136,7 +136,7 @@ def test_prepare_qkv_reads_a_broadcast_slot():
 def test_engines_preparing_qkv_in_the_kernel_decode_what_they_decode_without(kind, tiny_models, tmp_path, monkeypatch):
     """Greedy `ar` and `ddtree` requests, four at once, with every packed forward's q/k norms, rotary and K/V writes
     through prepare_qkv decode what the engine decodes with the chains (no chain left in those forwards); a Llama's
-    (no q/k norms: SmolLM2, the embedded default) rotary and K/V writes too."""
+    (no q/k norms: SmolLM2, the embedded default) rotary and K/V writes too where DDTREE_QKV_KERNEL=all."""
     from ddtree.engine import Engine
     from ddtree.models import dense
 
@@ -147,6 +147,12 @@ def test_engines_preparing_qkv_in_the_kernel_decode_what_they_decode_without(kin
     attend = dense.PackedAttention.attend
     monkeypatch.setattr(dense.PackedAttention, "attend", lambda self, pk, pv, q, k, v, scale:
                         written.append(k is not None) or attend(self, pk, pv, q, k, v, scale))
+    if kind == "llama":   # heads without norms take the kernel only where DDTREE_QKV_KERNEL=all (not yet measured)
+        monkeypatch.delenv("DDTREE_QKV_KERNEL", raising=False)
+        assert run_together(Engine(config), jobs, arrive_every=1) == expected
+        assert not calls and written and all(written), "by default a Llama's heads keep the chains and index writes"
+        written.clear()
+        monkeypatch.setenv("DDTREE_QKV_KERNEL", "all")
     assert run_together(Engine(config), jobs, arrive_every=1) == expected
     assert calls and max(calls) > 1, calls                     # packed forwards of several rows too
     assert written and not any(written), "every packed forward's K/V written by the kernel, none by the index writes"
@@ -161,6 +167,16 @@ def test_attention_kernel_rows_reads_its_setting(monkeypatch):
     for value, rows in (("0", 0), ("", 0), ("1", 1), ("17", 17), ("4096", 128)):
         monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", value)
         assert [attention_kernel_rows(d) for d in (32, 64, 128, 256)] == [rows] * 4
+
+
+def test_qkv_kernel_without_norms_reads_its_setting(monkeypatch):
+    from ddtree.models.kernels import qkv_kernel_without_norms
+
+    monkeypatch.delenv("DDTREE_QKV_KERNEL", raising=False)
+    assert not qkv_kernel_without_norms(), "off by default: not yet measured"
+    for value, on in (("1", False), ("0", False), ("", False), ("all", True), (" all ", True)):
+        monkeypatch.setenv("DDTREE_QKV_KERNEL", value)
+        assert qkv_kernel_without_norms() is on, value
 
 
 def test_drafter_blocks_attend_in_place_through_the_kernel(tmp_path, monkeypatch):
