@@ -84,8 +84,10 @@ def write_results(out_dir: Path, name: str, result: dict, table: str) -> None:
 def write_cost_model(path: Path, rows: list[int], verify_ms: list[float], draft_ms: float, **fields) -> None:
     """ddtree.budget.CostModel data (verify time against rows, one drafter pass), with the run's provenance."""
     meta = header()
+    env = f" with {json.dumps(meta['environment'])}" if meta.get("environment") else ""   # the DDTREE_* settings
     data = {"rows": list(rows), "verify_ms": list(verify_ms), "draft_ms": draft_ms,
-            "source": f"{meta['command']} @ {meta['commit']} on {json.dumps(meta['machine'])}, {meta['date']}", **fields}
+            "source": f"{meta['command']} @ {meta['commit']}{env} on {json.dumps(meta['machine'])}, {meta['date']}",
+            **fields}
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 

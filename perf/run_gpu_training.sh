@@ -143,7 +143,7 @@ eval)
   if [ -d "$run" ]; then rm -rf models/smollm2-135m-instruct-dflash; cp -r "$run" models/smollm2-135m-instruct-dflash; fi
   unpack_server
   # the server captures its programs up to c=32 before it is ready: on an H100 at 1f21ae2 the 120 s default ran out
-  # at 217 of them (humaneval_h100_treeattn64: in-process speed only), the engine's own warm-up having taken 165 s
+  # at 217 of them (humaneval_h100_treeattn64: in-process speed only; its in-process load, warm-up included, 165 s)
   export TRITON_READY_TIMEOUT_S="${TRITON_READY_TIMEOUT_S:-400}"
   python3 perf/humaneval.py --device cuda --dtype bfloat16 --out "$OUT" "$@"
   ;;

@@ -162,8 +162,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
 def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                  NORM: tl.constexpr):
     """One head [D] normalized (rounded to dtype as the eager chain rounds; NORM False: as loaded, no norm, a Llama's
-    heads) and rotated over its first R dims (rotate-half, in float32: the compiled chain's one rounding at the end):
-    float32 [D]."""
+    heads) and rotated over its first R dims (rotate-half): float32 [D], rounded to dtype by the caller's store. With
+    the norms the rotation is in float32, rounded once at that store (the eager chain rounds each product: within an
+    ulp of it). Without them each product is rounded to dtype first, as the eager rotary chain and the compiled one
+    (fused: emulate_precision_casts) round them, so a Llama's heads get the chains' values."""
     d = tl.arange(0, D)
     partner = tl.where(d < R // 2, d + R // 2, d - R // 2)      # the rotate-half partner inside the first R dims
     x = tl.load(src + d).to(tl.float32)
@@ -182,7 +184,11 @@ def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.co
     rot = d < R
     c = tl.load(cos_row + d, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
-    return tl.where(rot, y * c + tl.where(d < R // 2, -y_p, y_p) * s, y)
+    if NORM:
+        return tl.where(rot, y * c + tl.where(d < R // 2, -y_p, y_p) * s, y)
+    a = (y * c).to(dtype).to(tl.float32)                                  # x * cos, rounded as the chain rounds it
+    b = (tl.where(d < R // 2, -y_p, y_p) * s).to(dtype).to(tl.float32)   # rotate_half(x) * sin, rounded
+    return tl.where(rot, a + b, y)                                        # their sum rounded at the store
 
 
 @triton.jit

@@ -245,7 +245,7 @@ def qkv_kernel(device: torch.device) -> Callable | None:
     lone request has its slot broadcast over its rows (a stride-0 view), which, read as contiguous, once wrote K/V at
     stray slots and faulted (perf/results/qkv_fault_h200.log). Heads without q/k norms (a Llama's: SmolLM2, the
     embedded default) take it only where qkv_kernel_without_norms says so."""
-    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1") in ("", "0"):
+    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1").strip() in ("", "0"):
         return None
     return _qkv_kernel()
 
@@ -253,8 +253,9 @@ def qkv_kernel(device: torch.device) -> Callable | None:
 def qkv_kernel_without_norms() -> bool:
     """Whether heads without q/k norms (Llama: SmolLM2, the embedded default) take qkv_kernel too, their rotary and
     K/V writes in one launch instead of a compiled rotary chain per tensor and two index writes a layer:
-    DDTREE_QKV_KERNEL=all. Off by default: GPU-tested (357d96c: the compiled kernel against the compiled rotary chain
-    at SmolLM2's dims, tests/gpu/test_attention_kernel.py), its speed not yet measured (gpu_ratios' static-llamaqkv)."""
+    DDTREE_QKV_KERNEL=all. Off by default: its GPU test at SmolLM2's dims passed at 357d96c (the compiled kernel
+    against the eager rotary chain and index writes, bf16, tests/gpu/test_attention_kernel.py; the products' rounding
+    matched to the chain's since, not yet run on a GPU), its speed not yet measured (gpu_ratios' static-llamaqkv)."""
     return os.environ.get("DDTREE_QKV_KERNEL", "1").strip() == "all"
 
 

@@ -68,3 +68,23 @@ def test_an_in_process_probe_freezes_the_heap_as_the_served_model_does_and_unfre
     with pytest.raises(RuntimeError), common.frozen_heap(True):
         raise RuntimeError("a probe that fails leaves the caller's collector as it found it")
     assert gc.get_freeze_count() == 0
+
+
+def test_a_cost_model_records_the_settings_it_was_measured_under(tmp_path, monkeypatch):
+    """fit_cost_model's data names the DDTREE_* settings of its run in its source (cost_model_h100_sdpatrees.json
+    was measured with DDTREE_ATTENTION_KERNEL=1 and did not say so)."""
+    import json
+    import os
+
+    from ddtree.budget import CostModel
+
+    for key in [k for k in os.environ if k.startswith("DDTREE_") and k != "DDTREE_COMMIT"]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("DDTREE_COMMIT", "abc1234")
+    common.write_cost_model(tmp_path / "a.json", [1, 2], [1.0, 2.0], 0.5)
+    assert "abc1234 on " in json.loads((tmp_path / "a.json").read_text())["source"]
+    monkeypatch.setenv("DDTREE_ATTENTION_KERNEL", "1")
+    common.write_cost_model(tmp_path / "b.json", [1, 2], [1.0, 2.0], 0.5)
+    source = json.loads((tmp_path / "b.json").read_text())["source"]
+    assert 'abc1234 with {"DDTREE_ATTENTION_KERNEL": "1"} on ' in source
+    assert CostModel.load(tmp_path / "b.json").source == source
