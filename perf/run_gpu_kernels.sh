@@ -6,6 +6,10 @@
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh bench    # the tree recurrence's forms at BUDGETS
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh turns    # SHAPE's VARIANTS beside the default in turns (graph_turns)
 #   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh gemv     # the 27B Linears at ROWS input rows: cuBLAS vs ours (FORMS: rows, swap)
+#   DDTREE_COMMIT=<sha> OUT=$OUT bash perf/run_gpu_kernels.sh smollm2  # the embedded default's dims in one call (~7 min
+#                                                                      # fresh): the llama forms' GPU tests, then whole
+#                                                                      # rounds in 3 turns: VARIANTS (default below) beside
+#                                                                      # the default and an A/A control
 # tests takes TESTS (pytest paths) instead of the kernels' whole list; its log is pytest's whole output (a failure's
 # detail is written as it happens: tests/gpu/conftest.py), so a run cut off by TIMEOUT keeps it.
 # Results are named with TAG (default h200). The device tool brings back at most 8 files from $OUT: a call that runs
@@ -38,7 +42,21 @@ case "${1:-ratios}" in
       --variants "${VARIANTS:-static-noqkv,static-sdpatrees}" --turns "${TURNS:-15}" --out "$OUT" --name "graph_turns_$TAG" ;;
   gemv)
     python3 perf/gemv_bench.py --rows "${ROWS:-16,17,65}" --forms "${FORMS:-rows}" --out "$OUT" --name "gemv_rows_$TAG" ;;
+  smollm2)
+    # the 31st session's open questions at SmolLM2-135M's dims (perf/RESULTS.md): a Llama's rotary and K/V writes in
+    # our kernel (static-llamaqkv), the attention's key split for 264 programs as before f025db1 (static-attn264),
+    # the trees through SDPA (static-sdpatrees: why the trained pair's draft stage grew with them through ours), and
+    # the tree built on the host as fit_cost_model builds it (static-hosttree)
+    timeout "${TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_attention_kernel.py \
+      -k "prepare_qkv or llama" > "$OUT/gpu_tests_$TAG.log" 2>&1 || true
+    tail -3 "$OUT/gpu_tests_$TAG.log"
+    variants="${VARIANTS:-static-llamaqkv,static-attn264,static-sdpatrees,static-hosttree,static-again}"
+    python3 perf/gpu_ratios.py --device cuda --dtype bfloat16 --forwards static --shapes smollm2-135m --budgets 16,64 \
+      --batches "" --rounds "${ROUNDS:-12}" --variant-env static-attn264:DDTREE_ATTENTION_TREE_PROGRAMS=0 \
+      --variants "$variants" --round-variants "$variants" --round-turns "${ROUND_TURNS:-3}" --turns-only --out "$OUT" \
+      --name "gpu_ratios_${TAG}_smollm2" > "$OUT/gpu_ratios_${TAG}_smollm2.log" 2>&1 || true
+    grep -A24 "whole rounds in turns" "$OUT/gpu_ratios_${TAG}_smollm2.log" || tail -20 "$OUT/gpu_ratios_${TAG}_smollm2.log" ;;
   *)
-    echo "usage: $0 tests|ratios|bench|turns|gemv" >&2
+    echo "usage: $0 tests|ratios|bench|turns|gemv|smollm2" >&2
     exit 2 ;;
 esac
