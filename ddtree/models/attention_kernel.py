@@ -170,9 +170,10 @@ def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.co
     partner = tl.where(d < R // 2, d + R // 2, d - R // 2)      # the rotate-half partner inside the first R dims
     x = tl.load(src + d).to(tl.float32)
     x_p = tl.load(src + partner).to(tl.float32)
-    if not NORM:        # Llama (SmolLM2): rotary only
-        y, y_p = x, x_p
-    else:
+    rot = d < R
+    c = tl.load(cos_row + d, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
+    if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x) / D + eps)
         w_d, w_p = tl.load(w + d).to(tl.float32), tl.load(w + partner).to(tl.float32)
         if ZERO_CENTERED:   # Qwen3.5: rmsnorm(x) * (1 + weight) in float32, rounded once
@@ -181,14 +182,11 @@ def _norm_rotary(src, w, cos_row, sin_row, eps, dtype, D: tl.constexpr, R: tl.co
         else:               # Qwen3: rmsnorm(x) rounded, times the weight, rounded
             y = ((x * rstd).to(dtype).to(tl.float32) * w_d).to(dtype).to(tl.float32)
             y_p = ((x_p * rstd).to(dtype).to(tl.float32) * w_p).to(dtype).to(tl.float32)
-    rot = d < R
-    c = tl.load(cos_row + d, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(sin_row + d, mask=rot, other=0.0).to(tl.float32)
-    if NORM:
-        return tl.where(rot, y * c + tl.where(d < R // 2, -y_p, y_p) * s, y)
-    a = (y * c).to(dtype).to(tl.float32)                                  # x * cos, rounded as the chain rounds it
-    b = (tl.where(d < R // 2, -y_p, y_p) * s).to(dtype).to(tl.float32)   # rotate_half(x) * sin, rounded
-    return tl.where(rot, a + b, y)                                        # their sum rounded at the store
+        rotated = y * c + tl.where(d < R // 2, -y_p, y_p) * s
+    else:               # Llama (SmolLM2): rotary only, x * cos and rotate_half(x) * sin each rounded as the chain
+        y = x           # rounds them, their sum rounded at the store
+        rotated = (x * c).to(dtype).to(tl.float32) + (tl.where(d < R // 2, -x_p, x_p) * s).to(dtype).to(tl.float32)
+    return tl.where(rot, rotated, y)
 
 
 @triton.jit

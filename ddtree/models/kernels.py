@@ -245,9 +245,13 @@ def qkv_kernel(device: torch.device) -> Callable | None:
     lone request has its slot broadcast over its rows (a stride-0 view), which, read as contiguous, once wrote K/V at
     stray slots and faulted (perf/results/qkv_fault_h200.log). Heads without q/k norms (a Llama's: SmolLM2, the
     embedded default) take it only where qkv_kernel_without_norms says so."""
-    if device.type != "cuda" or os.environ.get("DDTREE_QKV_KERNEL", "1").strip() in ("", "0"):
+    if device.type != "cuda" or _qkv_setting() in ("", "0"):
         return None
     return _qkv_kernel()
+
+
+def _qkv_setting() -> str:
+    return os.environ.get("DDTREE_QKV_KERNEL", "1").strip()
 
 
 def qkv_kernel_without_norms() -> bool:
@@ -256,7 +260,7 @@ def qkv_kernel_without_norms() -> bool:
     DDTREE_QKV_KERNEL=all. Off by default: its GPU test at SmolLM2's dims passed at 357d96c (the compiled kernel
     against the eager rotary chain and index writes, bf16, tests/gpu/test_attention_kernel.py; the products' rounding
     matched to the chain's since, not yet run on a GPU), its speed not yet measured (gpu_ratios' static-llamaqkv)."""
-    return os.environ.get("DDTREE_QKV_KERNEL", "1").strip() == "all"
+    return _qkv_setting() == "all"
 
 
 @functools.cache
